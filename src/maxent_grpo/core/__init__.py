@@ -1,0 +1,1 @@
+"""The functional core: pure tensor functions, torch only, no I/O and no config objects."""

@@ -1,0 +1,138 @@
+"""Command line: ``maxent-grpo train | eval | report``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from maxent_grpo.training.config import ConfigError, field_help
+
+DESCRIPTION = """\
+GRPO and maximum-entropy GRPO fine-tuning of language models.
+
+commands:
+  train    train a policy from a YAML recipe (or the built-in default)
+  eval     pass@k, mean@k and distinct answers of a model or checkpoint on a task
+  report   PNG plots and an HTML page for one or more run directories
+"""
+
+
+def _config_epilog() -> str:
+    rows = field_help()
+    width = max(len(k) for k, _, _ in rows)
+    lines = ["config keys (set in the YAML file or with --set KEY=VALUE):"]
+    lines += [f"  {k:<{width}}  {t}  (default {d})" for k, t, d in rows]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="maxent-grpo", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    train = sub.add_parser(
+        "train", help="train a policy", epilog=_config_epilog(),
+        description="Train a policy with GRPO or a MaxEnt variant. With no --config, runs the built-in "
+        "default: SmolLM2-135M-Instruct on reasoning-gym chain_sum with MaxEnt listwise weights.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train.add_argument("--config", metavar="FILE", help="YAML recipe (see recipes/); default: the built-in default")
+    train.add_argument("--output-dir", metavar="DIR", help="where metrics, completions and checkpoints go (logging.output_dir)")
+    train.add_argument("--max-steps", type=int, metavar="N", help="number of optimizer steps (training.max_steps)")
+    train.add_argument("--seed", type=int, metavar="S", help="random seed (training.seed)")
+    train.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="override any config key, dotted for nested sections, e.g. --set loss.beta=0.04; repeatable",
+    )
+    train.add_argument(
+        "--resume", nargs="?", const=True, default=None, metavar="PATH",
+        help="continue from a checkpoint: PATH, or the latest complete one in the output dir",
+    )
+    train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+
+    ev = sub.add_parser("eval", help="evaluate a model or checkpoint", description="Greedy pass@1, sampled pass@k, mean@k and distinct correct answers@k.")
+    ev.add_argument("model", help="model name or path, or a checkpoint folder")
+    ev.add_argument("--config", metavar="FILE", help="recipe whose data, rewards and generation settings to use")
+    ev.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override config keys")
+    ev.add_argument("--num-prompts", type=int, default=None, metavar="N", help="prompts to evaluate (eval.num_prompts)")
+    ev.add_argument("-k", type=int, default=None, help="samples per prompt (eval.k)")
+    ev.add_argument("--output", metavar="DIR", required=True, help="folder for summary.json and completions.jsonl")
+
+    rep = sub.add_parser("report", help="plots and an HTML page for runs", description="Plot one run, or overlay several.")
+    rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    rep.add_argument("--out", metavar="DIR", help="output folder (default: RUN_DIR/report, or ./report for several runs)")
+    return parser
+
+
+def _train(args) -> int:
+    from maxent_grpo.training.config import load_config, to_dict
+
+    overrides = list(args.set)
+    if args.output_dir:
+        overrides.append(f"logging.output_dir={args.output_dir}")
+    if args.max_steps is not None:
+        overrides.append(f"training.max_steps={args.max_steps}")
+    if args.seed is not None:
+        overrides.append(f"training.seed={args.seed}")
+    cfg = load_config(args.config, overrides)
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        return 0
+    from maxent_grpo.training.loop import train
+
+    out = train(cfg, resume=args.resume)
+    print(f"done: metrics in {out / 'metrics.jsonl'}")
+    return 0
+
+
+def _eval(args) -> int:
+    from maxent_grpo.evaluate import run_eval_cli
+
+    return run_eval_cli(args)
+
+
+def _report(args) -> int:
+    from maxent_grpo.report import main_report
+
+    out = main_report(args.run_dirs, args.out)
+    print(f"report: {out}")
+    return 0
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean bad input: reported in one line, no traceback."""
+    from maxent_grpo.rewards.registry import RewardFunctionError
+    from maxent_grpo.training.data import DataError
+    from maxent_grpo.training.loop import TrainingError
+
+    return (ConfigError, DataError, RewardFunctionError, TrainingError, FileNotFoundError, ValueError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    logging.basicConfig(level=os.environ.get("MAXENT_GRPO_LOG", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = {"train": _train, "eval": _eval, "report": _report}[args.command]
+    try:
+        return handler(args)
+    except ConfigError as err:
+        print(f"maxent-grpo: config error: {err}", file=sys.stderr)
+        return 2
+    except _user_errors() as err:
+        print(f"maxent-grpo: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("maxent-grpo: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

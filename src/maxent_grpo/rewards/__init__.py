@@ -1,0 +1,1 @@
+"""Reward functions, their registry, and MaxEnt reward statistics."""

@@ -1,0 +1,1 @@
+"""Generation backends and the rollout record."""

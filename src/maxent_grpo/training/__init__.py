@@ -1,0 +1,1 @@
+"""The training shell: config, data, pipeline, loop, metrics, checkpoints."""

@@ -1,0 +1,457 @@
+"""The run configuration: typed sections, YAML loading, overrides, validation.
+
+One YAML file maps onto :class:`TrainConfig`. Every problem (unknown key, wrong
+type, out-of-range value) raises :class:`ConfigError` with a one-line message
+naming the dotted key, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the offending key."""
+
+
+Method = Literal[
+    "grpo", "dr_grpo", "dapo", "gspo", "seed_grpo", "maxent_entropy", "maxent_listwise", "xdr"
+]
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = "smollm2-135m-instruct"
+    dtype: Literal["float32", "bfloat16", "float64"] = "float32"
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class DataConfig:
+    source: str = "reasoning_gym:chain_sum"
+    split: str = "train"
+    size: int | None = 1000
+    prompt_column: str = "prompt"
+    answer_column: str = "answer"
+    system_prompt: str | None = None
+    eval_size: int = 0
+    num_epochs: int | None = None
+    shuffle: bool = True
+
+
+@dataclass
+class RewardEntry:
+    name: str
+    weight: float = 1.0
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GenerationConfig:
+    num_generations: int = 8
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: list[str] = field(default_factory=list)
+    max_retry_rounds: int = 2
+    batch_size: int | None = None
+
+
+@dataclass
+class LossSection:
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    delta: float | None = None
+    dual_clip: float | None = None
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    beta: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    top_entropy_quantile: float = 1.0
+    advantage_estimator: Literal["grpo", "rloo"] = "grpo"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    mask_truncated_completions: bool = False
+    zero_truncated_completion_rewards: bool = False
+    entropy_coef: float = 0.0
+    policy_entropy_bonus_coef: float = 0.0
+    dynamic_sampling: bool = False
+    max_gen_batches: int = 3
+
+
+@dataclass
+class MaxEntConfig:
+    tau: float = 0.5
+    q_temperature: float = 1.0
+    q_epsilon: float = 1e-6
+    length_normalize_ref: bool = True
+    listwise_loss: Literal["cross_entropy", "weighted_mle"] = "cross_entropy"
+    keep_zero_variance_groups: bool = False
+    listwise_clip_coef: float = 0.0
+    tau_target_entropy: float | None = None
+    tau_target_final: float | None = None
+    tau_target_horizon: int = 0
+    tau_lr: float = 0.0
+    tau_min: float = 0.0
+    tau_max: float = 0.0
+    tau_warmup_steps: int = 0
+    kl_target: float = 0.0
+    kl_horizon: int = 0
+    kl_step_size: float = 0.0
+
+
+@dataclass
+class XdrConfig:
+    tau: float = 1.0
+    lam: float = 0.0
+    mode_adaptive: bool = False
+
+
+@dataclass
+class SeedGrpoConfig:
+    alpha: float = 0.0417
+    normalize_by_max_entropy: bool = True
+    length_normalize_logprobs: bool = True
+
+
+@dataclass
+class TrainingConfig:
+    max_steps: int = 30
+    prompts_per_step: int = 4
+    # Completions per optimizer step (TRL's convention); when set it must be a
+    # multiple of num_generations and replaces prompts_per_step.
+    batch_size: int | None = None
+    micro_batch_size: int = 8
+    learning_rate: float = 1e-5
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    max_grad_norm: float | None = 1.0
+    num_iterations: int = 1
+    seed: int = 0
+
+
+@dataclass
+class LoggingConfig:
+    output_dir: str = "outputs/run"
+    report_to: list[str] = field(default_factory=list)
+    log_completions_every: int = 1
+    progress_bar: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    save_steps: int = 0
+    keep_last: int | None = 2
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 0
+    num_prompts: int = 32
+    k: int = 4
+
+
+@dataclass
+class TrainConfig:
+    method: Method = "maxent_listwise"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rewards: list[RewardEntry] = field(
+        default_factory=lambda: [RewardEntry("boxed_accuracy", 1.0), RewardEntry("format", 0.5)]
+    )
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    loss: LossSection = field(default_factory=LossSection)
+    maxent: MaxEntConfig = field(default_factory=MaxEntConfig)
+    xdr: XdrConfig = field(default_factory=XdrConfig)
+    seed_grpo: SeedGrpoConfig = field(default_factory=SeedGrpoConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+# ---------------------------------------------------------------- conversion
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if hint is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], key)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, args))}{_suggest(value, args)}")
+        return value
+    if origin is list:
+        if isinstance(value, (str, dict)) or not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__}")
+        return dict(value)
+    if dataclasses.is_dataclass(hint):
+        if isinstance(value, hint):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__} {value!r}")
+        return _build(hint, value, key)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config type {hint} for {key}")
+
+
+def _suggest(name: Any, options) -> str:
+    close = difflib.get_close_matches(str(name), [str(o) for o in options], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _build(cls, data: dict, prefix: str):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            where = f"{prefix}.{key}" if prefix else key
+            full = [f"{prefix}.{n}" if prefix else n for n in names]
+            raise ConfigError(f"unknown config key {where!r}{_suggest(where, full)}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            where = f"{prefix}.{f.name}" if prefix else f.name
+            kwargs[f.name] = _coerce(data[f.name], hints[f.name], where)
+    missing = [
+        f.name for f in dataclasses.fields(cls)
+        if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"{prefix + '.' if prefix else ''}{missing[0]}: required key is missing")
+    return cls(**kwargs)
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+# ---------------------------------------------------------------- method presets
+
+# Defaults each method brings; the user's YAML and --set overrides win over them.
+METHOD_PRESETS: dict[str, dict[str, Any]] = {
+    "grpo": {"loss.loss_type": "grpo"},
+    "dr_grpo": {"loss.loss_type": "dr_grpo", "loss.scale_rewards": "none"},
+    "dapo": {"loss.loss_type": "dapo", "loss.epsilon_high": 0.28, "loss.dynamic_sampling": True},
+    "gspo": {
+        "loss.importance_sampling_level": "sequence",
+        "loss.epsilon": 3e-4,
+        "loss.epsilon_high": 4e-4,
+    },
+    "seed_grpo": {"loss.loss_type": "dapo"},
+    "maxent_entropy": {"loss.entropy_coef": 0.01},
+    "maxent_listwise": {},
+    "xdr": {},
+}
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{dotted}: {part!r} is not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def _merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` with VALUE parsed as YAML (so 0.1, true, [a, b] and null work)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected KEY=VALUE")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"--set {text!r}: empty key")
+    return key, yaml.safe_load(raw) if raw.strip() else ""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> TrainConfig:
+    """Read YAML (or the built-in default when ``path`` is None), apply overrides, validate."""
+    user: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"{p}{where}: invalid YAML") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of sections")
+        user = loaded or {}
+    items = overrides.items() if isinstance(overrides, dict) else [parse_override(o) for o in overrides or []]
+    for key, value in items:
+        _set_dotted(user, key, value)
+    method = user.get("method", TrainConfig.method)
+    if method not in METHOD_PRESETS:
+        raise ConfigError(f"method: unknown method {method!r}{_suggest(method, METHOD_PRESETS)}")
+    preset: dict = {}
+    for key, value in METHOD_PRESETS[method].items():
+        _set_dotted(preset, key, value)
+    cfg = _build(TrainConfig, _merge(preset, user), "")
+    validate(cfg)
+    return cfg
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Range and consistency checks; each failure names its key."""
+    g, t, lo = cfg.generation, cfg.training, cfg.loss
+    _check(g.num_generations >= 2, "generation.num_generations", f"must be >= 2 (a group needs two completions), got {g.num_generations}")
+    _check(g.max_new_tokens >= 1, "generation.max_new_tokens", f"must be >= 1, got {g.max_new_tokens}")
+    _check(g.temperature > 0, "generation.temperature", f"must be > 0, got {g.temperature}")
+    _check(0 < g.top_p <= 1, "generation.top_p", f"must be in (0, 1], got {g.top_p}")
+    _check(g.top_k >= 0, "generation.top_k", f"must be >= 0, got {g.top_k}")
+    _check(g.max_retry_rounds >= 0, "generation.max_retry_rounds", "must be >= 0")
+    _check(t.max_steps >= 1, "training.max_steps", f"must be >= 1, got {t.max_steps}")
+    if t.batch_size is not None:
+        _check(
+            t.batch_size > 0 and t.batch_size % g.num_generations == 0,
+            "training.batch_size",
+            f"{t.batch_size} is not a multiple of generation.num_generations={g.num_generations}",
+        )
+        t.prompts_per_step = t.batch_size // g.num_generations
+    _check(t.prompts_per_step >= 1, "training.prompts_per_step", f"must be >= 1, got {t.prompts_per_step}")
+    total = t.prompts_per_step * g.num_generations
+    _check(t.micro_batch_size >= 1, "training.micro_batch_size", "must be >= 1")
+    _check(
+        total % t.micro_batch_size == 0,
+        "training.micro_batch_size",
+        f"{t.micro_batch_size} does not divide the {total} completions of a step",
+    )
+    if cfg.method == "maxent_listwise":
+        _check(
+            t.micro_batch_size % g.num_generations == 0,
+            "training.micro_batch_size",
+            f"{t.micro_batch_size} is not a multiple of generation.num_generations={g.num_generations} "
+            "(listwise losses need whole groups per micro-batch)",
+        )
+    _check(t.learning_rate >= 0, "training.learning_rate", "must be >= 0")
+    _check(t.num_iterations >= 1, "training.num_iterations", "must be >= 1")
+    _check(t.warmup_steps >= 0, "training.warmup_steps", "must be >= 0")
+    _check(lo.epsilon > 0, "loss.epsilon", f"must be > 0, got {lo.epsilon}")
+    _check(lo.epsilon_high is None or lo.epsilon_high > 0, "loss.epsilon_high", "must be > 0")
+    _check(lo.delta is None or lo.delta > 1, "loss.delta", "must be > 1 (it caps the ratio above 1 + epsilon)")
+    _check(lo.dual_clip is None or lo.dual_clip > 1, "loss.dual_clip", "must be > 1")
+    _check(lo.beta >= 0, "loss.beta", f"must be >= 0, got {lo.beta}")
+    _check(0 < lo.top_entropy_quantile <= 1, "loss.top_entropy_quantile", "must be in (0, 1]")
+    _check(lo.entropy_coef >= 0, "loss.entropy_coef", "must be >= 0")
+    _check(lo.max_gen_batches >= 1, "loss.max_gen_batches", "must be >= 1")
+    m = cfg.maxent
+    _check(m.tau >= 0, "maxent.tau", f"must be >= 0, got {m.tau}")
+    _check(m.q_temperature > 0, "maxent.q_temperature", "must be > 0")
+    _check(0 <= m.q_epsilon < 1, "maxent.q_epsilon", "must be in [0, 1)")
+    _check(cfg.xdr.tau >= 0, "xdr.tau", f"must be >= 0 (use .inf for no reweighting), got {cfg.xdr.tau}")
+    _check(cfg.xdr.lam >= 0, "xdr.lam", "must be >= 0")
+    _check(cfg.seed_grpo.alpha >= 0, "seed_grpo.alpha", "must be >= 0")
+    _check(cfg.checkpoint.save_steps >= 0, "checkpoint.save_steps", "must be >= 0")
+    _check(cfg.checkpoint.keep_last is None or cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+    _check(bool(cfg.rewards), "rewards", "at least one reward function is needed")
+    for i, r in enumerate(cfg.rewards):
+        _check(bool(r.name), f"rewards[{i}].name", "must not be empty")
+    _check(cfg.eval.k >= 1, "eval.k", "must be >= 1")
+    known = {"tensorboard", "wandb", "mlflow", "trackio", "none", "all"}
+    for i, name in enumerate(cfg.logging.report_to):
+        _check(name in known, f"logging.report_to[{i}]", f"unknown tracker {name!r}{_suggest(name, known)}")
+
+
+def save_config(cfg: TrainConfig, path: str | Path) -> None:
+    """Write the resolved config as YAML (atomically: a reader never sees half a file)."""
+    p = Path(path)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    tmp.replace(p)
+
+
+def field_help() -> list[tuple[str, str, str]]:
+    """``(dotted key, type, default)`` for every config field, for ``--help``."""
+    rows: list[tuple[str, str, str]] = []
+
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            key = f"{prefix}{f.name}"
+            hint = hints[f.name]
+            if dataclasses.is_dataclass(hint):
+                walk(hint, key + ".")
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if dataclasses.is_dataclass(default) or (isinstance(default, list) and default and dataclasses.is_dataclass(default[0])):
+                default = "[...]"
+            rows.append((key, _type_name(hint), repr(default)))
+
+    walk(TrainConfig, "")
+    return rows
+
+
+def _type_name(hint) -> str:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return "|".join(map(str, typing.get_args(hint)))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(hint))
+    if hint is type(None):
+        return "null"
+    return getattr(hint, "__name__", str(hint))

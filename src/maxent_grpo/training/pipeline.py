@@ -1,0 +1,357 @@
+"""Batch preparation (seed ``maxent_grpo.training.pipeline``).
+
+``prepare_training_batch`` runs, in order: generation (with retries and, for
+DAPO, dynamic sampling), rewards, reward statistics (advantages, q, SEED
+scales), the optional reward-side entropy bonus, reference scoring, and the
+method's weighting; it returns a :class:`PreparedBatch`, or ``None`` when a
+stage failed (the reason is counted in ``ctx.skips`` and logged). Any failure
+inside a stage raises :class:`SkipBatch`; nothing is silently trained on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from maxent_grpo.core.logprobs import get_per_token_logps, get_per_token_logps_and_entropies
+from maxent_grpo.core.step import MicroBatch
+from maxent_grpo.core.weighting import mode_adaptive_tau, xdr_multipliers, xdr_utilities
+from maxent_grpo.rewards.answers import canonical_answer, extract_final_answer
+from maxent_grpo.rewards.maxent import (
+    ReferenceLogprobs,
+    RewardComputation,
+    WeightingSettings,
+    WeightStats,
+    apply_policy_entropy_bonus,
+    compute_reward_statistics,
+    compute_weight_stats,
+)
+from maxent_grpo.rewards.registry import RewardFunctionError, RewardSpec, evaluate_rewards
+from maxent_grpo.rollout.backend import GenerationBackend, PackedRollout, RolloutBatch, SamplingParams, generate_groups, pack_rollout
+from maxent_grpo.training.config import TrainConfig
+from maxent_grpo.training.data import format_prompt
+from maxent_grpo.training.diversity import group_diversity
+from maxent_grpo.training.distributed import Dist
+from maxent_grpo.training.methods import MethodSpec
+
+log = logging.getLogger("maxent_grpo")
+
+
+class SkipBatch(Exception):
+    """A stage failed for this batch; ``stage`` names it for the skip counters."""
+
+    def __init__(self, stage: str, reason: str):
+        super().__init__(f"{stage}: {reason}")
+        self.stage = stage
+
+
+@dataclass
+class PipelineContext:
+    cfg: TrainConfig
+    method: MethodSpec
+    model: torch.nn.Module  # the policy, unwrapped
+    tokenizer: object
+    backend: GenerationBackend
+    sampling: SamplingParams
+    reward_spec: RewardSpec
+    weighting: WeightingSettings
+    dist: Dist
+    # Scores completion tokens under the frozen reference: (input_ids, attention_mask, prompt_length) -> [N, T].
+    reference_logps: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
+    skips: Counter = field(default_factory=Counter)
+    last_error: str | None = None
+
+
+@dataclass
+class PreparedBatch:
+    """Everything the optimizer step needs for one batch, prompt-major ``[P*G]`` rows."""
+
+    rows: list[dict]
+    rollout: RolloutBatch
+    packed: PackedRollout
+    reward_comp: RewardComputation
+    advantages: torch.Tensor  # [N], after SEED scaling
+    ref_logps: torch.Tensor | None  # [N, T]
+    weight_stats: WeightStats | None  # MaxEnt listwise weights
+    listwise_active: torch.Tensor | None  # [P] groups that enter the listwise loss
+    row_weights: torch.Tensor | None  # [N] xDr multipliers
+    diversity: dict[str, float]
+    stats: dict[str, float]
+    timings: dict[str, float]
+
+    @property
+    def grouped_completions(self) -> list[list[str]]:
+        g = self.rollout.num_generations
+        texts = self.rollout.completion_texts
+        return [texts[i : i + g] for i in range(0, len(texts), g)]
+
+    @property
+    def total_input_tokens(self) -> int:
+        return int(self.packed.attention_mask.sum())
+
+    def micro_batches(self, size: int, old_logps: torch.Tensor | None = None) -> list[MicroBatch]:
+        """Split into micro-batches of ``size`` rows (whole groups when ``size`` is a multiple of G)."""
+        p, n = self.packed, self.packed.input_ids.shape[0]
+        g = self.rollout.num_generations
+        lw = self.weight_stats.flat_weights if self.weight_stats is not None else None
+        out = []
+        for s in range(0, n, size):
+            e = min(s + size, n)
+            sl = slice(s, e)
+            out.append(
+                MicroBatch(
+                    input_ids=p.input_ids[sl],
+                    attention_mask=p.attention_mask[sl],
+                    prompt_length=p.prompt_length,
+                    completion_mask=p.completion_mask[sl],
+                    advantages=self.advantages[sl],
+                    old_logps=None if old_logps is None else old_logps[sl],
+                    ref_logps=None if self.ref_logps is None else self.ref_logps[sl],
+                    row_weights=None if self.row_weights is None else self.row_weights[sl],
+                    listwise_weights=None if lw is None else lw[sl],
+                    listwise_active=None if self.listwise_active is None else self.listwise_active[s // g : e // g],
+                )
+            )
+        return out
+
+
+# ----------------------------------------------------------------- stages
+
+def _generate(ctx: PipelineContext, rows: list[dict]) -> tuple[list[dict], RolloutBatch]:
+    prompts = [format_prompt(ctx.tokenizer, r["prompt"], system_prompt=ctx.cfg.data.system_prompt) for r in rows]
+    try:
+        rollout, dropped = generate_groups(
+            ctx.backend, prompts, ctx.cfg.generation.num_generations, ctx.sampling,
+            max_retry_rounds=ctx.cfg.generation.max_retry_rounds,
+        )
+    except (RuntimeError, ValueError) as err:
+        raise SkipBatch("generation", str(err)) from err
+    if dropped:
+        ctx.skips["incomplete_groups"] += len(dropped)
+        rows = [r for i, r in enumerate(rows) if i not in set(dropped)]
+    if not rows:
+        raise SkipBatch("generation", "every prompt came back with fewer than num_generations completions")
+    return rows, rollout
+
+
+def _reward_matrix(ctx: PipelineContext, rows: list[dict], rollout: RolloutBatch) -> torch.Tensor:
+    g = rollout.num_generations
+    conversational = isinstance(rows[0]["prompt"], list)
+    prompts = [r["prompt"] for r in rows for _ in range(g)]
+    texts = rollout.completion_texts
+    # TRL passes conversational completions when the prompts are conversational.
+    completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else list(texts)
+    columns = {k: [r[k] for r in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
+    try:
+        return evaluate_rewards(ctx.reward_spec, prompts, completions, columns)
+    except RewardFunctionError as err:
+        raise SkipBatch("reward", str(err)) from err
+
+
+def _rollout_and_rewards(ctx: PipelineContext, rows: list[dict], more_rows: Callable[[], list[dict]] | None):
+    """Generate and score; with dynamic sampling keep only groups whose rewards vary (§9)."""
+    rows, rollout = _generate(ctx, rows)
+    per_fn = _reward_matrix(ctx, rows, rollout)
+    if not ctx.cfg.loss.dynamic_sampling:
+        return rows, rollout, per_fn, {}
+    g, target = rollout.num_generations, ctx.cfg.training.prompts_per_step
+    kept_rows, kept_rollouts, kept_rewards, seen = [], [], [], 0
+    for round_idx in range(ctx.cfg.loss.max_gen_batches):
+        if round_idx > 0:
+            if more_rows is None:
+                break
+            rows, rollout = _generate(ctx, more_rows())
+            per_fn = _reward_matrix(ctx, rows, rollout)
+        seen += len(rows)
+        total = torch.nansum(per_fn * ctx.reward_spec.weight_tensor(), dim=1).view(-1, g)
+        varied = (total.max(dim=1).values - total.min(dim=1).values) > 0
+        keep = [i for i in range(len(rows)) if bool(varied[i])]
+        kept_rows += [rows[i] for i in keep]
+        kept_rollouts.append(rollout.select_groups(keep))
+        kept_rewards.append(per_fn.view(len(rows), g, -1)[keep].reshape(-1, per_fn.shape[1]))
+        if len(kept_rows) >= target:
+            break
+    else:
+        log.warning("dynamic sampling: %d of %d groups after %d rounds", len(kept_rows), target, ctx.cfg.loss.max_gen_batches)
+    if not kept_rows:
+        raise SkipBatch("dynamic_sampling", "no group with varied rewards")
+    kept_rows = kept_rows[:target]
+    rollout = RolloutBatch.concat(kept_rollouts).select_groups(list(range(len(kept_rows))))
+    per_fn = torch.cat(kept_rewards)[: len(kept_rows) * g]
+    return kept_rows, rollout, per_fn, {"dynamic_sampling/groups_seen": float(seen)}
+
+
+def _cluster_ids(texts: list[str], g: int) -> torch.Tensor:
+    """Completions with the same canonical final answer share an id; no answer -> its own id."""
+    ids, next_id = [], 0
+    for start in range(0, len(texts), g):
+        seen: dict[str, int] = {}
+        for text in texts[start : start + g]:
+            ans = extract_final_answer(text)
+            key = canonical_answer(ans) if ans is not None else None
+            if key is None or key not in seen:
+                if key is not None:
+                    seen[key] = next_id
+                ids.append(next_id)
+                next_id += 1
+            else:
+                ids.append(seen[key])
+    return torch.tensor(ids).view(-1, g)
+
+
+def _score_rows(ctx: PipelineContext, packed: PackedRollout, fn, with_entropy: bool = False):
+    """Run ``fn`` (a model scorer) over micro-batches under no_grad; concatenate."""
+    size = ctx.cfg.training.micro_batch_size
+    outs, ents = [], []
+    with torch.no_grad():
+        for s in range(0, packed.input_ids.shape[0], size):
+            sl = slice(s, s + size)
+            res = fn(packed.input_ids[sl], packed.attention_mask[sl], packed.prompt_length)
+            if with_entropy:
+                outs.append(res[0])
+                ents.append(res[1])
+            else:
+                outs.append(res)
+    return torch.cat(outs), (torch.cat(ents) if with_entropy else None)
+
+
+def _policy_entropy(ctx: PipelineContext, packed: PackedRollout) -> torch.Tensor:
+    temp = ctx.cfg.generation.temperature
+
+    def fn(ids, mask, plen):
+        return get_per_token_logps_and_entropies(ctx.model, ids, mask, plen, temperature=temp)
+
+    _, ent = _score_rows(ctx, packed, fn, with_entropy=True)
+    m = packed.completion_mask
+    return (ent * m).sum(1) / m.sum(1).clamp(min=1)
+
+
+def _seed_inputs(ctx: PipelineContext, rollout: RolloutBatch, packed: PackedRollout):
+    if not ctx.method.seed_scaling:
+        return None
+    if packed.behaviour_logps is None:
+        raise SkipBatch("seed_grpo", "the generator returned no behaviour log-probs")
+    g = rollout.num_generations
+    seq = (packed.behaviour_logps * packed.completion_mask).sum(1)
+    return {
+        "cluster_ids": _cluster_ids(rollout.completion_texts, g),
+        "seq_logps": seq.view(-1, g),
+        "token_counts": packed.completion_mask.sum(1).view(-1, g),
+        "alpha": ctx.cfg.seed_grpo.alpha,
+        "normalize_by_max_entropy": ctx.cfg.seed_grpo.normalize_by_max_entropy,
+        "length_normalize": ctx.cfg.seed_grpo.length_normalize_logprobs,
+    }
+
+
+def _xdr_row_weights(ctx: PipelineContext, reward_comp: RewardComputation, rollout, packed, ref_logps):
+    g = rollout.num_generations
+    lengths = packed.completion_mask.sum(1).view(-1, g)
+    util = xdr_utilities(reward_comp.advantages.view(-1, g), lengths, ctx.cfg.generation.max_new_tokens)
+    valid = packed.completion_mask.sum(1).view(-1, g) > 0
+    tau: float | torch.Tensor = ctx.cfg.xdr.tau
+    if ctx.cfg.xdr.mode_adaptive:
+        total = reward_comp.total.view(-1, g)
+        best = total.max(dim=1, keepdim=True).values
+        kappa = []
+        for p in range(total.shape[0]):
+            answers = {
+                canonical_answer(a)
+                for i in range(g)
+                if total[p, i] == best[p, 0] and best[p, 0] > 0
+                and (a := extract_final_answer(rollout.completion_texts[p * g + i])) is not None
+            }
+            kappa.append(len(answers))
+        tau = mode_adaptive_tau(ctx.cfg.xdr.tau, torch.tensor(kappa, dtype=torch.float64))
+    ref_seq = None
+    if ref_logps is not None and ctx.cfg.xdr.lam > 0:
+        ref_seq = ((ref_logps * packed.completion_mask).sum(1) / lengths.view(-1).clamp(min=1)).view(-1, g)
+    return xdr_multipliers(util, valid, tau, lam=ctx.cfg.xdr.lam, ref_logp=ref_seq).reshape(-1)
+
+
+# ----------------------------------------------------------------- orchestration
+
+def prepare_training_batch(
+    ctx: PipelineContext,
+    rows: list[dict],
+    more_rows: Callable[[], list[dict]] | None = None,
+) -> PreparedBatch | None:
+    """Return a :class:`PreparedBatch`, or ``None`` when a stage failed (counted in ``ctx.skips``).
+
+    In a multi-process run every rank skips together, so no collective hangs.
+    """
+    try:
+        batch, failed = _prepare(ctx, rows, more_rows), None
+    except SkipBatch as err:
+        batch, failed = None, err
+    if ctx.dist.any_rank(failed is not None):
+        stage = failed.stage if failed is not None else "other_rank"
+        ctx.skips[stage] += 1
+        ctx.last_error = str(failed) if failed is not None else "another rank failed"
+        log.warning("skipping batch: %s", ctx.last_error)
+        return None
+    return batch
+
+
+def _prepare(ctx: PipelineContext, rows, more_rows) -> PreparedBatch:
+    cfg, timings = ctx.cfg, {}
+    t0 = time.perf_counter()
+    rows, rollout, per_fn, stats = _rollout_and_rewards(ctx, rows, more_rows)
+    packed = pack_rollout(rollout, ctx.tokenizer.pad_token_id)
+    g = rollout.num_generations
+    timings["time/generate"] = time.perf_counter() - t0  # includes reward calls: split below
+    t1 = time.perf_counter()
+    reward_comp = compute_reward_statistics(
+        per_fn, ctx.reward_spec.weight_tensor(), g,
+        names=ctx.reward_spec.names,
+        q_temperature=cfg.maxent.q_temperature,
+        q_epsilon=cfg.maxent.q_epsilon,
+        scale_rewards=cfg.loss.scale_rewards,
+        advantage_estimator=cfg.loss.advantage_estimator,
+        truncated=packed.truncated,
+        zero_truncated_completion_rewards=cfg.loss.zero_truncated_completion_rewards,
+        seed_grpo=_seed_inputs(ctx, rollout, packed),
+    )
+    if cfg.loss.policy_entropy_bonus_coef > 0:
+        reward_comp = apply_policy_entropy_bonus(
+            reward_comp, _policy_entropy(ctx, packed), cfg.loss.policy_entropy_bonus_coef
+        )
+    timings["time/reward"] = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    ref_logps = None
+    if ctx.reference_logps is not None:
+        ref_logps, _ = _score_rows(ctx, packed, ctx.reference_logps)
+        if not torch.isfinite(ref_logps).all():
+            raise SkipBatch("reference", "non-finite reference log-probs")
+    timings["time/reference"] = time.perf_counter() - t2
+    weight_stats, active, row_weights = None, None, None
+    if ctx.method.weighting == "listwise":
+        ref_stats = None
+        if ref_logps is not None:
+            counts = packed.completion_mask.sum(1)
+            ref_stats = ReferenceLogprobs(
+                ref_logp_sum=(ref_logps * packed.completion_mask).sum(1), ref_tok_counts=counts
+            )
+        weight_stats = compute_weight_stats(reward_comp, ref_stats, ctx.weighting)
+        active = torch.ones_like(reward_comp.zero_std) if cfg.maxent.keep_zero_variance_groups else ~reward_comp.zero_std
+    elif ctx.method.weighting == "xdr":
+        row_weights = _xdr_row_weights(ctx, reward_comp, rollout, packed, ref_logps)
+    groups = [rollout.completion_ids[i : i + g] for i in range(0, len(rollout.completion_ids), g)]
+    return PreparedBatch(
+        rows=rows,
+        rollout=rollout,
+        packed=packed,
+        reward_comp=reward_comp,
+        advantages=reward_comp.advantages,
+        ref_logps=ref_logps,
+        weight_stats=weight_stats,
+        listwise_active=active,
+        row_weights=row_weights,
+        diversity=group_diversity(groups),
+        stats=stats,
+        timings=timings,
+    )

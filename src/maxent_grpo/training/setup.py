@@ -1,0 +1,194 @@
+"""Wiring: build the model, reference, data, rewards, generator, optimizer and state of a run."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import get_scheduler
+
+from maxent_grpo.core.logprobs import get_per_token_logps
+from maxent_grpo.core.step import LossConfig
+from maxent_grpo.models import apply_lora, load_model_and_tokenizer, load_reference_model, reference_context, resolve_model_path
+from maxent_grpo.rewards.maxent import WeightingSettings, load_controller_state, controller_state_dict
+from maxent_grpo.rewards.registry import build_reward_spec
+from maxent_grpo.rollout.backend import SamplingParams
+from maxent_grpo.rollout.hf import HFGenerationBackend
+from maxent_grpo.training.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
+from maxent_grpo.training.config import TrainConfig, save_config, to_dict
+from maxent_grpo.training.data import PromptSampler, load_prompt_dataset, split_train_eval
+from maxent_grpo.training.distributed import Dist
+from maxent_grpo.training.methods import method_spec
+from maxent_grpo.training.pipeline import PipelineContext
+from maxent_grpo.training.trackers import build_trackers
+from maxent_grpo.training.weighting_config import weighting_from_config
+
+log = logging.getLogger("maxent_grpo")
+
+
+class ShardedSampler:
+    """Each rank takes its own slice of every global batch, so ranks never see the same prompt."""
+
+    def __init__(self, sampler: PromptSampler, dist: Dist):
+        self.sampler, self.dist = sampler, dist
+
+    def next_batch(self) -> list[dict]:
+        rows = self.sampler.next_batch()
+        return rows[self.dist.rank :: self.dist.world_size]
+
+
+@dataclass
+class Run:
+    cfg: TrainConfig
+    output_dir: Path
+    ctx: PipelineContext
+    train_model: torch.nn.Module  # DDP-wrapped with several processes
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: object
+    sampler: ShardedSampler
+    trackers: object
+    loss_config: LossConfig
+    eval_rows: list[dict] = field(default_factory=list)
+    start_step: int = 0
+    resumed: bool = False
+
+    def trainer_state(self, step: int) -> dict:
+        return {
+            "step": step,
+            "sampler": self.sampler.sampler.state_dict(),
+            "controller": controller_state_dict(self.ctx.weighting),
+            "skips": dict(self.ctx.skips),
+        }
+
+    def save(self, step: int) -> None:
+        if step == 0:
+            return
+        if self.ctx.dist.is_main:
+            save_checkpoint(
+                self.output_dir, step, model=self.ctx.model, tokenizer=self.ctx.tokenizer,
+                optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+                trainer_state=self.trainer_state(step), keep_last=self.cfg.checkpoint.keep_last,
+            )
+        if self.ctx.dist.world_size > 1:
+            torch.distributed.barrier()
+
+    def evaluate(self, step: int) -> None:
+        from maxent_grpo.training.validation import validate
+
+        if self.eval_rows:
+            validate(self, step)
+
+    def finish(self) -> None:
+        self.trackers.close()
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _reference_scorer(cfg: TrainConfig, model, name_or_path: str):
+    temp = cfg.generation.temperature
+    if cfg.model.lora.enabled:
+        def score(ids, mask, plen):
+            with reference_context(model):
+                return get_per_token_logps(model, ids, mask, plen, temperature=temp)
+        return score
+    ref = load_reference_model(name_or_path, dtype=cfg.model.dtype, device="cpu")
+
+    def score(ids, mask, plen):
+        return get_per_token_logps(ref, ids, mask, plen, temperature=temp)
+    return score
+
+
+def build_run(cfg: TrainConfig, *, resume: str | bool | None = None) -> Run:
+    dist = Dist.current()
+    output_dir = Path(cfg.logging.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    method = method_spec(cfg)
+    _seed_everything(cfg.training.seed + dist.rank)
+
+    # Data and rewards first: their errors must come before the slow model load.
+    dataset = load_prompt_dataset(
+        cfg.data.source, split=cfg.data.split, prompt_column=cfg.data.prompt_column,
+        answer_column=cfg.data.answer_column, size=cfg.data.size, seed=cfg.training.seed,
+    )
+    train_ds, eval_ds = split_train_eval(dataset, cfg.data.eval_size, cfg.training.seed)
+    reward_spec = build_reward_spec(cfg.rewards)
+    model_path = resolve_model_path(cfg.model.name_or_path)
+    if dist.is_main:
+        save_config(cfg, output_dir / "config.yaml")
+        (output_dir / "run_info.json").write_text(json.dumps(
+            {"method": cfg.method, **method.identity(), "model": model_path, "world_size": dist.world_size}, indent=2
+        ))
+    log.info("method %s: family=%s loss=%s weighting=%s", method.name, method.family, method.policy_loss, method.weighting)
+
+    model, tokenizer = load_model_and_tokenizer(model_path, dtype=cfg.model.dtype, device="cpu")
+    if cfg.model.lora.enabled:
+        lc = cfg.model.lora
+        model = apply_lora(model, r=lc.r, alpha=lc.alpha, dropout=lc.dropout, target_modules=lc.target_modules)
+    reference = _reference_scorer(cfg, model, model_path) if method.needs_reference else None
+
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=cfg.training.learning_rate,
+        betas=(cfg.training.adam_beta1, cfg.training.adam_beta2), weight_decay=cfg.training.weight_decay,
+    )
+    total_updates = cfg.training.max_steps * cfg.training.num_iterations
+    lr_scheduler = get_scheduler(
+        {"constant": "constant_with_warmup"}.get(cfg.training.lr_scheduler, cfg.training.lr_scheduler),
+        optimizer, num_warmup_steps=cfg.training.warmup_steps, num_training_steps=total_updates,
+    )
+    train_model = model
+    if dist.world_size > 1:
+        train_model = torch.nn.parallel.DistributedDataParallel(model)
+
+    g = cfg.generation
+    sampling = SamplingParams(
+        max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, stop=tuple(g.stop),
+    )
+    sampler = PromptSampler(
+        train_ds, cfg.training.prompts_per_step * dist.world_size, seed=cfg.training.seed,
+        shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs,
+    )
+    ctx = PipelineContext(
+        cfg=cfg, method=method, model=model, tokenizer=tokenizer,
+        backend=HFGenerationBackend(model, tokenizer, batch_size=g.batch_size),
+        sampling=sampling, reward_spec=reward_spec, weighting=weighting_from_config(cfg), dist=dist,
+        reference_logps=reference,
+    )
+    loss_config = LossConfig(
+        policy_loss=method.policy_loss, kl_estimator=cfg.loss.kl_estimator, dual_clip=cfg.loss.dual_clip,
+        max_completion_length=g.max_new_tokens, temperature=g.temperature,
+        entropy_coef=cfg.loss.entropy_coef, listwise_clip_coef=cfg.maxent.listwise_clip_coef,
+        mask_truncated_completions=cfg.loss.mask_truncated_completions,
+    )
+    run = Run(
+        cfg=cfg, output_dir=output_dir, ctx=ctx, train_model=train_model, optimizer=optimizer,
+        lr_scheduler=lr_scheduler, sampler=ShardedSampler(sampler, dist),
+        trackers=build_trackers(cfg.logging.report_to if dist.is_main else [], output_dir, to_dict(cfg)),
+        loss_config=loss_config, eval_rows=list(eval_ds) if eval_ds is not None else [],
+    )
+    if resume:
+        _resume(run, None if resume is True else Path(resume))
+    return run
+
+
+def _resume(run: Run, path: Path | None) -> None:
+    ckpt = path if path is not None else find_latest_checkpoint(run.output_dir)
+    if ckpt is None:
+        log.warning("--resume: no complete checkpoint under %s; starting from step 0", run.output_dir)
+        return
+    state = load_checkpoint(ckpt, model=run.ctx.model, optimizer=run.optimizer, lr_scheduler=run.lr_scheduler)
+    run.sampler.sampler.load_state_dict(state["sampler"])
+    load_controller_state_from_dict(run.ctx.weighting, state["controller"])
+    run.ctx.skips.update(state.get("skips", {}))
+    run.start_step, run.resumed = int(state["step"]), True
+    log.info("resumed from %s at step %d", ckpt, run.start_step)
+
+
+def load_controller_state_from_dict(weighting: WeightingSettings, state: dict) -> None:
+    raise NotImplementedError  # wired once rewards.maxent lands

@@ -1,0 +1,53 @@
+"""Completion tables: ``OUTPUT_DIR/completions/step-N.jsonl`` and the trackers' table view."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from maxent_grpo.training.pipeline import PreparedBatch
+
+COLUMNS = ["prompt", "completion", "rewards", "reward", "advantage", "weight", "length", "finish_reason"]
+
+
+def completion_rows(prepared: PreparedBatch) -> list[dict]:
+    rc, rollout = prepared.reward_comp, prepared.rollout
+    g = rollout.num_generations
+    lengths = prepared.packed.completion_mask.sum(1)
+    weights = prepared.weight_stats.flat_weights if prepared.weight_stats is not None else None
+    rows = []
+    for i, text in enumerate(rollout.completion_texts):
+        rewards = {
+            name: (None if math.isnan(float(rc.per_function[i, k])) else float(rc.per_function[i, k]))
+            for k, name in enumerate(rc.reward_names)
+        }
+        total = float(rc.total[i])
+        rows.append({
+            "prompt": rollout.prompts[i // g],
+            "completion": text,
+            "rewards": rewards,
+            "reward": None if math.isnan(total) else total,
+            "advantage": float(prepared.advantages[i]),
+            "weight": None if weights is None else float(weights[i]),
+            "length": int(lengths[i]),
+            "finish_reason": rollout.finish_reasons[i],
+        })
+    return rows
+
+
+def write_completion_table(output_dir: Path, step: int, prepared: PreparedBatch, trackers) -> None:
+    rows = completion_rows(prepared)
+    folder = Path(output_dir) / "completions"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"step-{step}.jsonl"
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    table_rows = [[json.dumps(r[c]) if isinstance(r[c], dict) else r[c] for c in COLUMNS] for r in rows]
+    trackers.log_table("completions", COLUMNS, table_rows, step)

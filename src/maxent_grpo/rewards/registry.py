@@ -1,0 +1,201 @@
+"""Reward functions by name, the configured set of them, and their checked evaluation.
+
+`REWARD_FUNCTIONS` maps each built-in name to its factory. A config entry names a
+built-in or any importable `module:function`; `evaluate_rewards` calls every
+function the way TRL's GRPOTrainer does (`f(prompts=..., completions=...,
+**columns)`), so reward functions written for TRL run unchanged, and checks what
+comes back before it becomes a `[N, K]` float64 matrix (NaN where a function
+returned None).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import math
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from maxent_grpo.rewards import builtin
+from maxent_grpo.rewards.builtin import RewardFunction
+
+REWARD_FUNCTIONS: dict[str, Callable[..., RewardFunction]] = {
+    "accuracy": builtin.make_accuracy,
+    "boxed_accuracy": builtin.make_boxed_accuracy,
+    "format": builtin.make_format,
+    "tag_format": builtin.make_tag_format,
+    "tag_count": builtin.make_tag_count,
+    "reasoning_steps": builtin.make_reasoning_steps,
+    "cosine_length": builtin.make_cosine_length,
+    "length": builtin.make_length,
+    "repetition_penalty": builtin.make_repetition_penalty,
+    "reasoning_gym": builtin.make_reasoning_gym,
+}
+
+
+class RewardFunctionError(ValueError):
+    """A reward function failed or returned something unusable; the message names it."""
+
+    def __init__(self, function_name: str, message: str):
+        super().__init__(f"reward function '{function_name}': {message}")
+        self.function_name = function_name
+
+
+def _import_object(path: str) -> Any:
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"reward function path must look like 'module:function', got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"reward function {path!r}: cannot import module '{module_name}': {exc}") from exc
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise ValueError(f"reward function {path!r}: '{module_name}' has no attribute '{attr}'") from exc
+    return obj
+
+
+def resolve_reward_function(name_or_path: str, **kwargs: Any) -> RewardFunction:
+    """The reward function for a registry name, built by its factory with `kwargs`,
+    or the object at `module:function`. For an imported object, `kwargs` mean that
+    it is a factory: it is called with them and must return the reward function."""
+    if ":" in name_or_path:
+        obj = _import_object(name_or_path)
+        fn = obj(**kwargs) if kwargs else obj
+    elif name_or_path in REWARD_FUNCTIONS:
+        fn = REWARD_FUNCTIONS[name_or_path](**kwargs)
+    else:
+        close = difflib.get_close_matches(name_or_path, list(REWARD_FUNCTIONS), n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise ValueError(
+            f"unknown reward function {name_or_path!r}: {hint}"
+            f"valid names: {sorted(REWARD_FUNCTIONS)}, or an importable 'module:function'"
+        )
+    if not callable(fn):
+        raise ValueError(f"reward function {name_or_path!r} resolved to a non-callable {type(fn).__name__}")
+    return fn
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """The configured reward functions, their names (for logs) and weights."""
+
+    names: tuple[str, ...]
+    funcs: tuple[RewardFunction, ...]
+    weights: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.names:
+            raise ValueError("names: at least one reward function is needed")
+        if not len(self.names) == len(self.funcs) == len(self.weights):
+            raise ValueError(
+                f"names, funcs and weights must have one entry per function, got "
+                f"{len(self.names)}, {len(self.funcs)} and {len(self.weights)}"
+            )
+        duplicates = sorted({n for n in self.names if self.names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"names: each reward function may appear once, repeated: {duplicates}")
+        for name, weight in zip(self.names, self.weights):
+            if not math.isfinite(weight):
+                raise ValueError(f"weights: reward '{name}' has a non-finite weight {weight}")
+
+    def weight_tensor(self) -> torch.Tensor:
+        """Weights as a float64 tensor [K], aligned with the columns of `evaluate_rewards`."""
+        return torch.tensor(self.weights, dtype=torch.float64)
+
+
+_ENTRY_KEYS = {"name", "weight", "kwargs"}
+
+
+def _entry_fields(entry: Any, index: int) -> tuple[str, float, dict[str, Any]]:
+    if isinstance(entry, str):
+        return entry, 1.0, {}
+    if dataclasses.is_dataclass(entry) and not isinstance(entry, type):
+        entry = {f.name: getattr(entry, f.name) for f in dataclasses.fields(entry)}
+    if isinstance(entry, Mapping):
+        unknown = sorted(set(entry) - _ENTRY_KEYS)
+        if unknown:
+            raise ValueError(f"rewards[{index}]: unknown keys {unknown}; allowed: {sorted(_ENTRY_KEYS)}")
+        if "name" not in entry:
+            raise ValueError(f"rewards[{index}]: 'name' is required")
+        name, weight, kwargs = entry["name"], entry.get("weight", 1.0), entry.get("kwargs") or {}
+    else:
+        raise ValueError(
+            f"rewards[{index}] must be a name, a mapping or a dataclass with {sorted(_ENTRY_KEYS)}, "
+            f"got {type(entry).__name__}"
+        )
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"rewards[{index}].name must be a non-empty str, got {name!r}")
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+        raise ValueError(f"rewards[{index}].weight must be a number, got {weight!r}")
+    if not isinstance(kwargs, Mapping):
+        raise ValueError(f"rewards[{index}].kwargs must be a mapping, got {type(kwargs).__name__}")
+    return name, float(weight), dict(kwargs)
+
+
+def build_reward_spec(entries: Sequence[Any]) -> RewardSpec:
+    """A RewardSpec from config entries: `{"name": ..., "weight": 1.0, "kwargs": {...}}`
+    mappings, dataclasses with those fields (the config's RewardEntry), or bare names (weight 1)."""
+    if isinstance(entries, (str, Mapping)) or not isinstance(entries, Sequence):
+        raise ValueError(f"rewards must be a list of entries, got {type(entries).__name__}")
+    names, funcs, weights = [], [], []
+    for index, entry in enumerate(entries):
+        name, weight, kwargs = _entry_fields(entry, index)
+        try:
+            fn = resolve_reward_function(name, **kwargs)
+        except TypeError as exc:  # a factory given an option it does not take
+            raise ValueError(f"rewards[{index}] ({name}): bad kwargs {sorted(kwargs)}: {exc}") from exc
+        names.append(name)
+        funcs.append(fn)
+        weights.append(weight)
+    return RewardSpec(tuple(names), tuple(funcs), tuple(weights))
+
+
+def _check_output(name: str, values: Any, n: int) -> list[float]:
+    if not isinstance(values, (list, tuple)):
+        raise RewardFunctionError(name, f"returned {type(values).__name__}, expected a list of {n} floats or None")
+    if len(values) != n:
+        raise RewardFunctionError(name, f"returned {len(values)} values for {n} completions")
+    out = []
+    for row, value in enumerate(values):
+        if value is None:
+            out.append(math.nan)
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise RewardFunctionError(name, f"row {row}: returned {value!r} ({type(value).__name__}), not a number")
+        if not math.isfinite(value):
+            raise RewardFunctionError(name, f"row {row}: returned non-finite {value}; return None for 'not applicable'")
+        out.append(float(value))
+    return out
+
+
+def evaluate_rewards(
+    spec: RewardSpec, prompts: list, completions: list, columns: Mapping[str, list]
+) -> torch.Tensor:
+    """Rewards as a float64 tensor [N, K] (K = functions in `spec`), NaN where a
+    function returned None. Raises `RewardFunctionError` naming the function when
+    one raises, returns the wrong number of values, or a non-finite / non-number."""
+    n = len(completions)
+    if len(prompts) != n:
+        raise ValueError(f"prompts has {len(prompts)} entries for {n} completions")
+    for key, values in columns.items():
+        if key in ("prompts", "completions"):
+            raise ValueError(f"columns: '{key}' is reserved for the reward functions' own argument")
+        if len(values) != n:
+            raise ValueError(f"columns['{key}'] has {len(values)} values for {n} completions")
+    out = torch.empty((n, len(spec.funcs)), dtype=torch.float64)
+    for k, (name, fn) in enumerate(zip(spec.names, spec.funcs)):
+        try:
+            values = fn(prompts=prompts, completions=completions, **columns)
+        except Exception as exc:  # re-raised with the function's name; nothing is defaulted
+            raise RewardFunctionError(name, f"raised {type(exc).__name__}: {exc}") from exc
+        out[:, k] = torch.tensor(_check_output(name, values, n), dtype=torch.float64)
+    return out

@@ -1,0 +1,306 @@
+"""Prompt datasets: loading (files, hub cache, reasoning-gym), chat formatting, sampling.
+
+Every loader returns a `datasets.Dataset` with the standard columns `prompt`
+(a str, or a list of chat messages) and, when the source has one, `answer` (a
+str); other columns are kept and reach the reward functions. Reasoning-gym
+sources add `rg_entry` (the task's entry as JSON) and `task`, which the
+`reasoning_gym` reward scores with.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DEFAULT_INSTRUCTION = "Put your final answer within \\boxed{}."
+RG_PREFIX = "reasoning_gym:"
+_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+class DataError(ValueError):
+    """A dataset cannot be used; the one-line message names the file, column or row."""
+
+
+def _one_line(exc: BaseException) -> str:
+    """The error and its root cause (datasets wraps the informative one), on one line."""
+    root = exc
+    while root.__cause__ is not None:
+        root = root.__cause__
+    parts = []
+    for err in (exc, root) if root is not exc else (exc,):
+        lines = str(err).strip().splitlines()
+        parts.append(f"{type(err).__name__}: {lines[0] if lines else ''}")
+    return " <- ".join(parts)
+
+
+# ------------------------------------------------------------------ loading
+
+
+def _load_file(path: Path, split: str, data_files: Any):
+    import datasets
+
+    if data_files is not None:
+        raise DataError(f"data_files is for hub or builder sources, not for the file source {path}")
+    if not path.is_file():
+        raise DataError(f"data file not found: {path}")
+    if path.stat().st_size == 0:
+        raise DataError(f"data file is empty: {path}")
+    try:
+        loaded = datasets.load_dataset(_FILE_BUILDERS[path.suffix], data_files=str(path), split="train")
+    except Exception as exc:  # re-raised as a one-line DataError, never defaulted
+        if "corresponds to no data" in str(exc):  # how datasets reports a file without rows
+            raise DataError(f"{path}: the dataset is empty") from exc
+        raise DataError(f"could not read {path}: {_one_line(exc)}") from exc
+    if split != "train":
+        raise DataError(f"a single file holds only the split 'train', got split={split!r} for {path}")
+    return loaded
+
+
+def _load_hub(name: str, split: str, data_files: Any):
+    import datasets
+
+    try:
+        loaded = datasets.load_dataset(name, data_files=data_files)
+    except Exception as exc:  # re-raised as a one-line DataError, never defaulted
+        raise DataError(
+            f"could not load dataset {name!r} (not a local .jsonl/.json/.parquet file; hub datasets load "
+            f"offline only from the cache): {_one_line(exc)}"
+        ) from exc
+    if split not in loaded:
+        raise DataError(f"dataset {name!r} has no split {split!r}; splits: {sorted(loaded)}")
+    return loaded[split]
+
+
+def _load_reasoning_gym(task: str, size: int | None, seed: int, instruction: str | None, task_kwargs):
+    import datasets
+    import reasoning_gym
+    from reasoning_gym.factory import DATASETS
+
+    if task not in DATASETS:
+        close = difflib.get_close_matches(task, list(DATASETS), n=3)
+        raise DataError(f"unknown reasoning-gym task {task!r}; close names: {close}")
+    if size is None or size < 1:
+        raise DataError(f"size must be a positive int for {RG_PREFIX}{task} (how many problems to generate), got {size!r}")
+    try:
+        generated = reasoning_gym.create_dataset(task, size=size, seed=seed, **(task_kwargs or {}))
+    except (TypeError, ValueError, AssertionError) as exc:  # task configs validate with assert
+        raise DataError(f"{RG_PREFIX}{task}: bad task_kwargs {dict(task_kwargs or {})}: {_one_line(exc)}") from exc
+    rows = {"prompt": [], "answer": [], "rg_entry": [], "task": []}
+    for index, entry in enumerate(generated):
+        question = entry["question"]
+        rows["prompt"].append(f"{question}\n\n{instruction}" if instruction else question)
+        rows["answer"].append(None if entry["answer"] is None else str(entry["answer"]))
+        try:
+            rows["rg_entry"].append(json.dumps(entry))
+        except TypeError as exc:
+            raise DataError(f"{RG_PREFIX}{task} entry {index} is not JSON-serialisable: {exc}") from exc
+        rows["task"].append(task)
+    return datasets.Dataset.from_dict(rows)
+
+
+def _standardise(ds, source: str, prompt_column: str, answer_column: str):
+    from datasets import Value
+
+    columns = list(ds.column_names)
+    if prompt_column not in columns:
+        raise DataError(f"{source}: no prompt column {prompt_column!r}; columns: {columns}")
+    if answer_column != "answer" and answer_column not in columns:
+        raise DataError(f"{source}: no answer column {answer_column!r}; columns: {columns}")
+    for wanted, given in (("prompt", prompt_column), ("answer", answer_column)):
+        if given != wanted and given in columns:
+            if wanted in columns:
+                raise DataError(f"{source}: cannot rename column {given!r} to {wanted!r}, which exists already")
+            ds = ds.rename_column(given, wanted)
+    if "answer" in ds.column_names:
+        feature = ds.features["answer"]
+        if not isinstance(feature, Value):
+            raise DataError(f"{source}: answer column {answer_column!r} must hold strings or numbers, got {feature}")
+        if feature.dtype != "string":
+            ds = ds.cast_column("answer", Value("string"))
+    return ds
+
+
+def _check_prompts(ds, source: str) -> None:
+    if len(ds) == 0:
+        raise DataError(f"{source}: the dataset is empty")
+    for row, prompt in enumerate(ds["prompt"]):
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise DataError(f"{source}: empty prompt in row {row}")
+            continue
+        if not isinstance(prompt, list) or not prompt:
+            raise DataError(f"{source}: prompt in row {row} must be a non-empty str or list of messages, got {prompt!r}")
+        for message in prompt:
+            if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+                raise DataError(f"{source}: prompt in row {row} has a message without a 'role': {message!r}")
+            if not isinstance(message.get("content"), str):
+                raise DataError(f"{source}: prompt in row {row} has a message without str 'content': {message!r}")
+        if not any(m["content"].strip() for m in prompt):
+            raise DataError(f"{source}: empty prompt in row {row}")
+
+
+def load_prompt_dataset(
+    source: str,
+    *,
+    split: str = "train",
+    prompt_column: str = "prompt",
+    answer_column: str = "answer",
+    size: int | None = None,
+    seed: int = 0,
+    data_files: Any = None,
+    instruction: str | None = DEFAULT_INSTRUCTION,
+    task_kwargs: Mapping[str, Any] | None = None,
+):
+    """A `datasets.Dataset` of prompts with the standard columns `prompt` and `answer`.
+
+    `source` is a local `.jsonl` / `.json` / `.parquet` file, `reasoning_gym:<task>`
+    (`size` problems generated offline from `seed`, each question followed by
+    `instruction`, `task_kwargs` passed to the task's config), or a `datasets`
+    name (with `data_files` if it needs them; offline it loads from the cache
+    only). `size` keeps the first `size` rows of a file or hub split. Raises
+    `DataError` with a one-line message.
+    """
+    if not isinstance(source, str) or not source:
+        raise DataError(f"source must be a non-empty str, got {source!r}")
+    if size is not None and (not isinstance(size, int) or size < 1):
+        raise DataError(f"size must be a positive int or None, got {size!r}")
+    if source.startswith(RG_PREFIX):
+        ds = _load_reasoning_gym(source[len(RG_PREFIX) :], size, seed, instruction, task_kwargs)
+    else:
+        path = Path(source)
+        is_file = path.suffix in _FILE_BUILDERS
+        ds = _load_file(path, split, data_files) if is_file else _load_hub(source, split, data_files)
+        if size is not None:
+            if size > len(ds):
+                raise DataError(f"{source}: size={size} but it holds only {len(ds)} rows")
+            ds = ds.select(range(size))
+    ds = _standardise(ds, source, prompt_column, answer_column)
+    _check_prompts(ds, source)
+    return ds
+
+
+def split_train_eval(dataset, eval_size: int | float, seed: int):
+    """(train, eval): a seeded random split holding `eval_size` rows (an int) or
+    that fraction of the rows (a float in (0, 1)) out for evaluation."""
+    n = len(dataset)
+    if isinstance(eval_size, bool) or not isinstance(eval_size, (int, float)):
+        raise ValueError(f"eval_size must be an int or a float, got {eval_size!r}")
+    if isinstance(eval_size, float):
+        if not 0.0 < eval_size < 1.0:
+            raise ValueError(f"eval_size as a fraction must be in (0, 1), got {eval_size}")
+        eval_size = max(1, round(eval_size * n))
+    if not 1 <= eval_size < n:
+        raise ValueError(f"eval_size must be in [1, {n - 1}] for a dataset of {n} rows, got {eval_size}")
+    split = dataset.train_test_split(test_size=eval_size, seed=seed, shuffle=True)
+    return split["train"], split["test"]
+
+
+# -------------------------------------------------------------- formatting
+
+
+def format_prompt(tokenizer, prompt: str | Sequence[Mapping[str, str]], *, system_prompt: str | None = None) -> str:
+    """The prompt as the model sees it: the tokenizer's chat template applied with
+    the generation prompt opened. A str becomes one user message; a message list
+    is used as is. `system_prompt` is prepended (an error if the prompt has its own)."""
+    if not tokenizer.chat_template:
+        raise ValueError(f"tokenizer of {tokenizer.name_or_path!r} has no chat template; prompts cannot be formatted")
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, Sequence) and all(isinstance(m, Mapping) for m in prompt):
+        messages = [dict(m) for m in prompt]
+    else:
+        raise ValueError(f"prompt must be a str or a list of messages, got {type(prompt).__name__}")
+    if system_prompt is not None:
+        if any(m.get("role") == "system" for m in messages):
+            raise ValueError("system_prompt is set but the prompt has its own system message")
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if not isinstance(text, str):
+        raise ValueError(f"chat template of {tokenizer.name_or_path!r} returned {type(text).__name__}, not a str")
+    return text
+
+
+# ---------------------------------------------------------------- sampling
+
+
+class PromptSampler:
+    """Batches of dataset rows in a seeded order that a resumed run reproduces.
+
+    Each epoch visits the rows in the permutation drawn from `(seed, epoch)` (or
+    in order when `shuffle=False`) and drops the last incomplete batch.
+    `num_epochs=None` cycles forever; otherwise `next_batch` raises StopIteration
+    after the last epoch. `state_dict()` / `load_state_dict()` capture `epoch` and
+    `position` (rows consumed in the current epoch).
+    """
+
+    def __init__(self, dataset, batch_size: int, *, seed: int, shuffle: bool = True, num_epochs: int | None = None):
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if batch_size > len(dataset):
+            raise ValueError(f"batch_size={batch_size} is larger than the dataset ({len(dataset)} rows)")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        if num_epochs is not None and (not isinstance(num_epochs, int) or num_epochs < 1):
+            raise ValueError(f"num_epochs must be a positive int or None, got {num_epochs!r}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.num_epochs = num_epochs
+        self.epoch = 0
+        self.position = 0
+        self._order = self._permutation(0)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.dataset) // self.batch_size
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.dataset))
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
+
+    def next_batch(self) -> list[dict[str, Any]]:
+        if self.position + self.batch_size > len(self.dataset):
+            self.epoch, self.position = self.epoch + 1, 0
+            self._order = self._permutation(self.epoch)
+        if self.num_epochs is not None and self.epoch >= self.num_epochs:
+            raise StopIteration
+        indices = self._order[self.position : self.position + self.batch_size]
+        self.position += self.batch_size
+        return [dict(self.dataset[int(i)]) for i in indices]
+
+    def __iter__(self) -> Iterator[list[dict[str, Any]]]:
+        return self
+
+    def __next__(self) -> list[dict[str, Any]]:
+        return self.next_batch()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "shuffle": self.shuffle,
+            "dataset_size": len(self.dataset),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        expected = {"seed": self.seed, "batch_size": self.batch_size, "shuffle": self.shuffle,
+                    "dataset_size": len(self.dataset)}
+        for key, value in expected.items():
+            if key not in state:
+                raise ValueError(f"sampler state has no {key!r}")
+            if state[key] != value:
+                raise ValueError(f"sampler state has {key}={state[key]!r} but this sampler has {key}={value!r}")
+        epoch, position = state["epoch"], state["position"]
+        if not isinstance(epoch, int) or epoch < 0 or not isinstance(position, int) or not 0 <= position <= len(self.dataset):
+            raise ValueError(f"sampler state has an invalid epoch={epoch!r} / position={position!r}")
+        self.epoch, self.position = epoch, position
+        self._order = self._permutation(epoch)

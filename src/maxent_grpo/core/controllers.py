@@ -1,0 +1,412 @@
+"""Tau, beta and meta controllers and their persisted state (ALGORITHMS.md §8).
+
+The update functions are pure: they take a :class:`ControllerState` and return
+a new one. They run once per optimizer step on globally averaged inputs, so
+every rank computes the same state; :func:`broadcast_controller_state` makes
+that exact (rank 0 wins). ``step`` is the number of completed optimizer steps
+(1 after the first).
+
+Besides the pure updates this module holds the state's atomic JSON save/load,
+because the state file is part of every checkpoint and a torn write must
+never replace a good one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = [
+    "TAU_ENTROPY_EMA_DECAY",
+    "TauSchedule",
+    "KlControllerSettings",
+    "ControllerMetaSettings",
+    "ControllerSettings",
+    "ControllerState",
+    "target_entropy_at",
+    "update_tau",
+    "update_beta",
+    "apply_meta_gradients",
+    "meta_update",
+    "controller_step",
+    "save_controller_state",
+    "load_controller_state",
+    "broadcast_controller_state",
+]
+
+# Hbar <- 0.9 * Hbar + 0.1 * H: per-batch weight entropy is noisy.
+TAU_ENTROPY_EMA_DECAY = 0.9
+
+
+def _finite(name: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+
+
+def _clamp_bounds(value: float, lo: float, hi: float) -> float:
+    """Clamp to ``[lo, hi]``; a bound ``<= 0`` means that side is unbounded."""
+    if hi > 0:
+        value = min(value, hi)
+    if lo > 0:
+        value = max(value, lo)
+    return value
+
+
+def _log(tau: float) -> float:
+    return math.log(tau) if tau > 0 else -math.inf
+
+
+@dataclass(frozen=True)
+class TauSchedule:
+    """Tau controller toward a target weight entropy ``H*`` (nats); ``target_entropy=None`` disables it.
+
+    ``H*`` goes linearly from ``target_entropy`` (step 0) to ``target_final``
+    (step ``horizon``) when both ``target_final`` and ``horizon > 0`` are set.
+    ``min`` / ``max`` bound tau; a bound ``<= 0`` means unbounded. Updates are
+    skipped while ``step <= warmup_steps``.
+    """
+
+    target_entropy: float | None = None
+    target_final: float | None = None
+    horizon: int = 0
+    lr: float = 0.0
+    min: float = 0.0
+    max: float = 0.0
+    warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("target_entropy", "target_final"):
+            value = getattr(self, name)
+            if value is not None:
+                _finite(f"tau_schedule.{name}", value)
+        if self.target_final is not None and self.target_entropy is None:
+            raise ValueError("tau_schedule.target_final needs tau_schedule.target_entropy (the start value)")
+        if self.horizon < 0:
+            raise ValueError(f"tau_schedule.horizon must be >= 0, got {self.horizon}")
+        if not (math.isfinite(self.lr) and self.lr >= 0):
+            raise ValueError(f"tau_schedule.lr must be a finite number >= 0, got {self.lr}")
+        _finite("tau_schedule.min", self.min)
+        _finite("tau_schedule.max", self.max)
+        if self.min > 0 and self.max > 0 and self.min > self.max:
+            raise ValueError(f"tau_schedule.min ({self.min}) must be <= tau_schedule.max ({self.max})")
+        if self.warmup_steps < 0:
+            raise ValueError(f"tau_schedule.warmup_steps must be >= 0, got {self.warmup_steps}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.target_entropy is not None and self.lr > 0
+
+
+@dataclass(frozen=True)
+class KlControllerSettings:
+    """Adaptive-KL beta controller toward ``target``; off unless target, horizon and step_size are all > 0."""
+
+    target: float = 0.0
+    horizon: int = 0
+    step_size: float = 0.0
+
+    def __post_init__(self) -> None:
+        _finite("kl_controller.target", self.target)
+        _finite("kl_controller.step_size", self.step_size)
+
+    @property
+    def enabled(self) -> bool:
+        return self.target > 0 and self.horizon > 0 and self.step_size > 0
+
+
+@dataclass(frozen=True)
+class ControllerMetaSettings:
+    """Analytic meta-controller: gradient steps on tau and beta every ``every`` steps.
+
+    ``grad_clip`` bounds the KL error in the beta step (``<= 0``: unclipped);
+    the tau step is not clipped, as in the spec.
+    """
+
+    enabled: bool = False
+    lr_tau: float = 0.0
+    lr_beta: float = 0.0
+    every: int = 1
+    grad_clip: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("lr_tau", "lr_beta"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"controller_meta.{name} must be a finite number >= 0, got {value}")
+        if self.every < 1:
+            raise ValueError(f"controller_meta.every must be >= 1, got {self.every}")
+        _finite("controller_meta.grad_clip", self.grad_clip)
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    """All controller settings together (what :func:`meta_update` and :func:`controller_step` need)."""
+
+    tau_schedule: TauSchedule = field(default_factory=TauSchedule)
+    kl_controller: KlControllerSettings = field(default_factory=KlControllerSettings)
+    meta: ControllerMetaSettings = field(default_factory=ControllerMetaSettings)
+
+
+@dataclass(frozen=True)
+class ControllerState:
+    """Everything the controllers carry between steps; saved with every checkpoint.
+
+    ``tau_log`` is the tau controller's working variable (``log tau``, ``-inf``
+    when tau is 0). Histories hold ``(step, value)`` after every change.
+    """
+
+    tau: float
+    beta: float
+    tau_log: float
+    tau_entropy_ema: float | None = None
+    step: int = 0
+    tau_history: tuple[tuple[int, float], ...] = ()
+    beta_history: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.tau) and self.tau >= 0):
+            raise ValueError(f"tau must be a finite number >= 0, got {self.tau}")
+        if not (math.isfinite(self.beta) and self.beta >= 0):
+            raise ValueError(f"beta must be a finite number >= 0, got {self.beta}")
+        if math.isnan(self.tau_log) or self.tau_log == math.inf:
+            raise ValueError(f"tau_log must be a number < inf, got {self.tau_log}")
+        if self.tau_entropy_ema is not None:
+            _finite("tau_entropy_ema", self.tau_entropy_ema)
+
+    @classmethod
+    def initial(cls, tau: float, beta: float) -> ControllerState:
+        return cls(tau=float(tau), beta=float(beta), tau_log=_log(float(tau)))
+
+    def with_params(self, tau: float, beta: float) -> ControllerState:
+        """This state with tau and beta set from outside (``tau_log`` follows a changed tau)."""
+        if tau == self.tau and beta == self.beta:
+            return self
+        return replace(self, tau=float(tau), beta=float(beta),
+                       tau_log=self.tau_log if tau == self.tau else _log(float(tau)))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict; ``tau_log`` is ``None`` when it is ``-inf`` (tau = 0), keeping the JSON standard."""
+        return {
+            "tau": self.tau,
+            "beta": self.beta,
+            "tau_log": self.tau_log if math.isfinite(self.tau_log) else None,
+            "tau_entropy_ema": self.tau_entropy_ema,
+            "step": self.step,
+            "tau_history": [[s, v] for s, v in self.tau_history],
+            "beta_history": [[s, v] for s, v in self.beta_history],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ControllerState:
+        known = {"tau", "beta", "tau_log", "tau_entropy_ema", "step", "tau_history", "beta_history"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"controller state: unknown keys {unknown}")
+        for key in ("tau", "beta"):
+            if key not in data:
+                raise ValueError(f"controller state: missing key {key!r}")
+        tau = float(data["tau"])
+        tau_log = data.get("tau_log")
+        ema = data.get("tau_entropy_ema")
+        return cls(
+            tau=tau,
+            beta=float(data["beta"]),
+            tau_log=_log(tau) if tau_log is None else float(tau_log),
+            tau_entropy_ema=None if ema is None else float(ema),
+            step=int(data.get("step", 0)),
+            tau_history=tuple((int(s), float(v)) for s, v in data.get("tau_history", ())),
+            beta_history=tuple((int(s), float(v)) for s, v in data.get("beta_history", ())),
+        )
+
+
+def _with_tau(state: ControllerState, tau: float, step: int, **changes: Any) -> ControllerState:
+    return replace(state, tau=tau, tau_log=_log(tau), step=step,
+                   tau_history=state.tau_history + ((step, tau),), **changes)
+
+
+def _with_beta(state: ControllerState, beta: float, step: int) -> ControllerState:
+    return replace(state, beta=beta, step=step, beta_history=state.beta_history + ((step, beta),))
+
+
+def target_entropy_at(settings: TauSchedule, step: int) -> float | None:
+    """The scheduled ``H*`` at ``step``: linear from start to final over ``horizon`` steps, then flat."""
+    start = settings.target_entropy
+    if start is None or settings.target_final is None or settings.horizon <= 0:
+        return start
+    frac = min(max(step / settings.horizon, 0.0), 1.0)
+    return start + (settings.target_final - start) * frac
+
+
+def update_tau(
+    state: ControllerState,
+    measured_entropy: float,
+    settings: TauSchedule,
+    step: int,
+    lr_scale: float = 1.0,
+) -> ControllerState:
+    """One tau step toward ``H*``: EMA of the measured weight entropy, then
+    ``log tau += lr * lr_scale * (H* - Hbar)``, clamped to the bounds.
+
+    Disabled settings or ``step <= warmup_steps`` return the state with only
+    ``step`` changed (the EMA is not fed during warm-up, so the first value after
+    warm-up initialises it). ``lr_scale`` lets the tau lr follow the main LR schedule.
+    """
+    if not settings.enabled or step <= settings.warmup_steps:
+        return replace(state, step=step)
+    _finite("measured_entropy", measured_entropy)
+    if not (math.isfinite(lr_scale) and lr_scale >= 0):
+        raise ValueError(f"lr_scale must be a finite number >= 0, got {lr_scale}")
+    if state.tau == 0 and settings.min <= 0:
+        raise ValueError("tau is 0, which the multiplicative tau controller cannot move; "
+                         "start from tau > 0 or set tau_schedule.min > 0")
+    target = target_entropy_at(settings, step)
+    prev = state.tau_entropy_ema
+    ema = measured_entropy if prev is None else TAU_ENTROPY_EMA_DECAY * prev + (1 - TAU_ENTROPY_EMA_DECAY) * measured_entropy
+    tau_log = state.tau_log + settings.lr * lr_scale * (target - ema)
+    tau = _clamp_bounds(math.exp(tau_log), settings.min, settings.max)
+    # tau_log restarts from the clamped value so the controller does not wind up past a bound.
+    return _with_tau(state, tau, step, tau_entropy_ema=ema)
+
+
+def update_beta(state: ControllerState, measured_kl: float, settings: KlControllerSettings) -> ControllerState:
+    """Adaptive-KL step ``beta <- max(0, beta * (1 + clip(KL/KL* - 1, -s, s) / horizon))``; no-op when disabled."""
+    if not settings.enabled:
+        return state
+    _finite("measured_kl", measured_kl)
+    err = min(max(measured_kl / settings.target - 1.0, -settings.step_size), settings.step_size)
+    beta = max(0.0, state.beta * (1.0 + err / settings.horizon))
+    return _with_beta(state, beta, state.step)
+
+
+def apply_meta_gradients(
+    state: ControllerState,
+    settings: ControllerSettings,
+    *,
+    tau_grad: float | None = None,
+    beta_grad: float | None = None,
+    lr_scale: float = 1.0,
+    step: int | None = None,
+) -> ControllerState:
+    """Gradient step ``tau <- clip(tau - lr_tau * g_tau)``, ``beta <- max(0, beta - lr_beta * clip(g_beta, +-grad_clip))``.
+
+    Tau is clamped to the tau schedule's bounds and to >= 0. A ``None``
+    gradient (or a zero learning rate) leaves that parameter alone.
+    """
+    if not (math.isfinite(lr_scale) and lr_scale >= 0):
+        raise ValueError(f"lr_scale must be a finite number >= 0, got {lr_scale}")
+    meta, bounds = settings.meta, settings.tau_schedule
+    step = state.step if step is None else step
+    out = replace(state, step=step)
+    if tau_grad is not None and meta.lr_tau > 0:
+        _finite("tau_grad", tau_grad)
+        tau = max(0.0, _clamp_bounds(state.tau - meta.lr_tau * lr_scale * tau_grad, bounds.min, bounds.max))
+        out = _with_tau(out, tau, step)
+    if beta_grad is not None and meta.lr_beta > 0:
+        _finite("beta_grad", beta_grad)
+        g = beta_grad if meta.grad_clip <= 0 else min(max(beta_grad, -meta.grad_clip), meta.grad_clip)
+        out = _with_beta(out, max(0.0, state.beta - meta.lr_beta * lr_scale * g), step)
+    return out
+
+
+def meta_update(
+    state: ControllerState,
+    entropy: float | None,
+    kl: float | None,
+    settings: ControllerSettings,
+    step: int,
+    lr_scale: float = 1.0,
+) -> ControllerState:
+    """Analytic meta step every ``meta.every`` steps:
+    ``tau <- clip(tau - lr_tau * (H - H*))``, ``beta <- max(0, beta + lr_beta * clip(KL - KL*, +-g))``.
+
+    The tau part needs ``entropy`` and a tau target, the beta part ``kl`` and
+    ``kl_controller.target > 0``; otherwise that part is skipped.
+    """
+    if not settings.meta.enabled or step % settings.meta.every != 0:
+        return replace(state, step=step)
+    target_h = target_entropy_at(settings.tau_schedule, step)
+    tau_grad = None if entropy is None or target_h is None else entropy - target_h
+    kl_target = settings.kl_controller.target
+    beta_grad = None if kl is None or kl_target <= 0 else kl_target - kl
+    return apply_meta_gradients(state, settings, tau_grad=tau_grad, beta_grad=beta_grad, lr_scale=lr_scale, step=step)
+
+
+def controller_step(
+    state: ControllerState,
+    *,
+    entropy: float | None,
+    kl: float | None,
+    settings: ControllerSettings,
+    step: int,
+    lr_scale: float = 1.0,
+) -> ControllerState:
+    """The per-step controller update: the meta controller when enabled, else tau then beta."""
+    if settings.meta.enabled:
+        return meta_update(state, entropy, kl, settings, step, lr_scale)
+    if entropy is not None:
+        state = update_tau(state, entropy, settings.tau_schedule, step, lr_scale)
+    state = replace(state, step=step)
+    if kl is not None:
+        state = update_beta(state, kl, settings.kl_controller)
+    return state
+
+
+def save_controller_state(path: str | os.PathLike[str], state: ControllerState) -> None:
+    """Write ``state`` as JSON atomically: temp file in the same directory, fsync, ``os.replace``.
+
+    A crash at any point leaves either the old file or the new one, never a torn file.
+    """
+    path = os.path.abspath(os.fspath(path))
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    payload = json.dumps(state.to_dict(), allow_nan=False, indent=2)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(payload)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    if os.name == "posix":  # make the rename itself durable
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def load_controller_state(path: str | os.PathLike[str]) -> ControllerState:
+    """Read a state written by :func:`save_controller_state`; a malformed file raises ``ValueError``."""
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"controller state file {os.fspath(path)!r} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"controller state file {os.fspath(path)!r} must hold a JSON object")
+    return ControllerState.from_dict(data)
+
+
+def broadcast_controller_state(state: ControllerState) -> ControllerState:
+    """Rank 0's state on every rank when ``torch.distributed`` runs with world size > 1; else ``state``.
+
+    A collective: every rank must call it. Rides on ``broadcast_object_list``
+    (with NCCL, the current CUDA device must be set, as Accelerate does).
+    """
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return state
+    payload = [state.to_dict()]
+    dist.broadcast_object_list(payload, src=0)
+    return ControllerState.from_dict(payload[0])

@@ -1,0 +1,301 @@
+"""Tau / beta / meta controllers, state persistence and rank-0 broadcast (§8)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import replace
+
+import pytest
+import torch.multiprocessing as mp
+
+from maxent_grpo.core.controllers import (
+    ControllerMetaSettings,
+    ControllerSettings,
+    ControllerState,
+    KlControllerSettings,
+    TauSchedule,
+    apply_meta_gradients,
+    broadcast_controller_state,
+    controller_step,
+    load_controller_state,
+    meta_update,
+    save_controller_state,
+    target_entropy_at,
+    update_beta,
+    update_tau,
+)
+
+SCHED = TauSchedule(target_entropy=1.0, lr=0.5, min=0.01, max=10.0, warmup_steps=2)
+
+
+def test_tau_skips_warmup_then_initialises_ema_and_steps_log_tau():
+    s = ControllerState.initial(0.5, 0.1)
+    for step in (1, 2):
+        s = update_tau(s, 0.2, SCHED, step)
+        assert (s.tau, s.tau_entropy_ema, s.tau_history) == (0.5, None, ())
+        assert s.step == step
+    s = update_tau(s, 0.4, SCHED, 3)
+    assert s.tau_entropy_ema == 0.4  # first value initialises the EMA
+    expect = math.exp(math.log(0.5) + 0.5 * (1.0 - 0.4))
+    assert s.tau == pytest.approx(expect, rel=1e-12)
+    assert s.tau_log == pytest.approx(math.log(expect), rel=1e-12)
+    s2 = update_tau(s, 0.8, SCHED, 4, lr_scale=0.5)
+    ema = 0.9 * 0.4 + 0.1 * 0.8
+    assert s2.tau_entropy_ema == pytest.approx(ema, rel=1e-12)
+    assert s2.tau == pytest.approx(math.exp(math.log(expect) + 0.25 * (1.0 - ema)), rel=1e-12)
+    assert [h[0] for h in s2.tau_history] == [3, 4]
+    assert s.tau == pytest.approx(expect)  # pure: the old state is untouched
+
+
+def test_tau_moves_toward_target_entropy():
+    s = ControllerState.initial(1.0, 0.0)
+    sched = TauSchedule(target_entropy=1.0, lr=0.1)
+    assert update_tau(s, 0.5, sched, 1).tau > 1.0  # too peaked: raise tau
+    assert update_tau(s, 1.5, sched, 1).tau < 1.0
+
+
+def test_tau_clamps_and_resets_log_tau_at_the_bound():
+    s = ControllerState.initial(1.0, 0.0)
+    hi = update_tau(s, -100.0, SCHED, 5)
+    assert hi.tau == 10.0 and hi.tau_log == pytest.approx(math.log(10.0))
+    lo = update_tau(s, 100.0, SCHED, 5)
+    assert lo.tau == 0.01 and lo.tau_log == pytest.approx(math.log(0.01))
+    # no wind-up: one step back from the bound moves off it at once
+    back = update_tau(replace(hi, tau_entropy_ema=None), 1.5, SCHED, 6)
+    assert back.tau < 10.0
+
+
+@pytest.mark.parametrize("lo,hi", [(0.0, 0.0), (-1.0, -1.0)])
+def test_tau_bounds_at_or_below_zero_are_unbounded(lo, hi):
+    sched = TauSchedule(target_entropy=1.0, lr=1.0, min=lo, max=hi)
+    s = ControllerState.initial(1.0, 0.0)
+    assert update_tau(s, -30.0, sched, 1).tau == pytest.approx(math.exp(31.0))
+    assert update_tau(s, 31.0, sched, 1).tau == pytest.approx(math.exp(-30.0))
+
+
+def test_tau_disabled_or_zero():
+    s = ControllerState.initial(0.5, 0.0)
+    assert update_tau(s, 0.1, TauSchedule(target_entropy=None, lr=1.0), 9).tau == 0.5
+    assert update_tau(s, 0.1, TauSchedule(target_entropy=1.0, lr=0.0), 9).tau == 0.5
+    with pytest.raises(ValueError, match="tau"):
+        update_tau(ControllerState.initial(0.0, 0.0), 0.1, TauSchedule(target_entropy=1.0, lr=1.0), 1)
+    # a positive floor lifts tau off 0
+    assert update_tau(ControllerState.initial(0.0, 0.0), 0.1, TauSchedule(target_entropy=1.0, lr=1.0, min=0.2), 1).tau == 0.2
+    with pytest.raises(ValueError, match="measured_entropy"):
+        update_tau(s, math.nan, SCHED, 9)
+
+
+def test_target_entropy_schedule_is_linear_then_flat():
+    sched = TauSchedule(target_entropy=2.0, target_final=1.0, horizon=10, lr=0.1)
+    assert [target_entropy_at(sched, k) for k in (0, 5, 10, 50)] == pytest.approx([2.0, 1.5, 1.0, 1.0])
+    assert target_entropy_at(TauSchedule(target_entropy=2.0, target_final=1.0), 5) == 2.0  # no horizon
+    s = update_tau(ControllerState.initial(1.0, 0.0), 1.5, sched, 5)
+    assert s.tau == pytest.approx(1.0)  # H == H*(5): no move
+
+
+@pytest.mark.parametrize("settings", [
+    KlControllerSettings(0.0, 10, 0.2), KlControllerSettings(0.1, 0, 0.2), KlControllerSettings(0.1, 10, 0.0),
+])
+def test_beta_off_unless_target_horizon_and_step_all_positive(settings):
+    s = ControllerState.initial(0.5, 0.2)
+    assert update_beta(s, 5.0, settings) == s
+
+
+def test_beta_adaptive_kl_step():
+    kl = KlControllerSettings(target=0.1, horizon=10, step_size=0.2)
+    s = ControllerState.initial(0.5, 0.2)
+    assert update_beta(s, 0.11, kl).beta == pytest.approx(0.2 * (1 + 0.1 / 10), rel=1e-12)
+    assert update_beta(s, 0.5, kl).beta == pytest.approx(0.2 * (1 + 0.2 / 10), rel=1e-12)  # clipped at +s
+    assert update_beta(s, 0.0, kl).beta == pytest.approx(0.2 * (1 - 0.2 / 10), rel=1e-12)  # clipped at -s
+    wild = KlControllerSettings(target=0.1, horizon=1, step_size=5.0)
+    assert update_beta(s, -1.0, wild).beta == 0.0  # never negative (k1 KL estimates can be < 0)
+    assert update_beta(ControllerState.initial(0.5, 0.0), 1.0, kl).beta == 0.0
+    with pytest.raises(ValueError, match="measured_kl"):
+        update_beta(s, math.inf, kl)
+
+
+META = ControllerSettings(
+    tau_schedule=TauSchedule(target_entropy=1.0, min=0.05, max=2.0),
+    kl_controller=KlControllerSettings(target=0.1),
+    meta=ControllerMetaSettings(enabled=True, lr_tau=0.5, lr_beta=2.0, every=2, grad_clip=0.05),
+)
+
+
+def test_meta_update_analytic_step_every_n():
+    s = ControllerState.initial(0.5, 0.2)
+    skipped = meta_update(s, 1.4, 0.3, META, step=3)
+    assert (skipped.tau, skipped.beta, skipped.step) == (0.5, 0.2, 3)
+    out = meta_update(s, 1.4, 0.12, META, step=4)
+    assert out.tau == pytest.approx(0.5 - 0.5 * (1.4 - 1.0))
+    assert out.beta == pytest.approx(0.2 + 2.0 * 0.02)
+    clipped = meta_update(s, 0.8, 0.9, META, step=4)
+    assert clipped.tau == pytest.approx(0.5 + 0.5 * 0.2)
+    assert clipped.beta == pytest.approx(0.2 + 2.0 * 0.05)  # KL error clipped at g
+    low = meta_update(s, 5.0, 0.0, META, step=4)
+    assert low.tau == 0.05  # clamped to tau_min
+    assert low.beta == pytest.approx(0.2 - 2.0 * 0.05)
+    assert meta_update(s, None, None, META, step=4).tau == 0.5
+
+
+def test_meta_unclipped_and_disabled():
+    unclipped = ControllerSettings(META.tau_schedule, META.kl_controller,
+                                   ControllerMetaSettings(enabled=True, lr_beta=1.0, grad_clip=0.0))
+    s = ControllerState.initial(0.5, 0.2)
+    assert meta_update(s, 1.0, 5.1, unclipped, 1).beta == pytest.approx(0.2 + 5.0)
+    assert meta_update(s, 1.0, -100.0, unclipped, 1).beta == 0.0
+    off = ControllerSettings(META.tau_schedule, META.kl_controller, ControllerMetaSettings(enabled=False, lr_tau=1.0))
+    assert meta_update(s, 9.0, 9.0, off, 1).tau == 0.5
+    grads = apply_meta_gradients(s, META, tau_grad=0.1, beta_grad=-1.0, lr_scale=0.5)
+    assert grads.tau == pytest.approx(0.5 - 0.5 * 0.5 * 0.1)
+    assert grads.beta == pytest.approx(0.2 + 0.5 * 2.0 * 0.05)
+
+
+def test_controller_step_dispatches():
+    plain = ControllerSettings(TauSchedule(target_entropy=1.0, lr=0.1), KlControllerSettings(0.1, 10, 0.2))
+    s = ControllerState.initial(0.5, 0.2)
+    out = controller_step(s, entropy=0.5, kl=0.2, settings=plain, step=7)
+    expect = update_beta(update_tau(s, 0.5, plain.tau_schedule, 7), 0.2, plain.kl_controller)
+    assert out == expect and out.step == 7 and out.beta > 0.2
+    assert controller_step(s, entropy=1.4, kl=0.12, settings=META, step=4) == meta_update(s, 1.4, 0.12, META, 4)
+
+
+def test_settings_validation_names_the_field():
+    with pytest.raises(ValueError, match="tau_schedule.lr"):
+        TauSchedule(lr=-1.0)
+    with pytest.raises(ValueError, match="tau_schedule.min"):
+        TauSchedule(min=2.0, max=1.0)
+    with pytest.raises(ValueError, match="target_final"):
+        TauSchedule(target_final=1.0)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        TauSchedule(warmup_steps=-1)
+    with pytest.raises(ValueError, match="controller_meta.every"):
+        ControllerMetaSettings(every=0)
+    with pytest.raises(ValueError, match="tau"):
+        ControllerState.initial(-1.0, 0.0)
+    with pytest.raises(ValueError, match="beta"):
+        ControllerState.initial(1.0, math.nan)
+
+
+# ---------------------------------------------------------------- persistence
+
+
+def _busy_state() -> ControllerState:
+    s = ControllerState.initial(0.5, 0.2)
+    s = update_tau(s, 0.3, TauSchedule(target_entropy=1.0, lr=0.2), 1)
+    return update_beta(s, 0.3, KlControllerSettings(0.1, 10, 0.2))
+
+
+def test_dict_round_trip():
+    s = _busy_state()
+    assert ControllerState.from_dict(json.loads(json.dumps(s.to_dict()))) == s
+    zero = ControllerState.initial(0.0, 0.0)
+    d = zero.to_dict()
+    assert d["tau_log"] is None and d["tau_entropy_ema"] is None
+    assert ControllerState.from_dict(d) == zero
+    with pytest.raises(ValueError, match="unknown keys"):
+        ControllerState.from_dict({**d, "gamma": 1})
+    with pytest.raises(ValueError, match="tau"):
+        ControllerState.from_dict({"beta": 0.1})
+
+
+def test_save_load_round_trip(tmp_path):
+    s = _busy_state()
+    path = tmp_path / "sub" / "controller_state.json"
+    save_controller_state(path, s)
+    assert load_controller_state(path) == s
+    assert os.listdir(path.parent) == ["controller_state.json"]  # no temp files left behind
+    json.loads(path.read_text())  # standard JSON
+
+
+def test_save_failing_before_rename_keeps_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "controller_state.json"
+    old = ControllerState.initial(0.5, 0.1)
+    save_controller_state(path, old)
+
+    def boom(*args, **kwargs):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError, match="disk gone"):
+        save_controller_state(path, _busy_state())
+    monkeypatch.undo()
+    assert load_controller_state(path) == old
+    assert os.listdir(tmp_path) == ["controller_state.json"]
+
+
+@pytest.mark.slow
+def test_process_killed_mid_write_leaves_old_file_valid(tmp_path):
+    path = tmp_path / "controller_state.json"
+    old = ControllerState.initial(0.5, 0.1)
+    save_controller_state(path, old)
+    # A real crash: the writer dies (os._exit, no cleanup) after writing part of
+    # the new payload and before the rename.
+    script = textwrap.dedent(f"""
+        import os
+        from maxent_grpo.core import controllers as c
+        real_fdopen = os.fdopen
+        class Torn:
+            def __init__(self, fh): self.fh = fh
+            def __enter__(self): return self
+            def __exit__(self, *a): return False
+            def write(self, text):
+                self.fh.write(text[: len(text) // 2]); self.fh.flush(); os._exit(9)
+        os.fdopen = lambda fd, *a, **k: Torn(real_fdopen(fd, *a, **k))
+        s = c.ControllerState.initial(3.0, 2.0)
+        c.save_controller_state({str(path)!r}, s)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 9, proc.stderr
+    leftovers = [n for n in os.listdir(tmp_path) if n != "controller_state.json"]
+    assert leftovers and os.path.getsize(tmp_path / leftovers[0]) > 0  # the torn write happened
+    assert load_controller_state(path) == old
+
+
+def test_load_malformed_raises(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text('{"tau": 0.5, "beta"')
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_controller_state(path)
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="JSON object"):
+        load_controller_state(path)
+
+
+# ---------------------------------------------------------------- broadcast
+
+
+def test_broadcast_without_process_group_is_identity():
+    s = _busy_state()
+    assert broadcast_controller_state(s) is s
+
+
+def _broadcast_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        if rank == 0:
+            state = _busy_state()
+        else:
+            state = ControllerState(tau=9.0, beta=3.0, tau_log=math.log(9.0), tau_entropy_ema=7.0, step=99)
+        out = broadcast_controller_state(state)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+            json.dump(out.to_dict(), fh)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_broadcast_gives_every_rank_rank0_state(tmp_path):
+    # fork: the children inherit the imported modules instead of importing torch again
+    mp.start_processes(_broadcast_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
+                       join=True, start_method="fork")
+    expect = _busy_state()
+    for rank in (0, 1):
+        got = ControllerState.from_dict(json.loads((tmp_path / f"rank{rank}.json").read_text()))
+        assert got == expect

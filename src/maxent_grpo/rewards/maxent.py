@@ -72,6 +72,7 @@ __all__ = [
     "save_controller_state",
     "load_controller_state",
     "broadcast_controller_state",
+    "restore_controller_state",
 ]
 
 CONTROLLER_STATE_FILENAME = "controller_state.json"
@@ -643,6 +644,11 @@ def load_controller_state(path: str | os.PathLike[str], weighting_cfg: Weighting
         return False
     _commit(weighting_cfg, ctl.load_controller_state(path))
     return True
+
+
+def restore_controller_state(weighting_cfg: WeightingSettings, state: dict) -> None:
+    """Restore a snapshot made by :func:`controller_state_dict` (a checkpoint's copy) into ``weighting_cfg``."""
+    _commit(weighting_cfg, ControllerState.from_dict(state))
 
 
 def broadcast_controller_state(weighting_cfg: WeightingSettings) -> None:

@@ -19,12 +19,14 @@ from typing import Callable
 import torch
 
 from maxent_grpo.core.logprobs import get_per_token_logps, get_per_token_logps_and_entropies
+from maxent_grpo.core.seed_grpo import cluster_ids_from_answers
 from maxent_grpo.core.step import MicroBatch
 from maxent_grpo.core.weighting import mode_adaptive_tau, xdr_multipliers, xdr_utilities
 from maxent_grpo.rewards.answers import canonical_answer, extract_final_answer
 from maxent_grpo.rewards.maxent import (
     ReferenceLogprobs,
     RewardComputation,
+    SeedGrpoInputs,
     WeightingSettings,
     WeightStats,
     apply_policy_entropy_bonus,
@@ -186,22 +188,11 @@ def _rollout_and_rewards(ctx: PipelineContext, rows: list[dict], more_rows: Call
     return kept_rows, rollout, per_fn, {"dynamic_sampling/groups_seen": float(seen)}
 
 
-def _cluster_ids(texts: list[str], g: int) -> torch.Tensor:
-    """Completions with the same canonical final answer share an id; no answer -> its own id."""
-    ids, next_id = [], 0
-    for start in range(0, len(texts), g):
-        seen: dict[str, int] = {}
-        for text in texts[start : start + g]:
-            ans = extract_final_answer(text)
-            key = canonical_answer(ans) if ans is not None else None
-            if key is None or key not in seen:
-                if key is not None:
-                    seen[key] = next_id
-                ids.append(next_id)
-                next_id += 1
-            else:
-                ids.append(seen[key])
-    return torch.tensor(ids).view(-1, g)
+def _final_answers(texts: list[str], g: int) -> list[list[str | None]]:
+    """Canonical final answer of each completion, grouped ``[P][G]`` (None when there is none)."""
+    answers = [extract_final_answer(t) for t in texts]
+    canon = [canonical_answer(a) if a is not None else None for a in answers]
+    return [canon[i : i + g] for i in range(0, len(canon), g)]
 
 
 def _score_rows(ctx: PipelineContext, packed: PackedRollout, fn, with_entropy: bool = False):
@@ -236,16 +227,16 @@ def _seed_inputs(ctx: PipelineContext, rollout: RolloutBatch, packed: PackedRoll
         return None
     if packed.behaviour_logps is None:
         raise SkipBatch("seed_grpo", "the generator returned no behaviour log-probs")
-    g = rollout.num_generations
-    seq = (packed.behaviour_logps * packed.completion_mask).sum(1)
-    return {
-        "cluster_ids": _cluster_ids(rollout.completion_texts, g),
-        "seq_logps": seq.view(-1, g),
-        "token_counts": packed.completion_mask.sum(1).view(-1, g),
-        "alpha": ctx.cfg.seed_grpo.alpha,
-        "normalize_by_max_entropy": ctx.cfg.seed_grpo.normalize_by_max_entropy,
-        "length_normalize": ctx.cfg.seed_grpo.length_normalize_logprobs,
-    }
+    sg = ctx.cfg.seed_grpo
+    answers = _final_answers(rollout.completion_texts, rollout.num_generations)
+    return SeedGrpoInputs(
+        cluster_ids=cluster_ids_from_answers(answers).reshape(-1),
+        seq_logps=(packed.behaviour_logps * packed.completion_mask).sum(1),
+        token_counts=packed.completion_mask.sum(1),
+        alpha=sg.alpha,
+        normalize_by_max_entropy=sg.normalize_by_max_entropy,
+        length_normalize=sg.length_normalize_logprobs,
+    )
 
 
 def _xdr_row_weights(ctx: PipelineContext, reward_comp: RewardComputation, rollout, packed, ref_logps):
@@ -257,15 +248,11 @@ def _xdr_row_weights(ctx: PipelineContext, reward_comp: RewardComputation, rollo
     if ctx.cfg.xdr.mode_adaptive:
         total = reward_comp.total.view(-1, g)
         best = total.max(dim=1, keepdim=True).values
-        kappa = []
-        for p in range(total.shape[0]):
-            answers = {
-                canonical_answer(a)
-                for i in range(g)
-                if total[p, i] == best[p, 0] and best[p, 0] > 0
-                and (a := extract_final_answer(rollout.completion_texts[p * g + i])) is not None
-            }
-            kappa.append(len(answers))
+        # kappa: distinct answers among the group's best completions (those with the group's top reward > 0).
+        kappa = [
+            len({a for i, a in enumerate(group) if a is not None and total[p, i] == best[p, 0] and best[p, 0] > 0})
+            for p, group in enumerate(_final_answers(rollout.completion_texts, g))
+        ]
         tau = mode_adaptive_tau(ctx.cfg.xdr.tau, torch.tensor(kappa, dtype=torch.float64))
     ref_seq = None
     if ref_logps is not None and ctx.cfg.xdr.lam > 0:

@@ -14,7 +14,7 @@ from transformers import get_scheduler
 from maxent_grpo.core.logprobs import get_per_token_logps
 from maxent_grpo.core.step import LossConfig
 from maxent_grpo.models import apply_lora, load_model_and_tokenizer, load_reference_model, reference_context, resolve_model_path
-from maxent_grpo.rewards.maxent import WeightingSettings, load_controller_state, controller_state_dict
+from maxent_grpo.rewards.maxent import controller_state_dict, restore_controller_state
 from maxent_grpo.rewards.registry import build_reward_spec
 from maxent_grpo.rollout.backend import SamplingParams
 from maxent_grpo.rollout.hf import HFGenerationBackend
@@ -75,12 +75,6 @@ class Run:
             )
         if self.ctx.dist.world_size > 1:
             torch.distributed.barrier()
-
-    def evaluate(self, step: int) -> None:
-        from maxent_grpo.training.validation import validate
-
-        if self.eval_rows:
-            validate(self, step)
 
     def finish(self) -> None:
         self.trackers.close()
@@ -184,11 +178,7 @@ def _resume(run: Run, path: Path | None) -> None:
         return
     state = load_checkpoint(ckpt, model=run.ctx.model, optimizer=run.optimizer, lr_scheduler=run.lr_scheduler)
     run.sampler.sampler.load_state_dict(state["sampler"])
-    load_controller_state_from_dict(run.ctx.weighting, state["controller"])
-    run.ctx.skips.update(state.get("skips", {}))
+    restore_controller_state(run.ctx.weighting, state["controller"])
+    run.ctx.skips.update(state["skips"])
     run.start_step, run.resumed = int(state["step"]), True
     log.info("resumed from %s at step %d", ckpt, run.start_step)
-
-
-def load_controller_state_from_dict(weighting: WeightingSettings, state: dict) -> None:
-    raise NotImplementedError  # wired once rewards.maxent lands

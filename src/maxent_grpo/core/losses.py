@@ -1,0 +1,424 @@
+"""Per-token policy losses, KL estimators, aggregation and listwise losses (ALGORITHMS.md §3, §4, §6).
+
+Every aggregator returns one micro-batch's *contribution* to the optimizer
+step's loss, normalised by the whole step's counts (``StepNormalizer``), so the
+step loss is the plain sum of contributions over micro-batches and ranks. That
+is what makes ``dapo``, ``dr_grpo``, ``grpo`` and the listwise losses invariant
+to how the step is split; ``bnpo`` is defined per micro-batch and is not.
+
+Masks are float ``[B, T]`` tensors of 0/1 (``completion_mask``); ``T_i`` is a
+row's mask sum. Rows with ``T_i = 0`` (empty completions) contribute 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+# ---------------------------------------------------------------- KL estimators
+# d = logp_ref - logp (Schulman's estimators of KL(pi || pi_ref)).
+
+
+def _k1(d: torch.Tensor) -> torch.Tensor:
+    return -d
+
+
+def _k2(d: torch.Tensor) -> torch.Tensor:
+    return 0.5 * d * d
+
+
+def _k3(d: torch.Tensor) -> torch.Tensor:
+    # expm1 keeps precision where exp(d) - 1 would cancel (d near 0, the common case).
+    return torch.expm1(d) - d
+
+
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"k1": _k1, "k2": _k2, "k3": _k3}
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token KL estimate ``[B, T]`` with ``d = ref_logp - logp``."""
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"estimator must be one of {sorted(KL_ESTIMATORS)}, got {estimator!r}")
+    if ref_logp.shape != logp.shape:
+        raise ValueError(f"ref_logp shape {tuple(ref_logp.shape)} does not match logp {tuple(logp.shape)}")
+    return KL_ESTIMATORS[estimator](ref_logp.to(logp.dtype) - logp)
+
+
+# ------------------------------------------------------------ clipped surrogate
+
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+
+@dataclass(frozen=True)
+class SurrogateTerms:
+    """Output of ``clipped_surrogate``; masks are bool ``[B, T]`` (already ANDed with the token mask)."""
+
+    per_token_loss: torch.Tensor
+    ratio: torch.Tensor
+    low_clipped: torch.Tensor
+    high_clipped: torch.Tensor
+    region_clipped: torch.Tensor
+
+
+def sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` masked mean over tokens; 0 for rows with no tokens."""
+    return (values * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+
+
+def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """Ratio ``[B, T]`` whose value and gradient the surrogate uses.
+
+    ``token``: ``exp(logp - old)``. ``sequence`` (GSPO-token form):
+    ``sg[s_i] * exp(logp - sg[logp])`` with ``s_i = exp(masked mean_t(logp - old))``.
+    Its value is ``s_i`` on every token and the gradient of token ``t`` flows
+    only through that token's own log-prob, scaled by ``s_i``. With a per-sequence
+    advantage this gives the same gradient as differentiating ``s_i`` itself
+    (TRL), except that tokens dropped from the policy term (top-entropy mask)
+    get no gradient here, where TRL would still reach them through the mean.
+    """
+    if level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"importance_sampling_level must be one of {list(IMPORTANCE_SAMPLING_LEVELS)}, got {level!r}")
+    log_ratio = logp - old_logp.to(logp.dtype)
+    if level == "token":
+        return torch.exp(log_ratio)
+    seq = torch.exp(sequence_mean(log_ratio.detach(), mask))
+    return seq[:, None] * torch.exp(logp - logp.detach())
+
+
+def clipped_surrogate(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    mask: torch.Tensor,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    delta: float | None = None,
+    dual_clip: float | None = None,
+    importance_sampling_level: str = "token",
+) -> SurrogateTerms:
+    """PPO clipped surrogate, per token: ``-min(c*A, clip(c, 1-eps_low, 1+eps_high)*A)`` for both signs of A.
+
+    ``delta`` caps the unclipped branch (``min(c, delta)*A``); ``dual_clip`` ``c0``
+    bounds the loss of ``A<0`` tokens by ``-c0*A``. Clip masks follow TRL: low =
+    ``A<0 & c<1-eps_low``, high = ``A>0 & c>1+eps_high``, region = either.
+    ``per_token_loss`` is not masked (aggregators multiply by the mask).
+    """
+    if advantages.dim() != 1 or advantages.shape[0] != logp.shape[0]:
+        raise ValueError(f"advantages must be [B={logp.shape[0]}], got shape {tuple(advantages.shape)}")
+    if epsilon_low <= 0 or epsilon_low >= 1:
+        raise ValueError(f"epsilon_low must be in (0, 1), got {epsilon_low}")
+    if epsilon_high <= 0:
+        raise ValueError(f"epsilon_high must be > 0, got {epsilon_high}")
+    if delta is not None and delta <= 1 + epsilon_high:
+        raise ValueError(f"delta must be > 1 + epsilon_high = {1 + epsilon_high}, got {delta}")
+    if dual_clip is not None and dual_clip <= 1:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    ratio = importance_ratio(logp, old_logp, mask, importance_sampling_level)
+    adv = advantages.to(logp.dtype)[:, None]
+    unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    objective = torch.minimum(unclipped * adv, clipped * adv)
+    if dual_clip is not None:
+        objective = torch.where(adv < 0, torch.maximum(objective, dual_clip * adv), objective)
+    on = mask > 0
+    r = ratio.detach()
+    low = on & (adv < 0) & (r < 1 - epsilon_low)
+    high = on & (adv > 0) & (r > 1 + epsilon_high)
+    return SurrogateTerms(-objective, r, low, high, low | high)
+
+
+# ------------------------------------------------------------------ aggregation
+
+
+@dataclass(frozen=True)
+class StepNormalizer:
+    """Counts over the whole optimizer step: all micro-batches on all ranks.
+
+    ``num_sequences`` counts every row (empty completions included),
+    ``num_tokens`` the active completion tokens, ``num_groups`` the active
+    listwise groups; ``max_completion_length`` is only needed by ``dr_grpo``.
+    """
+
+    num_sequences: int
+    num_tokens: int
+    num_micro_batches: int
+    max_completion_length: int | None = None
+    num_groups: int = 0
+
+    def __post_init__(self) -> None:
+        counts = {
+            "num_sequences": self.num_sequences,
+            "num_tokens": self.num_tokens,
+            "num_micro_batches": self.num_micro_batches,
+            "num_groups": self.num_groups,
+        }
+        for name, value in counts.items():
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if self.max_completion_length is not None and self.max_completion_length < 1:
+            raise ValueError(f"max_completion_length must be >= 1, got {self.max_completion_length}")
+
+
+def _row_sums(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (per_token * mask).sum(-1)
+
+
+def aggregate_grpo(per_token: torch.Tensor, mask: torch.Tensor, norm: StepNormalizer) -> torch.Tensor:
+    """``sum_i (S_i / T_i) / num_sequences``: mean over sequences of per-sequence token means."""
+    return sequence_mean(per_token, mask).sum() / max(norm.num_sequences, 1)
+
+
+def aggregate_bnpo(per_token: torch.Tensor, mask: torch.Tensor, norm: StepNormalizer) -> torch.Tensor:
+    """``(sum_i S_i / sum_i T_i over this micro-batch) / num_micro_batches``; depends on the split."""
+    return _row_sums(per_token, mask).sum() / mask.sum().clamp(min=1) / max(norm.num_micro_batches, 1)
+
+
+def aggregate_dr_grpo(per_token: torch.Tensor, mask: torch.Tensor, norm: StepNormalizer) -> torch.Tensor:
+    """``sum_i S_i / (num_sequences * L_max)``: a constant normaliser (Dr.GRPO)."""
+    if norm.max_completion_length is None:
+        raise ValueError("max_completion_length is required for loss_type='dr_grpo'")
+    return _row_sums(per_token, mask).sum() / (max(norm.num_sequences, 1) * norm.max_completion_length)
+
+
+def aggregate_dapo(per_token: torch.Tensor, mask: torch.Tensor, norm: StepNormalizer) -> torch.Tensor:
+    """``sum_i S_i / num_tokens``, the step's active token count (DAPO token-level mean)."""
+    return _row_sums(per_token, mask).sum() / max(norm.num_tokens, 1)
+
+
+Aggregator = Callable[[torch.Tensor, torch.Tensor, StepNormalizer], torch.Tensor]
+
+LOSS_AGGREGATIONS: dict[str, Aggregator] = {
+    "grpo": aggregate_grpo,
+    "bnpo": aggregate_bnpo,
+    "dr_grpo": aggregate_dr_grpo,
+    "dapo": aggregate_dapo,
+}
+
+# How the entropy term is averaged for each loss_type (§6): sequence means for
+# grpo / dr_grpo, token means for bnpo / dapo.
+ENTROPY_AGGREGATIONS: dict[str, Aggregator] = {
+    "grpo": aggregate_grpo,
+    "dr_grpo": aggregate_grpo,
+    "bnpo": aggregate_bnpo,
+    "dapo": aggregate_dapo,
+}
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, norm: StepNormalizer) -> torch.Tensor:
+    """The micro-batch's contribution of ``per_token`` under ``loss_type``."""
+    if loss_type not in LOSS_AGGREGATIONS:
+        raise ValueError(f"loss_type must be one of {sorted(LOSS_AGGREGATIONS)}, got {loss_type!r}")
+    return LOSS_AGGREGATIONS[loss_type](per_token, mask.to(per_token.dtype), norm)
+
+
+# ---------------------------------------------------------------- entropy terms
+
+
+def top_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """Float mask keeping the ``ceil(quantile * n)`` highest-entropy active tokens (ties kept).
+
+    ``n`` is the number of active tokens passed in (one micro-batch); ``quantile=1`` keeps all.
+    """
+    if not 0 < quantile <= 1:
+        raise ValueError(f"quantile must be in (0, 1], got {quantile}")
+    active = mask > 0
+    n = int(active.sum())
+    if quantile == 1 or n == 0:
+        return active.to(entropies.dtype)
+    values = entropies.detach()[active]
+    k = math.ceil(quantile * n)
+    threshold = torch.topk(values, k, sorted=False).values.min()
+    return (active & (entropies.detach() >= threshold)).to(entropies.dtype)
+
+
+def entropy_bonus(
+    entropies: torch.Tensor,
+    mask: torch.Tensor,
+    vocab_size: int,
+    loss_type: str,
+    norm: StepNormalizer,
+) -> torch.Tensor:
+    """Contribution to ``B``, the token entropy over ``log V``, averaged as the loss is (§6).
+
+    The loss subtracts ``alpha * B``; gradients flow through ``entropies``.
+    """
+    if vocab_size < 2:
+        raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+    if loss_type not in ENTROPY_AGGREGATIONS:
+        raise ValueError(f"loss_type must be one of {sorted(ENTROPY_AGGREGATIONS)}, got {loss_type!r}")
+    return ENTROPY_AGGREGATIONS[loss_type](entropies / math.log(vocab_size), mask.to(entropies.dtype), norm)
+
+
+# Bounds on the factor kl_adaptive_alpha applies to alpha in one call.
+ALPHA_MULTIPLIER_BOUNDS = (0.5, 2.0)
+
+
+def kl_adaptive_alpha(alpha: float, kl: float, target: float, gain: float) -> float:
+    """One KL-adaptive update of the entropy coefficient (§6).
+
+    Below the target ``k`` alpha is multiplied by ``1 + g*(k-KL)/k``, above it
+    divided by ``1 + g*(KL-k)/k``. The clamp ``[0.5, 2]`` is on that *multiplier*,
+    so one call changes alpha by at most a factor 2 either way; alpha itself is
+    not bounded (the caller keeps it between steps).
+    """
+    if alpha < 0:
+        raise ValueError(f"alpha must be >= 0, got {alpha}")
+    if target <= 0:
+        raise ValueError(f"target must be > 0, got {target}")
+    if gain < 0:
+        raise ValueError(f"gain must be >= 0, got {gain}")
+    if not math.isfinite(kl):
+        raise ValueError(f"kl must be finite, got {kl}")
+    if kl <= target:
+        factor = 1 + gain * (target - kl) / target
+    else:
+        factor = 1 / (1 + gain * (kl - target) / target)
+    lo, hi = ALPHA_MULTIPLIER_BOUNDS
+    return alpha * min(max(factor, lo), hi)
+
+
+# -------------------------------------------------------------- listwise (§4)
+
+
+def length_normalized_scores(logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``s_i = (1/T_i) sum_t m*logp`` ``[B]``; 0 for empty completions."""
+    return sequence_mean(logp, mask.to(logp.dtype))
+
+
+def _check_listwise(seq_scores: torch.Tensor, weights: torch.Tensor, active: torch.Tensor) -> None:
+    if seq_scores.dim() != 2:
+        raise ValueError(f"seq_scores must be [P, G], got shape {tuple(seq_scores.shape)}")
+    if weights.shape != seq_scores.shape:
+        raise ValueError(f"weights shape {tuple(weights.shape)} does not match seq_scores {tuple(seq_scores.shape)}")
+    if active.shape != seq_scores.shape[:1] or active.dtype != torch.bool:
+        raise ValueError(f"active must be a bool [P={seq_scores.shape[0]}] tensor, got {active.dtype} {tuple(active.shape)}")
+
+
+def listwise_cross_entropy(
+    seq_scores: torch.Tensor, weights: torch.Tensor, active: torch.Tensor, num_groups: int
+) -> torch.Tensor:
+    """``sum over active groups of -sum_i w_i log softmax_g(s)_i``, divided by ``num_groups``.
+
+    ``num_groups`` is the step's active group count over all micro-batches and
+    ranks. Weights are detached; d/ds_i = (p_i - w_i)/num_groups for active groups.
+    """
+    _check_listwise(seq_scores, weights, active)
+    log_p = torch.log_softmax(seq_scores, dim=-1)
+    per_group = -(weights.detach().to(log_p.dtype) * log_p).sum(-1)
+    return torch.where(active, per_group, torch.zeros_like(per_group)).sum() / max(num_groups, 1)
+
+
+def listwise_weighted_mle(
+    seq_scores: torch.Tensor, weights: torch.Tensor, active: torch.Tensor, num_groups: int
+) -> torch.Tensor:
+    """``sum over active groups of -sum_i w_i s_i``, divided by ``num_groups`` (weights detached)."""
+    _check_listwise(seq_scores, weights, active)
+    per_group = -(weights.detach().to(seq_scores.dtype) * seq_scores).sum(-1)
+    return torch.where(active, per_group, torch.zeros_like(per_group)).sum() / max(num_groups, 1)
+
+
+# ------------------------------------------------------ policy objective registry
+
+
+@dataclass(frozen=True)
+class ClipSettings:
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    delta: float | None = None
+    dual_clip: float | None = None
+    importance_sampling_level: str = "token"
+
+
+@dataclass(frozen=True)
+class PolicyInputs:
+    """What a policy objective sees for one micro-batch.
+
+    ``policy_mask`` is the completion mask times the top-entropy mask: the
+    tokens the per-token policy term applies to. ``row_weights`` (xDr) scale
+    that per-token term only. Listwise tensors are rows group-major, ``[B]`` and
+    ``[B // num_generations]``.
+    """
+
+    logp: torch.Tensor
+    old_logp: torch.Tensor
+    mask: torch.Tensor
+    policy_mask: torch.Tensor
+    advantages: torch.Tensor
+    num_generations: int
+    clip: ClipSettings
+    row_weights: torch.Tensor | None = None
+    listwise_weights: torch.Tensor | None = None
+    listwise_active: torch.Tensor | None = None
+    listwise_clip_coef: float = 0.0
+
+
+@dataclass(frozen=True)
+class PolicyTerm:
+    """A policy objective's output.
+
+    ``per_token_loss`` ``[B, T]`` (zero where the objective has no token term)
+    is aggregated by ``loss_type`` together with the KL term;
+    ``sequence_loss`` is a scalar step contribution already normalised.
+    """
+
+    per_token_loss: torch.Tensor
+    sequence_loss: torch.Tensor
+    surrogate: SurrogateTerms | None
+
+
+def _surrogate(inputs: PolicyInputs, advantages: torch.Tensor) -> SurrogateTerms:
+    c = inputs.clip
+    return clipped_surrogate(
+        inputs.logp, inputs.old_logp, advantages, mask=inputs.mask,
+        epsilon_low=c.epsilon_low, epsilon_high=c.epsilon_high, delta=c.delta,
+        dual_clip=c.dual_clip, importance_sampling_level=c.importance_sampling_level,
+    )
+
+
+def clipped_surrogate_objective(inputs: PolicyInputs, norm: StepNormalizer) -> PolicyTerm:
+    terms = _surrogate(inputs, inputs.advantages)
+    per_token = terms.per_token_loss * inputs.policy_mask
+    if inputs.row_weights is not None:
+        per_token = per_token * inputs.row_weights.detach().to(per_token.dtype)[:, None]
+    return PolicyTerm(per_token, per_token.new_zeros(()), terms)
+
+
+def _listwise(loss_fn, inputs: PolicyInputs, norm: StepNormalizer) -> PolicyTerm:
+    if inputs.listwise_weights is None or inputs.listwise_active is None:
+        raise ValueError("listwise_weights and listwise_active are required by the listwise policy losses")
+    if inputs.row_weights is not None:
+        raise ValueError("row_weights apply to the clipped_surrogate policy loss only")
+    g = inputs.num_generations
+    b = inputs.logp.shape[0]
+    if b % g != 0:
+        raise ValueError(f"micro-batch of {b} rows is not a whole number of groups of num_generations={g}")
+    scores = length_normalized_scores(inputs.logp, inputs.mask).view(-1, g)
+    weights = inputs.listwise_weights.view(-1, g)
+    group_loss = loss_fn(scores, weights, inputs.listwise_active, norm.num_groups)
+    if inputs.listwise_clip_coef == 0:
+        return PolicyTerm(torch.zeros_like(inputs.logp), group_loss, None)
+    # Optional sequence-level clip term with a_i = w_i - 1/G, active groups only.
+    row_active = inputs.listwise_active.repeat_interleave(g).to(weights.dtype)
+    adv = (inputs.listwise_weights.detach() - 1.0 / g) * row_active
+    terms = _surrogate(inputs, adv)
+    per_token = inputs.listwise_clip_coef * terms.per_token_loss * inputs.policy_mask
+    return PolicyTerm(per_token, group_loss, terms)
+
+
+def listwise_cross_entropy_objective(inputs: PolicyInputs, norm: StepNormalizer) -> PolicyTerm:
+    return _listwise(listwise_cross_entropy, inputs, norm)
+
+
+def listwise_weighted_mle_objective(inputs: PolicyInputs, norm: StepNormalizer) -> PolicyTerm:
+    return _listwise(listwise_weighted_mle, inputs, norm)
+
+
+POLICY_LOSSES: dict[str, Callable[[PolicyInputs, StepNormalizer], PolicyTerm]] = {
+    "clipped_surrogate": clipped_surrogate_objective,
+    "listwise_cross_entropy": listwise_cross_entropy_objective,
+    "listwise_weighted_mle": listwise_weighted_mle_objective,
+}

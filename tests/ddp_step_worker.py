@@ -1,0 +1,103 @@
+"""Synthetic GRPO batches for the step tests, and a 2-process DDP step (run with torchrun).
+
+``python -m torch.distributed.run --standalone --nproc_per_node 2 ddp_step_worker.py MODEL_DIR OUT``
+runs one ``grpo_step`` with the rows split over the ranks and writes rank 0's
+parameter update (SGD, lr=1, so it equals minus the gradient) to ``OUT``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from maxent_grpo.core.logprobs import get_per_token_logps_and_entropies
+from maxent_grpo.core.step import MicroBatch
+
+PROMPT_LEN = 5
+COMPLETION_LEN = 7
+# Per-row completion lengths (P=2 prompts x G=4): varied so the normaliser matters,
+# with one empty completion.
+LENGTHS = (7, 3, 5, 1, 6, 2, 0, 4)
+PROMPT_PADDING = (0, 2, 0, 1, 0, 0, 3, 0)
+
+
+def load_model(model_dir: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).to(torch.float64)
+    model.train()
+    return model
+
+
+def build_rows(model: torch.nn.Module, seed: int = 0, lengths=LENGTHS) -> dict[str, torch.Tensor]:
+    """Whole-step tensors: left-padded prompts, right-padded completions, old/ref log-probs."""
+    gen = torch.Generator().manual_seed(seed)
+    n = len(lengths)
+    vocab = model.config.vocab_size
+    pad = model.config.pad_token_id
+    ids = torch.randint(3, vocab, (n, PROMPT_LEN + COMPLETION_LEN), generator=gen)
+    attn = torch.ones_like(ids)
+    cmask = torch.zeros(n, COMPLETION_LEN, dtype=torch.float64)
+    for i, (t, p) in enumerate(zip(lengths, PROMPT_PADDING)):
+        ids[i, :p] = pad
+        attn[i, :p] = 0
+        ids[i, PROMPT_LEN + t :] = pad
+        attn[i, PROMPT_LEN + t :] = 0
+        cmask[i, :t] = 1
+    with torch.no_grad():
+        logp, _ = get_per_token_logps_and_entropies(model, ids, attn, PROMPT_LEN, with_entropy=False)
+    # Behaviour and reference policies a little away from the current one, so
+    # ratios leave the clip range on some tokens and the KL is not zero.
+    old = logp + 0.4 * torch.randn(logp.shape, generator=gen, dtype=logp.dtype)
+    ref = logp + 0.3 * torch.randn(logp.shape, generator=gen, dtype=logp.dtype)
+    adv = torch.randn(n, generator=gen, dtype=torch.float64)
+    return {"input_ids": ids, "attention_mask": attn, "completion_mask": cmask,
+            "advantages": adv, "old_logps": old, "ref_logps": ref}
+
+
+def micro_batches(rows: dict[str, torch.Tensor], bounds, **extra: torch.Tensor) -> list[MicroBatch]:
+    """Slice ``rows`` (and per-row ``extra`` tensors) into micro-batches ``[start, stop)``."""
+    out = []
+    for start, stop in bounds:
+        fields = {k: v[start:stop] for k, v in {**rows, **extra}.items()}
+        out.append(MicroBatch(prompt_length=PROMPT_LEN, **fields))
+    return out
+
+
+def main(model_dir: str, out_path: str) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from maxent_grpo.core.step import grpo_step
+
+    class DDPWithConfig(DistributedDataParallel):
+        # get_per_token_logps_and_entropies reads model.config.
+        @property
+        def config(self):
+            return self.module.config
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = load_model(model_dir)
+    rows = build_rows(model)
+    half = len(LENGTHS) // world
+    lo = rank * half
+    mine = micro_batches(rows, [(lo, lo + half // 2), (lo + half // 2, lo + half)])
+    ddp = DDPWithConfig(model)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t)
+        return t
+
+    result = grpo_step(ddp, torch.optim.SGD(ddp.parameters(), lr=1.0), mine, num_generations=4,
+                       beta=0.05, loss_type="dapo", all_reduce_sum=all_reduce_sum, world_size=world)
+    if rank == 0:
+        delta = [b - p.detach() for b, p in zip(before, model.parameters())]
+        torch.save({"grads": delta, "loss": result.loss, "metrics": result.metrics}, out_path)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,357 @@
+import math
+
+import pytest
+import torch
+
+from maxent_grpo.core.losses import (
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    POLICY_LOSSES,
+    ClipSettings,
+    PolicyInputs,
+    StepNormalizer,
+    aggregate,
+    clipped_surrogate,
+    entropy_bonus,
+    kl_adaptive_alpha,
+    kl_penalty,
+    listwise_cross_entropy,
+    listwise_weighted_mle,
+    top_entropy_mask,
+)
+
+F64 = torch.float64
+
+
+def _ratios_and_logps(ratios, dtype=F64):
+    old = torch.full((1, len(ratios)), -1.0, dtype=dtype)
+    logp = (old + torch.log(torch.tensor([ratios], dtype=dtype))).requires_grad_(True)
+    return logp, old
+
+
+# ------------------------------------------------------------------------- KL
+
+
+def test_kl_estimators_match_formulas():
+    logp = torch.tensor([-1.0, -2.0, -0.1, -5.0], dtype=F64)
+    ref = torch.tensor([-1.5, -1.0, -0.1, -2.0], dtype=F64)
+    for i in range(4):
+        ratio = math.exp(ref[i].item()) / math.exp(logp[i].item())  # pi_ref / pi
+        want = {"k1": -math.log(ratio), "k2": 0.5 * math.log(ratio) ** 2, "k3": ratio - math.log(ratio) - 1}
+        for name, value in want.items():
+            assert kl_penalty(logp, ref, name)[i].item() == pytest.approx(value, rel=1e-12, abs=1e-15)
+    assert (kl_penalty(logp, ref, "k3") >= 0).all()
+    assert sorted(KL_ESTIMATORS) == ["k1", "k2", "k3"]
+    with pytest.raises(ValueError, match="estimator"):
+        kl_penalty(logp, ref, "k4")
+
+
+def test_k3_precise_near_zero():
+    d = 1e-9
+    got = kl_penalty(torch.tensor([0.0], dtype=torch.float32), torch.tensor([d], dtype=torch.float32), "k3")
+    assert got.item() == pytest.approx(d * d / 2, rel=1e-3)
+
+
+# ---------------------------------------------------------- clipped surrogate
+
+RATIOS = [0.5, 0.79, 0.9, 1.0, 1.1, 1.25, 2.0, 5.0]
+
+
+@pytest.mark.parametrize("adv", [1.5, -0.7])
+def test_surrogate_values_match_reference(adv):
+    logp, old = _ratios_and_logps(RATIOS)
+    terms = clipped_surrogate(logp, old, torch.tensor([adv], dtype=F64), mask=torch.ones(1, 8, dtype=F64),
+                              epsilon_low=0.2, epsilon_high=0.28)
+    for t, c in enumerate(RATIOS):
+        clipped = min(max(c, 0.8), 1.28)
+        assert terms.per_token_loss[0, t].item() == pytest.approx(-min(c * adv, clipped * adv), rel=1e-12)
+
+
+def _token_grads(surrogate_fn, adv):
+    logp, old = _ratios_and_logps(RATIOS)
+    loss = surrogate_fn(logp, old, torch.tensor([adv], dtype=F64))
+    loss.sum().backward()
+    return logp.grad[0]
+
+
+def _ours(logp, old, adv):
+    return clipped_surrogate(logp, old, adv, mask=torch.ones_like(logp)).per_token_loss
+
+
+def _published_max_bug(logp, old, adv):
+    # Some published code takes max for A<0: the test below must reject it.
+    c = torch.exp(logp - old)
+    a = adv[:, None]
+    lo, hi = c * a, torch.clamp(c, 0.8, 1.2) * a
+    return -torch.where(a < 0, torch.maximum(lo, hi), torch.minimum(lo, hi))
+
+
+def _clip_gradient_pattern_holds(surrogate_fn) -> bool:
+    r = torch.tensor(RATIOS, dtype=F64)
+    g_neg = _token_grads(surrogate_fn, -1.0)
+    g_pos = _token_grads(surrogate_fn, 1.0)
+    return bool(
+        (g_neg[r < 0.8] == 0).all() and (g_neg[r > 1.2] != 0).all()
+        and (g_pos[r > 1.2] == 0).all() and (g_pos[r < 0.8] != 0).all()
+        and (g_neg[(r > 0.8) & (r < 1.2)] != 0).all()
+    )
+
+
+def test_clip_gradient_zero_only_on_the_pessimistic_side():
+    assert _clip_gradient_pattern_holds(_ours)
+    assert not _clip_gradient_pattern_holds(_published_max_bug)
+
+
+def test_on_policy_ratio_gives_plain_policy_gradient():
+    # old = logp.detach(): ratio 1 and d loss / d logp = -A exactly.
+    logp = torch.randn(2, 5, dtype=F64, requires_grad=True)
+    adv = torch.tensor([0.3, -2.0], dtype=F64)
+    terms = clipped_surrogate(logp, logp.detach(), adv, mask=torch.ones(2, 5, dtype=F64))
+    terms.per_token_loss.sum().backward()
+    torch.testing.assert_close(logp.grad, -adv[:, None].expand(2, 5))
+    assert torch.equal(terms.ratio, torch.ones(2, 5, dtype=F64))
+
+
+def test_delta_caps_unclipped_branch():
+    logp, old = _ratios_and_logps([1.5, 4.0])
+    terms = clipped_surrogate(logp, old, torch.tensor([-1.0], dtype=F64), mask=torch.ones(1, 2, dtype=F64), delta=2.0)
+    assert terms.per_token_loss[0].tolist() == pytest.approx([1.5, 2.0])
+    terms.per_token_loss.sum().backward()
+    assert logp.grad[0, 1] == 0 and logp.grad[0, 0] != 0
+    with pytest.raises(ValueError, match="delta"):
+        clipped_surrogate(logp, old, torch.tensor([1.0], dtype=F64), mask=torch.ones(1, 2), delta=1.1)
+
+
+def test_dual_clip_bounds_negative_advantage_loss():
+    logp, old = _ratios_and_logps([2.0, 5.0])
+    adv = torch.tensor([-1.0], dtype=F64)
+    terms = clipped_surrogate(logp, old, adv, mask=torch.ones(1, 2, dtype=F64), dual_clip=3.0)
+    assert terms.per_token_loss[0].tolist() == pytest.approx([2.0, 3.0])
+    terms.per_token_loss.sum().backward()
+    assert logp.grad[0, 1] == 0 and logp.grad[0, 0] != 0
+    # A > 0 is untouched by the dual clip.
+    logp2, old2 = _ratios_and_logps([5.0])
+    pos = clipped_surrogate(logp2, old2, torch.tensor([1.0], dtype=F64), mask=torch.ones(1, 1), dual_clip=3.0)
+    assert pos.per_token_loss.item() == pytest.approx(-1.2)
+
+
+def test_clip_fraction_masks_follow_trl():
+    logp, old = _ratios_and_logps([0.5, 0.5, 1.5, 1.5])
+    logp = logp.detach().expand(2, 4)
+    old = old.expand(2, 4)
+    adv = torch.tensor([-1.0, 1.0], dtype=F64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=F64)
+    t = clipped_surrogate(logp, old, adv, mask=mask)
+    assert t.low_clipped.tolist() == [[True, True, False, False], [False] * 4]
+    assert t.high_clipped.tolist() == [[False] * 4, [False, False, True, True]]
+    assert torch.equal(t.region_clipped, t.low_clipped | t.high_clipped)
+
+
+def _gspo_reference_dapo(logp, old, adv, mask, eps):
+    """TRL's sequence form in float64: s_i = exp(mean_t) differentiated through the mean, dapo sum."""
+    s = torch.exp(((logp - old) * mask).sum(-1) / mask.sum(-1))
+    per_seq = -torch.min(s * adv, torch.clamp(s, 1 - eps, 1 + eps) * adv)
+    return (per_seq * mask.sum(-1)).sum() / mask.sum()
+
+
+def test_gspo_value_and_gradient_match_float64_reference():
+    gen = torch.Generator().manual_seed(3)
+    logp = -torch.rand(4, 6, generator=gen, dtype=F64) * 3
+    old = logp + 0.25 * torch.randn(4, 6, generator=gen, dtype=F64)
+    mask = torch.tensor([[1] * 6, [1] * 3 + [0] * 3, [1] * 5 + [0], [1, 0, 0, 0, 0, 0]], dtype=F64)
+    adv = torch.tensor([1.0, -0.5, 2.0, -1.5], dtype=F64)
+    norm = StepNormalizer(num_sequences=4, num_tokens=int(mask.sum()), num_micro_batches=1)
+
+    a = logp.clone().requires_grad_(True)
+    terms = clipped_surrogate(a, old, adv, mask=mask, importance_sampling_level="sequence")
+    loss = aggregate(terms.per_token_loss, mask, "dapo", norm)
+    loss.backward()
+    b = logp.clone().requires_grad_(True)
+    ref = _gspo_reference_dapo(b, old, adv, mask, 0.2)
+    ref.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-12)
+    torch.testing.assert_close(a.grad * mask, b.grad, rtol=1e-10, atol=1e-14)
+    # One ratio per sequence, on every token; masked tokens do not enter it.
+    s = torch.exp(((logp - old) * mask).sum(-1) / mask.sum(-1))
+    torch.testing.assert_close(terms.ratio, s[:, None].expand(4, 6))
+    # At least one sequence clipped (zero grad) and one not, so the test is not vacuous.
+    clipped_rows = terms.region_clipped.any(-1)
+    assert clipped_rows.any() and not clipped_rows.all()
+
+
+# ------------------------------------------------------------------ aggregation
+
+
+def _agg_reference(loss_type, per_token, mask, num_micro_batches=1, l_max=None):
+    rows = [(sum(l * m for l, m in zip(lr, mr)), sum(mr)) for lr, mr in zip(per_token.tolist(), mask.tolist())]
+    if loss_type == "grpo":
+        return sum(s / t for s, t in rows if t > 0) / len(rows)
+    if loss_type == "bnpo":
+        return sum(s for s, _ in rows) / max(sum(t for _, t in rows), 1) / num_micro_batches
+    if loss_type == "dr_grpo":
+        return sum(s for s, _ in rows) / (len(rows) * l_max)
+    return sum(s for s, _ in rows) / max(sum(t for _, t in rows), 1)
+
+
+LENGTH_MASK = torch.tensor(
+    [[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0],
+     [1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=F64)
+
+
+@pytest.mark.parametrize("loss_type", sorted(LOSS_AGGREGATIONS))
+def test_aggregation_matches_reference_and_handles_empty_rows(loss_type):
+    per_token = torch.randn(8, 6, dtype=F64)
+    norm = StepNormalizer(num_sequences=8, num_tokens=int(LENGTH_MASK.sum()), num_micro_batches=1,
+                          max_completion_length=8)
+    got = aggregate(per_token, LENGTH_MASK, loss_type, norm)
+    assert got.item() == pytest.approx(_agg_reference(loss_type, per_token, LENGTH_MASK, l_max=8), rel=1e-12)
+    empty = aggregate(per_token, torch.zeros(8, 6, dtype=F64), loss_type,
+                      StepNormalizer(8, 0, 1, max_completion_length=8))
+    assert empty.item() == 0.0
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+def test_step_invariant_aggregations_sum_over_micro_batches(loss_type):
+    per_token = torch.randn(8, 6, dtype=F64)
+    norm = StepNormalizer(8, int(LENGTH_MASK.sum()), 4, max_completion_length=6)
+    whole = aggregate(per_token, LENGTH_MASK, loss_type, StepNormalizer(8, int(LENGTH_MASK.sum()), 1, 6))
+    parts = sum(aggregate(per_token[i : i + 2], LENGTH_MASK[i : i + 2], loss_type, norm) for i in range(0, 8, 2))
+    assert parts.item() == pytest.approx(whole.item(), rel=1e-12)
+
+
+def test_bnpo_depends_on_micro_batching():
+    per_token = torch.randn(8, 6, dtype=F64, generator=torch.Generator().manual_seed(1))
+    tokens = int(LENGTH_MASK.sum())
+    whole = aggregate(per_token, LENGTH_MASK, "bnpo", StepNormalizer(8, tokens, 1))
+    norm = StepNormalizer(8, tokens, 4)
+    parts = sum(aggregate(per_token[i : i + 2], LENGTH_MASK[i : i + 2], "bnpo", norm) for i in range(0, 8, 2))
+    want = sum(_agg_reference("bnpo", per_token[i : i + 2], LENGTH_MASK[i : i + 2], 4) for i in range(0, 8, 2))
+    assert parts.item() == pytest.approx(want, rel=1e-12)
+    assert abs(parts.item() - whole.item()) > 1e-3
+
+
+def test_aggregation_errors():
+    with pytest.raises(ValueError, match="loss_type"):
+        aggregate(torch.zeros(1, 1), torch.ones(1, 1), "mean", StepNormalizer(1, 1, 1))
+    with pytest.raises(ValueError, match="max_completion_length"):
+        aggregate(torch.zeros(1, 1), torch.ones(1, 1), "dr_grpo", StepNormalizer(1, 1, 1))
+    with pytest.raises(ValueError, match="num_tokens"):
+        StepNormalizer(1, -1, 1)
+
+
+# ------------------------------------------------------------ entropy terms
+
+
+def test_top_entropy_mask_keeps_top_fraction_of_active_tokens():
+    ent = torch.tensor([[0.1, 0.9, 0.5, 9.0], [0.3, 0.7, 0.2, 0.8]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.float32)  # 9.0 is padding
+    assert torch.equal(top_entropy_mask(ent, mask, 1.0), mask)
+    kept = top_entropy_mask(ent, mask, 0.5)  # 7 active -> ceil(3.5) = 4 highest
+    active = sorted(ent[mask > 0].tolist(), reverse=True)
+    expected = (ent >= active[3]) & (mask > 0)
+    assert torch.equal(kept, expected.float())
+    assert kept.sum() == 4 and kept[0, 3] == 0
+    assert top_entropy_mask(ent, mask, 0.01).sum() == 1
+    with pytest.raises(ValueError, match="quantile"):
+        top_entropy_mask(ent, mask, 0.0)
+
+
+def test_entropy_bonus_aggregates_like_the_loss():
+    ent = torch.tensor([[2.0, 2.0, 2.0, 2.0], [6.0, 0.0, 0.0, 0.0]], dtype=F64)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]], dtype=F64)
+    norm = StepNormalizer(2, 5, 1, max_completion_length=4)
+    log_v = math.log(100)
+    seq_means = (2.0 + 6.0) / 2 / log_v
+    token_mean = (8.0 + 6.0) / 5 / log_v
+    assert entropy_bonus(ent, mask, 100, "grpo", norm).item() == pytest.approx(seq_means)
+    assert entropy_bonus(ent, mask, 100, "dr_grpo", norm).item() == pytest.approx(seq_means)
+    assert entropy_bonus(ent, mask, 100, "dapo", norm).item() == pytest.approx(token_mean)
+    assert entropy_bonus(ent, mask, 100, "bnpo", norm).item() == pytest.approx(token_mean)
+    # A uniform distribution over V gives B = 1.
+    uniform = torch.full((1, 3), math.log(100), dtype=F64)
+    assert entropy_bonus(uniform, torch.ones(1, 3), 100, "dapo", StepNormalizer(1, 3, 1)).item() == pytest.approx(1)
+
+
+def test_kl_adaptive_alpha():
+    assert kl_adaptive_alpha(0.1, kl=0.05, target=0.1, gain=0.5) == pytest.approx(0.1 * 1.25)
+    assert kl_adaptive_alpha(0.1, kl=0.2, target=0.1, gain=0.5) == pytest.approx(0.1 / 1.5)
+    assert kl_adaptive_alpha(0.1, kl=0.1, target=0.1, gain=0.5) == pytest.approx(0.1)
+    # The clamp bounds the multiplier, not alpha: small alphas stay small.
+    assert kl_adaptive_alpha(0.01, kl=0.0, target=0.1, gain=10) == pytest.approx(0.02)
+    assert kl_adaptive_alpha(0.01, kl=5.0, target=0.1, gain=10) == pytest.approx(0.005)
+    assert kl_adaptive_alpha(0.0, kl=0.0, target=0.1, gain=1) == 0
+    for kwargs, name in [(dict(alpha=-1.0), "alpha"), (dict(target=0.0), "target"), (dict(gain=-1.0), "gain")]:
+        args = dict(alpha=0.1, kl=0.1, target=0.1, gain=1.0) | kwargs
+        with pytest.raises(ValueError, match=name):
+            kl_adaptive_alpha(**args)
+
+
+# ---------------------------------------------------------------- listwise
+
+
+def _listwise_setup():
+    gen = torch.Generator().manual_seed(5)
+    s = torch.randn(3, 4, generator=gen, dtype=F64, requires_grad=True)
+    w = torch.softmax(torch.randn(3, 4, generator=gen, dtype=F64), -1).requires_grad_(True)
+    active = torch.tensor([True, False, True])
+    return s, w, active
+
+
+def test_listwise_cross_entropy_value_and_gradient():
+    s, w, active = _listwise_setup()
+    num_groups = 5  # the step's active groups, more than this micro-batch holds
+    loss = listwise_cross_entropy(s, w, active, num_groups)
+    want = 0.0
+    for g in (0, 2):
+        z = s[g].tolist()
+        lse = math.log(sum(math.exp(v) for v in z))
+        want += -sum(wi * (zi - lse) for wi, zi in zip(w[g].tolist(), z))
+    assert loss.item() == pytest.approx(want / num_groups, rel=1e-12)
+    loss.backward()
+    p = torch.softmax(s.detach(), -1)
+    expected = (p - w.detach()) / num_groups * active[:, None]
+    torch.testing.assert_close(s.grad, expected)
+    assert w.grad is None or torch.equal(w.grad, torch.zeros_like(w))
+
+
+def test_listwise_weighted_mle_value_and_gradient():
+    s, w, active = _listwise_setup()
+    loss = listwise_weighted_mle(s, w, active, 2)
+    assert loss.item() == pytest.approx(-(w[0] @ s[0] + w[2] @ s[2]).item() / 2)
+    loss.backward()
+    torch.testing.assert_close(s.grad, -w.detach() / 2 * active[:, None])
+    with pytest.raises(ValueError, match="active"):
+        listwise_weighted_mle(s, w, active.float(), 2)
+
+
+# ------------------------------------------------------------ policy registry
+
+
+def _inputs(**kw):
+    logp = torch.randn(4, 3, dtype=F64, requires_grad=True)
+    mask = torch.ones(4, 3, dtype=F64)
+    base = dict(logp=logp, old_logp=logp.detach(), mask=mask, policy_mask=mask,
+                advantages=torch.tensor([1.0, -1.0, 0.5, 0.0], dtype=F64), num_generations=2, clip=ClipSettings())
+    return PolicyInputs(**(base | kw))
+
+
+def test_policy_registry_and_row_weights():
+    assert {"clipped_surrogate", "listwise_cross_entropy", "listwise_weighted_mle"} <= set(POLICY_LOSSES)
+    norm = StepNormalizer(4, 12, 1)
+    plain = POLICY_LOSSES["clipped_surrogate"](_inputs(), norm)
+    rw = torch.tensor([2.0, 0.0, 1.0, 3.0], dtype=F64)
+    weighted = POLICY_LOSSES["clipped_surrogate"](_inputs(row_weights=rw), norm)
+    torch.testing.assert_close(weighted.per_token_loss, plain.per_token_loss * rw[:, None])
+    assert plain.sequence_loss.item() == 0
+
+
+def test_listwise_policy_with_clip_term_uses_weight_minus_uniform():
+    w = torch.tensor([0.7, 0.3, 0.5, 0.5], dtype=F64)
+    active = torch.tensor([True, False])
+    inputs = _inputs(listwise_weights=w, listwise_active=active, listwise_clip_coef=0.5)
+    term = POLICY_LOSSES["listwise_cross_entropy"](inputs, StepNormalizer(4, 12, 1, num_groups=1))
+    # on-policy ratio 1: per-token loss = -coef * (w - 1/G), inactive group 0.
+    want = -0.5 * torch.tensor([0.2, -0.2, 0.0, 0.0], dtype=F64)[:, None].expand(4, 3)
+    torch.testing.assert_close(term.per_token_loss, want)
+    with pytest.raises(ValueError, match="listwise_weights"):
+        POLICY_LOSSES["listwise_weighted_mle"](_inputs(), StepNormalizer(4, 12, 1))

@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=os.environ.get("MAXENT_GRPO_LOG", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     handler = {"train": _train, "eval": _eval, "report": _report}[args.command]
+    if os.environ.get("MAXENT_GRPO_DEBUG"):
+        return handler(args)  # full tracebacks
     try:
         return handler(args)
     except ConfigError as err:

@@ -10,6 +10,7 @@ gradients are accumulated by backward per micro-batch. Under DDP, which
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -278,6 +279,7 @@ def grpo_step(
 
     if all_reduce_sum is not None:
         sums = all_reduce_sum(sums)
+    t_opt = time.perf_counter()
     params = [p for p in model.parameters() if p.grad is not None]
     if max_grad_norm is not None:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
@@ -287,8 +289,9 @@ def grpo_step(
     if lr_scheduler is not None:
         lr_scheduler.step()
     optimizer.zero_grad()
-    return StepResult(loss=float(sums[0]), grad_norm=float(grad_norm),
-                      metrics=_metrics(dict(zip(_SUMS, sums.tolist())), norm, beta, cfg, float(grad_norm)))
+    metrics = _metrics(dict(zip(_SUMS, sums.tolist())), norm, beta, cfg, float(grad_norm))
+    metrics["time/optimizer"] = time.perf_counter() - t_opt
+    return StepResult(loss=float(sums[0]), grad_norm=float(grad_norm), metrics=metrics)
 
 
 def _metrics(sums: dict[str, float], norm: StepNormalizer, beta: float, cfg: LossConfig,

@@ -48,3 +48,11 @@ class Dist:
         out: list = [None] * self.world_size
         dist.all_gather_object(out, list(values))
         return [v for part in out for v in part]
+
+
+class DataParallelPolicy(torch.nn.parallel.DistributedDataParallel):
+    """DDP that still exposes the wrapped model's ``config`` (the log-prob code reads the vocab size)."""
+
+    @property
+    def config(self):
+        return self.module.config

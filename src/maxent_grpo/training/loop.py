@@ -16,12 +16,12 @@ from tqdm.auto import tqdm
 from maxent_grpo.core.logprobs import get_per_token_logps
 from maxent_grpo.core.step import grpo_step
 from maxent_grpo.rewards.maxent import controller_state_dict, maybe_update_beta, maybe_update_tau
-from maxent_grpo.training.checkpoint import save_checkpoint
 from maxent_grpo.training.config import TrainConfig
 from maxent_grpo.training.metrics import MetricsLog, build_training_metrics_dict
 from maxent_grpo.training.pipeline import prepare_training_batch
 from maxent_grpo.training.setup import Run, build_run
 from maxent_grpo.training.tables import write_completion_table
+from maxent_grpo.training.validation import validate
 
 log = logging.getLogger("maxent_grpo")
 
@@ -73,7 +73,8 @@ def train(cfg: TrainConfig, *, resume: str | bool | None = None) -> Path:
                 all_reduce_sum=ctx.dist.all_reduce_sum,
                 world_size=ctx.dist.world_size,
             )
-        timings["time/policy"] = time.perf_counter() - t_policy
+        timings["time/optimizer"] = result.metrics.pop("time/optimizer")
+        timings["time/policy"] = time.perf_counter() - t_policy - timings["time/optimizer"]
         step += 1
 
         # Controllers run once per step on globally averaged inputs (§8).
@@ -89,6 +90,8 @@ def train(cfg: TrainConfig, *, resume: str | bool | None = None) -> Path:
             max_completion_length=cfg.generation.max_new_tokens,
         )
         metrics.update({f"skipped/{k}": float(v) for k, v in ctx.skips.items()})
+        if run.eval_rows and cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
+            metrics.update(validate(run, step))
         if ctx.dist.is_main:
             metrics_log.write(metrics)
             run.trackers.log(metrics, step)
@@ -98,8 +101,6 @@ def train(cfg: TrainConfig, *, resume: str | bool | None = None) -> Path:
         bar.set_postfix(_postfix(metrics), refresh=False)
         if cfg.checkpoint.save_steps and step % cfg.checkpoint.save_steps == 0 and step < cfg.training.max_steps:
             run.save(step)
-        if cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
-            run.evaluate(step)
     bar.close()
     run.save(step)
     run.finish()

@@ -141,7 +141,15 @@ def _generate(ctx: PipelineContext, rows: list[dict]) -> tuple[list[dict], Rollo
     return rows, rollout
 
 
-def _reward_matrix(ctx: PipelineContext, rows: list[dict], rollout: RolloutBatch) -> torch.Tensor:
+def _reward_matrix(ctx: PipelineContext, rows: list[dict], rollout: RolloutBatch, timings: dict) -> torch.Tensor:
+    t0 = time.perf_counter()
+    try:
+        return _call_rewards(ctx, rows, rollout)
+    finally:
+        timings["time/reward"] += time.perf_counter() - t0
+
+
+def _call_rewards(ctx: PipelineContext, rows: list[dict], rollout: RolloutBatch) -> torch.Tensor:
     g = rollout.num_generations
     conversational = isinstance(rows[0]["prompt"], list)
     prompts = [r["prompt"] for r in rows for _ in range(g)]
@@ -149,16 +157,17 @@ def _reward_matrix(ctx: PipelineContext, rows: list[dict], rollout: RolloutBatch
     # TRL passes conversational completions when the prompts are conversational.
     completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else list(texts)
     columns = {k: [r[k] for r in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
+    columns["completion_ids"] = [list(ids) for ids in rollout.completion_ids]  # as TRL passes them
     try:
         return evaluate_rewards(ctx.reward_spec, prompts, completions, columns)
     except RewardFunctionError as err:
         raise SkipBatch("reward", str(err)) from err
 
 
-def _rollout_and_rewards(ctx: PipelineContext, rows: list[dict], more_rows: Callable[[], list[dict]] | None):
+def _rollout_and_rewards(ctx: PipelineContext, rows: list[dict], more_rows: Callable[[], list[dict]] | None, timings: dict):
     """Generate and score; with dynamic sampling keep only groups whose rewards vary (§9)."""
     rows, rollout = _generate(ctx, rows)
-    per_fn = _reward_matrix(ctx, rows, rollout)
+    per_fn = _reward_matrix(ctx, rows, rollout, timings)
     if not ctx.cfg.loss.dynamic_sampling:
         return rows, rollout, per_fn, {}
     g, target = rollout.num_generations, ctx.cfg.training.prompts_per_step
@@ -168,7 +177,7 @@ def _rollout_and_rewards(ctx: PipelineContext, rows: list[dict], more_rows: Call
             if more_rows is None:
                 break
             rows, rollout = _generate(ctx, more_rows())
-            per_fn = _reward_matrix(ctx, rows, rollout)
+            per_fn = _reward_matrix(ctx, rows, rollout, timings)
         seen += len(rows)
         total = torch.nansum(per_fn * ctx.reward_spec.weight_tensor(), dim=1).view(-1, g)
         varied = (total.max(dim=1).values - total.min(dim=1).values) > 0
@@ -285,12 +294,14 @@ def prepare_training_batch(
 
 
 def _prepare(ctx: PipelineContext, rows, more_rows) -> PreparedBatch:
-    cfg, timings = ctx.cfg, {}
+    cfg, timings = ctx.cfg, {"time/reward": 0.0}
     t0 = time.perf_counter()
-    rows, rollout, per_fn, stats = _rollout_and_rewards(ctx, rows, more_rows)
+    rows, rollout, per_fn, stats = _rollout_and_rewards(ctx, rows, more_rows, timings)
     packed = pack_rollout(rollout, ctx.tokenizer.pad_token_id)
+    if cfg.loss.mask_truncated_completions:
+        packed.completion_mask[packed.truncated] = 0.0
     g = rollout.num_generations
-    timings["time/generate"] = time.perf_counter() - t0  # includes reward calls: split below
+    timings["time/generate"] = time.perf_counter() - t0 - timings["time/reward"]
     t1 = time.perf_counter()
     reward_comp = compute_reward_statistics(
         per_fn, ctx.reward_spec.weight_tensor(), g,
@@ -307,7 +318,7 @@ def _prepare(ctx: PipelineContext, rows, more_rows) -> PreparedBatch:
         reward_comp = apply_policy_entropy_bonus(
             reward_comp, _policy_entropy(ctx, packed), cfg.loss.policy_entropy_bonus_coef
         )
-    timings["time/reward"] = time.perf_counter() - t1
+    timings["time/reward"] += time.perf_counter() - t1
     t2 = time.perf_counter()
     ref_logps = None
     if ctx.reference_logps is not None:

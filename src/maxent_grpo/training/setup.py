@@ -21,10 +21,10 @@ from maxent_grpo.rollout.hf import HFGenerationBackend
 from maxent_grpo.training.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 from maxent_grpo.training.config import TrainConfig, save_config, to_dict
 from maxent_grpo.training.data import PromptSampler, load_prompt_dataset, split_train_eval
-from maxent_grpo.training.distributed import Dist
+from maxent_grpo.training.distributed import DataParallelPolicy, Dist
 from maxent_grpo.training.methods import method_spec
 from maxent_grpo.training.pipeline import PipelineContext
-from maxent_grpo.training.trackers import build_trackers
+from maxent_grpo.training.trackers import make_trackers
 from maxent_grpo.training.weighting_config import weighting_from_config
 
 log = logging.getLogger("maxent_grpo")
@@ -111,7 +111,9 @@ def build_run(cfg: TrainConfig, *, resume: str | bool | None = None) -> Run:
         cfg.data.source, split=cfg.data.split, prompt_column=cfg.data.prompt_column,
         answer_column=cfg.data.answer_column, size=cfg.data.size, seed=cfg.training.seed,
     )
-    train_ds, eval_ds = split_train_eval(dataset, cfg.data.eval_size, cfg.training.seed)
+    train_ds, eval_ds = dataset, None
+    if cfg.data.eval_size > 0:
+        train_ds, eval_ds = split_train_eval(dataset, cfg.data.eval_size, cfg.training.seed)
     reward_spec = build_reward_spec(cfg.rewards)
     model_path = resolve_model_path(cfg.model.name_or_path)
     if dist.is_main:
@@ -138,7 +140,7 @@ def build_run(cfg: TrainConfig, *, resume: str | bool | None = None) -> Run:
     )
     train_model = model
     if dist.world_size > 1:
-        train_model = torch.nn.parallel.DistributedDataParallel(model)
+        train_model = DataParallelPolicy(model)
 
     g = cfg.generation
     sampling = SamplingParams(
@@ -158,12 +160,11 @@ def build_run(cfg: TrainConfig, *, resume: str | bool | None = None) -> Run:
         policy_loss=method.policy_loss, kl_estimator=cfg.loss.kl_estimator, dual_clip=cfg.loss.dual_clip,
         max_completion_length=g.max_new_tokens, temperature=g.temperature,
         entropy_coef=cfg.loss.entropy_coef, listwise_clip_coef=cfg.maxent.listwise_clip_coef,
-        mask_truncated_completions=cfg.loss.mask_truncated_completions,
     )
     run = Run(
         cfg=cfg, output_dir=output_dir, ctx=ctx, train_model=train_model, optimizer=optimizer,
         lr_scheduler=lr_scheduler, sampler=ShardedSampler(sampler, dist),
-        trackers=build_trackers(cfg.logging.report_to if dist.is_main else [], output_dir, to_dict(cfg)),
+        trackers=make_trackers(cfg.logging.report_to if dist.is_main else [], output_dir, config=to_dict(cfg)),
         loss_config=loss_config, eval_rows=list(eval_ds) if eval_ds is not None else [],
     )
     if resume:

@@ -1,0 +1,262 @@
+"""The generation interface and the rollout records.
+
+A backend answers ``generate(prompts, num_generations, params)`` with one
+``PromptGroup`` per prompt, which may hold fewer completions than asked (a
+server dropped some, a request timed out). ``generate_groups`` re-asks for the
+missing ones, drops groups that stay incomplete (ALGORITHMS.md §9) and lays the
+rest out prompt-major in a ``RolloutBatch``; ``pack_rollout`` turns that into
+padded tensors for scoring.
+
+Completion conventions, shared by every backend:
+
+* ``token_ids`` end with the EOS token when generation stopped on EOS;
+* when a stop string ended generation, the tokens end with the token that
+  completed it; the stop string is KEPT in ``text`` (rewards may look for it);
+* ``text`` is the decoding of ``token_ids`` without special tokens;
+* ``logps[t]`` is ``log_softmax(logits_t / temperature)[token_t]`` under the
+  raw model logits: top-k / top-p filtering is not applied, which is what the
+  trainer recomputes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    stop: tuple[str, ...] = ()
+    do_sample: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a sequence of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.do_sample, bool):
+            raise ValueError(f"do_sample must be a bool, got {self.do_sample!r}")
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length"
+    logps: list[float] | None = None  # behaviour log-probs, one per token
+
+    def __post_init__(self) -> None:
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
+        if self.logps is not None and len(self.logps) != len(self.token_ids):
+            raise ValueError(f"logps has {len(self.logps)} entries for {len(self.token_ids)} tokens")
+
+
+@dataclass(frozen=True)
+class PromptGroup:
+    """What a backend returns for one prompt: up to ``num_generations`` completions."""
+
+    prompt: str
+    prompt_ids: list[int]
+    completions: list[Completion]
+
+
+class GenerationBackend(Protocol):
+    def generate(self, prompts: list[str], num_generations: int, params: SamplingParams) -> list[PromptGroup]:
+        """One ``PromptGroup`` per prompt, in order, each with at most ``num_generations`` completions.
+
+        ``prompts`` are already chat-templated text; they are tokenized without
+        adding special tokens.
+        """
+        ...
+
+    def sync_weights(self, policy) -> None:
+        """Make the backend sample from ``policy``'s current weights (called after each optimizer step).
+
+        A no-op where the backend samples from the policy object itself (HF); a
+        vLLM backend pushes the weights here.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """``P`` prompts x ``G`` completions, prompt-major: rows ``p*G .. p*G+G-1`` belong to prompt ``p``."""
+
+    prompts: list[str]
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    completion_texts: list[str]
+    finish_reasons: list[str]
+    behaviour_logps: list[list[float]] | None
+    num_generations: int
+
+    def __post_init__(self) -> None:
+        g = self.num_generations
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+            raise ValueError(f"num_generations must be a positive integer, got {g!r}")
+        p = len(self.prompts)
+        if len(self.prompt_ids) != p:
+            raise ValueError(f"prompt_ids has {len(self.prompt_ids)} rows for {p} prompts")
+        n = p * g
+        for name, rows in (
+            ("completion_ids", self.completion_ids),
+            ("completion_texts", self.completion_texts),
+            ("finish_reasons", self.finish_reasons),
+        ):
+            if len(rows) != n:
+                raise ValueError(f"{name} has {len(rows)} rows, expected prompts x num_generations = {n}")
+        bad = [r for r in self.finish_reasons if r not in FINISH_REASONS]
+        if bad:
+            raise ValueError(f"finish_reasons must be in {FINISH_REASONS}, got {bad[0]!r}")
+        if self.behaviour_logps is not None:
+            if len(self.behaviour_logps) != n or any(
+                len(lp) != len(ids) for lp, ids in zip(self.behaviour_logps, self.completion_ids)
+            ):
+                raise ValueError("behaviour_logps must have one entry per completion token")
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def num_completions(self) -> int:
+        return len(self.completion_ids)
+
+
+def build_rollout_batch(groups: Sequence[PromptGroup], num_generations: int) -> RolloutBatch:
+    """Lay out complete groups prompt-major. Behaviour log-probs are kept only if every completion has them."""
+    for i, grp in enumerate(groups):
+        if len(grp.completions) != num_generations:
+            raise ValueError(f"groups[{i}] has {len(grp.completions)} completions, expected {num_generations}")
+    comps = [c for grp in groups for c in grp.completions]
+    with_logps = [c.logps is not None for c in comps]
+    if any(with_logps) and not all(with_logps):
+        raise ValueError("groups: some completions carry behaviour log-probs and some do not")
+    return RolloutBatch(
+        prompts=[grp.prompt for grp in groups],
+        prompt_ids=[list(grp.prompt_ids) for grp in groups],
+        completion_ids=[list(c.token_ids) for c in comps],
+        completion_texts=[c.text for c in comps],
+        finish_reasons=[c.finish_reason for c in comps],
+        behaviour_logps=[list(c.logps) for c in comps] if comps and all(with_logps) else None,
+        num_generations=num_generations,
+    )
+
+
+def generate_groups(
+    backend: GenerationBackend,
+    prompts: list[str],
+    num_generations: int,
+    params: SamplingParams,
+    *,
+    max_retry_rounds: int = 2,
+) -> tuple[RolloutBatch, list[int]]:
+    """Generate ``num_generations`` completions per prompt, re-asking for missing ones.
+
+    Returns the batch of complete groups (in prompt order) and the indices of the
+    prompts whose groups were still incomplete after ``max_retry_rounds`` and were dropped.
+    """
+    if isinstance(max_retry_rounds, bool) or not isinstance(max_retry_rounds, int) or max_retry_rounds < 0:
+        raise ValueError(f"max_retry_rounds must be an integer >= 0, got {max_retry_rounds!r}")
+    if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 1:
+        raise ValueError(f"num_generations must be a positive integer, got {num_generations!r}")
+    if not prompts:
+        raise ValueError("prompts must not be empty")
+
+    groups = _checked(backend.generate(list(prompts), num_generations, params), prompts, num_generations)
+    collected = [list(g.completions) for g in groups]
+    for _ in range(max_retry_rounds):
+        missing: dict[int, list[int]] = {}  # how many are missing -> prompt indices
+        for i, comps in enumerate(collected):
+            if len(comps) < num_generations:
+                missing.setdefault(num_generations - len(comps), []).append(i)
+        if not missing:
+            break
+        for k, idx in sorted(missing.items()):
+            asked = [prompts[i] for i in idx]
+            for i, grp in zip(idx, _checked(backend.generate(asked, k, params), asked, k)):
+                collected[i].extend(grp.completions)
+
+    kept = [
+        PromptGroup(prompt=g.prompt, prompt_ids=g.prompt_ids, completions=c)
+        for g, c in zip(groups, collected)
+        if len(c) == num_generations
+    ]
+    dropped = [i for i, c in enumerate(collected) if len(c) != num_generations]
+    return build_rollout_batch(kept, num_generations), dropped
+
+
+def _checked(groups: list[PromptGroup], prompts: Sequence[str], num_generations: int) -> list[PromptGroup]:
+    if len(groups) != len(prompts):
+        raise ValueError(f"backend returned {len(groups)} groups for {len(prompts)} prompts")
+    for i, (grp, prompt) in enumerate(zip(groups, prompts)):
+        if grp.prompt != prompt:
+            raise ValueError(f"backend returned group {i} for a different prompt")
+        if len(grp.completions) > num_generations:
+            raise ValueError(f"backend returned {len(grp.completions)} completions for group {i}, asked for {num_generations}")
+    return groups
+
+
+@dataclass(frozen=True)
+class PackedRollout:
+    """Padded tensors of a ``RolloutBatch``: prompts left-padded to ``prompt_length``, completions right-padded."""
+
+    input_ids: torch.Tensor  # [N, Lp + T] long
+    attention_mask: torch.Tensor  # [N, Lp + T] long
+    completion_mask: torch.Tensor  # [N, T] float32
+    prompt_length: int  # Lp
+    behaviour_logps: torch.Tensor | None  # [N, T] float32, 0 at padding
+    truncated: torch.Tensor  # [N] bool: finish_reason == "length"
+    completion_lengths: torch.Tensor  # [N] long
+
+
+def pack_rollout(batch: RolloutBatch, pad_token_id: int, *, device: str | torch.device = "cpu") -> PackedRollout:
+    if batch.num_completions == 0:
+        raise ValueError("batch holds no completions")
+    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or pad_token_id < 0:
+        raise ValueError(f"pad_token_id must be a non-negative integer, got {pad_token_id!r}")
+    g = batch.num_generations
+    n = batch.num_completions
+    lp = max(len(ids) for ids in batch.prompt_ids)
+    t = max(len(ids) for ids in batch.completion_ids)
+    input_ids = torch.full((n, lp + t), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, lp + t), dtype=torch.long)
+    completion_mask = torch.zeros((n, t), dtype=torch.float32)
+    logps = torch.zeros((n, t), dtype=torch.float32) if batch.behaviour_logps is not None else None
+    for i, comp in enumerate(batch.completion_ids):
+        prompt = batch.prompt_ids[i // g]
+        input_ids[i, lp - len(prompt) : lp] = torch.tensor(prompt, dtype=torch.long)
+        attention_mask[i, lp - len(prompt) : lp] = 1
+        if comp:
+            input_ids[i, lp : lp + len(comp)] = torch.tensor(comp, dtype=torch.long)
+            attention_mask[i, lp : lp + len(comp)] = 1
+            completion_mask[i, : len(comp)] = 1.0
+            if logps is not None:
+                logps[i, : len(comp)] = torch.tensor(batch.behaviour_logps[i], dtype=torch.float32)
+    return PackedRollout(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        completion_mask=completion_mask.to(device),
+        prompt_length=lp,
+        behaviour_logps=logps.to(device) if logps is not None else None,
+        truncated=torch.tensor([r == "length" for r in batch.finish_reasons], dtype=torch.bool, device=device),
+        completion_lengths=torch.tensor([len(c) for c in batch.completion_ids], dtype=torch.long, device=device),
+    )

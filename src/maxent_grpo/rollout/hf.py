@@ -1,0 +1,220 @@
+"""Generation with transformers' ``generate`` (KV cache, left padding, batched).
+
+Behaviour log-probs come from the raw logits ``generate`` returns
+(``output_logits=True``): ``log_softmax(logits / temperature)`` at the sampled
+token, one step ``[rows, V]`` at a time. Those logits are held for the whole
+call, ``rows x steps x V x 4`` bytes: ``batch_size`` bounds it.
+
+Stop strings are detected by our own stopping criterion, and the same record
+decides where a completion is cut afterwards, so "which token completed the
+stop string" has one answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+
+from maxent_grpo.core.logprobs import selective_logps
+from maxent_grpo.rollout.backend import Completion, PromptGroup, SamplingParams
+
+# Generation settings that reshape the sampling distribution or end rows early
+# and that a checkpoint's generation_config could carry into `generate` where we
+# cannot reset them (their "off" value is None, which `generate` fills from the model).
+_UNRESETTABLE = (
+    "max_time",
+    "stop_strings",
+    "min_p",
+    "top_h",
+    "bad_words_ids",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "sequence_bias",
+    "exponential_decay_length_penalty",
+    "guidance_scale",
+    "watermarking_config",
+)
+
+
+class _StopStrings(StoppingCriteria):
+    """Stops a row once the text of its generated tokens contains a stop string.
+
+    Each step decodes only the last ``window`` generated tokens: a stop string of
+    ``b`` bytes completed by the newest token lies within its last ``b`` tokens.
+    ``hit[row]`` is the index of the generated token that completed the first match.
+    """
+
+    def __init__(self, tokenizer, stops: tuple[str, ...], prompt_length: int, rows: int):
+        self.tokenizer = tokenizer
+        self.stops = stops
+        self.prompt_length = prompt_length
+        self.window = max(len(s.encode("utf-8")) for s in stops) + 1
+        self.hit: list[int | None] = [None] * rows
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        step = input_ids.shape[1] - self.prompt_length - 1
+        start = max(self.prompt_length, input_ids.shape[1] - self.window)
+        tails = self.tokenizer.batch_decode(
+            input_ids[:, start:].tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+        for row, text in enumerate(tails):
+            if self.hit[row] is None and any(s in text for s in self.stops):
+                self.hit[row] = step
+        return torch.tensor([h is not None for h in self.hit], dtype=torch.bool, device=input_ids.device)
+
+
+class HFGenerationBackend:
+    """Samples completions from a transformers causal LM (the policy itself: no weight sync needed).
+
+    ``batch_size``: most sequences per ``generate`` call (None: all at once).
+    ``seed``: when given, each call samples under its own seed derived from
+    ``seed`` and a call counter, without touching the global RNG; otherwise the
+    global torch RNG is used (deterministic under ``torch.manual_seed``).
+    In multi-process runs give each rank a different seed.
+    """
+
+    def __init__(self, model, tokenizer, *, batch_size: int | None = None, seed: int | None = None):
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ValueError(f"seed must be a non-negative integer or None, got {seed!r}")
+        if tokenizer.pad_token_id is None:
+            raise ValueError("tokenizer must have a pad token")
+        eos = model.generation_config.eos_token_id
+        eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        eos_ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if not eos_ids:
+            raise ValueError("tokenizer / model generation_config define no eos token")
+        leaking = {k: v for k, v in model.generation_config.to_dict().items() if k in _UNRESETTABLE and v is not None}
+        if leaking:
+            raise ValueError(
+                f"model.generation_config sets {sorted(leaking)}, which would change the sampling distribution "
+                "behind the behaviour log-probs; set them to None"
+            )
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.seed = seed
+        self.eos_ids = sorted(eos_ids)
+        self._calls = 0
+
+    def sync_weights(self, policy) -> None:
+        """Nothing to do: generation runs on the policy object itself."""
+
+    def generate(self, prompts: list[str], num_generations: int, params: SamplingParams) -> list[PromptGroup]:
+        if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 1:
+            raise ValueError(f"num_generations must be a positive integer, got {num_generations!r}")
+        if not prompts or not all(isinstance(p, str) and p for p in prompts):
+            raise ValueError("prompts must be a non-empty list of non-empty strings")
+        prompt_ids = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+        rows = [i for i in range(len(prompts)) for _ in range(num_generations)]  # prompt-major
+        per_call = self.batch_size or len(rows)
+        completions: list[Completion] = []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), self._rng():
+                for start in range(0, len(rows), per_call):
+                    chunk = [prompt_ids[i] for i in rows[start : start + per_call]]
+                    completions.extend(self._generate_chunk(chunk, params))
+        finally:
+            self.model.train(was_training)
+        self._calls += 1
+        return [
+            PromptGroup(
+                prompt=prompts[i],
+                prompt_ids=list(prompt_ids[i]),
+                completions=completions[i * num_generations : (i + 1) * num_generations],
+            )
+            for i in range(len(prompts))
+        ]
+
+    def _rng(self):
+        if self.seed is None:
+            return contextlib.nullcontext()
+        call_seed = int(np.random.SeedSequence([self.seed, self._calls]).generate_state(1, np.uint64)[0] >> 1)
+        device = self.model.device
+        return _seeded_rng(call_seed, [device.index or 0] if device.type == "cuda" else [])
+
+    def _generation_config(self, params: SamplingParams) -> GenerationConfig:
+        pad = self.tokenizer.pad_token_id
+        sampling = (
+            dict(temperature=float(params.temperature), top_p=float(params.top_p), top_k=params.top_k)
+            if params.do_sample
+            else {}
+        )
+        # Neutral values set explicitly: unset ones would be filled from the checkpoint's generation_config.
+        return GenerationConfig(
+            max_new_tokens=params.max_new_tokens,
+            min_new_tokens=0,
+            do_sample=params.do_sample,
+            num_beams=1,
+            num_return_sequences=1,
+            repetition_penalty=1.0,
+            encoder_repetition_penalty=1.0,
+            no_repeat_ngram_size=0,
+            typical_p=1.0,
+            epsilon_cutoff=0.0,
+            eta_cutoff=0.0,
+            eos_token_id=self.eos_ids,
+            pad_token_id=pad,
+            use_cache=True,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **sampling,
+        )
+
+    def _generate_chunk(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
+        pad = self.tokenizer.pad_token_id
+        lp = max(len(p) for p in prompt_ids)
+        device = self.model.device
+        input_ids = torch.tensor([[pad] * (lp - len(p)) + list(p) for p in prompt_ids], dtype=torch.long, device=device)
+        attention_mask = torch.tensor(
+            [[0] * (lp - len(p)) + [1] * len(p) for p in prompt_ids], dtype=torch.long, device=device
+        )
+        stop = _StopStrings(self.tokenizer, params.stop, lp, len(prompt_ids)) if params.stop else None
+        out = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=self._generation_config(params),
+            stopping_criteria=StoppingCriteriaList([stop]) if stop is not None else None,
+        )
+        generated = out.sequences[:, lp:]
+        steps = generated.shape[1]
+        if len(out.logits) != steps:
+            raise RuntimeError(f"generate returned {len(out.logits)} logit steps for {steps} tokens")
+        # One [rows, V] step at a time: never the [rows, steps, V] log-softmax.
+        logps = torch.stack(
+            [selective_logps(out.logits[t], generated[:, t], temperature=params.temperature)[0] for t in range(steps)],
+            dim=1,
+        ) if steps else torch.zeros((generated.shape[0], 0))
+        del out
+        eos = torch.tensor(self.eos_ids, device=generated.device)
+        is_eos = torch.isin(generated, eos)
+        result = []
+        for row, (ids, lps, eos_row) in enumerate(zip(generated.tolist(), logps.tolist(), is_eos.tolist())):
+            cut, reason = len(ids), "length"
+            if True in eos_row:
+                cut, reason = eos_row.index(True) + 1, "stop"
+            hit = stop.hit[row] if stop is not None else None
+            if hit is not None and hit + 1 <= cut:
+                cut, reason = hit + 1, "stop"
+            if reason == "length" and cut != params.max_new_tokens:
+                raise RuntimeError(f"row {row} ended after {cut} tokens with no eos or stop string")
+            token_ids = ids[:cut]
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            result.append(Completion(token_ids=token_ids, text=text, finish_reason=reason, logps=lps[:cut]))
+        return result
+
+
+@contextlib.contextmanager
+def _seeded_rng(seed: int, cuda_devices: list[int]):
+    """Seeds torch's RNG inside; the caller's RNG state is restored on exit."""
+    with torch.random.fork_rng(devices=cuda_devices):
+        torch.manual_seed(seed)
+        yield

@@ -259,9 +259,12 @@ def grpo_step(
         policy_part = aggregate(term.per_token_loss, mask, loss_type, norm) + term.sequence_loss
         contribution = policy_part
         kl_sum = logp.new_zeros(())
-        if beta > 0:
+        if mb.ref_logps is not None:
+            # Measured whenever a reference is scored (the KL controller and the logs need it),
+            # added to the loss only with beta > 0.
             kl = kl_penalty(logp, mb.ref_logps, cfg.kl_estimator)
-            contribution = contribution + aggregate(beta * kl, mask, loss_type, norm)
+            if beta > 0:
+                contribution = contribution + aggregate(beta * kl, mask, loss_type, norm)
             kl_sum = (kl.detach() * mask).sum()
         bonus = logp.new_zeros(())
         if cfg.entropy_coef > 0:
@@ -289,12 +292,13 @@ def grpo_step(
     if lr_scheduler is not None:
         lr_scheduler.step()
     optimizer.zero_grad()
-    metrics = _metrics(dict(zip(_SUMS, sums.tolist())), norm, beta, cfg, float(grad_norm))
+    metrics = _metrics(dict(zip(_SUMS, sums.tolist())), norm, micro_batches[0].ref_logps is not None, cfg,
+                       float(grad_norm))
     metrics["time/optimizer"] = time.perf_counter() - t_opt
     return StepResult(loss=float(sums[0]), grad_norm=float(grad_norm), metrics=metrics)
 
 
-def _metrics(sums: dict[str, float], norm: StepNormalizer, beta: float, cfg: LossConfig,
+def _metrics(sums: dict[str, float], norm: StepNormalizer, has_reference: bool, cfg: LossConfig,
              grad_norm: float) -> dict[str, float]:
     tokens = max(norm.num_tokens, 1)
     out = {
@@ -307,7 +311,7 @@ def _metrics(sums: dict[str, float], norm: StepNormalizer, beta: float, cfg: Los
         "grad_norm": grad_norm,
         "num_tokens": float(norm.num_tokens),
     }
-    if beta > 0:
+    if has_reference:
         out["kl"] = sums["kl"] / tokens
     if cfg.entropy_coef > 0:
         out["entropy_bonus"] = sums["entropy_bonus"]

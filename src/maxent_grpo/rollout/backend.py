@@ -161,6 +161,40 @@ def build_rollout_batch(groups: Sequence[PromptGroup], num_generations: int) -> 
     )
 
 
+def select_groups(batch: RolloutBatch, keep: Sequence[int]) -> RolloutBatch:
+    """The batch restricted to the prompts ``keep`` (in that order), each with its whole group."""
+    g = batch.num_generations
+    rows = [p * g + j for p in keep for j in range(g)]
+    return RolloutBatch(
+        prompts=[batch.prompts[p] for p in keep],
+        prompt_ids=[batch.prompt_ids[p] for p in keep],
+        completion_ids=[batch.completion_ids[i] for i in rows],
+        completion_texts=[batch.completion_texts[i] for i in rows],
+        finish_reasons=[batch.finish_reasons[i] for i in rows],
+        behaviour_logps=None if batch.behaviour_logps is None else [batch.behaviour_logps[i] for i in rows],
+        num_generations=g,
+    )
+
+
+def concat_rollouts(batches: Sequence[RolloutBatch]) -> RolloutBatch:
+    """Prompt-major concatenation of batches with the same group size."""
+    if not batches:
+        raise ValueError("batches must not be empty")
+    g = batches[0].num_generations
+    if any(b.num_generations != g for b in batches):
+        raise ValueError("batches: every batch must have the same num_generations")
+    with_logps = all(b.behaviour_logps is not None for b in batches)
+    return RolloutBatch(
+        prompts=[x for b in batches for x in b.prompts],
+        prompt_ids=[x for b in batches for x in b.prompt_ids],
+        completion_ids=[x for b in batches for x in b.completion_ids],
+        completion_texts=[x for b in batches for x in b.completion_texts],
+        finish_reasons=[x for b in batches for x in b.finish_reasons],
+        behaviour_logps=[x for b in batches for x in b.behaviour_logps] if with_logps else None,
+        num_generations=g,
+    )
+
+
 def generate_groups(
     backend: GenerationBackend,
     prompts: list[str],

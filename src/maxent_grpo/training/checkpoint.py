@@ -90,26 +90,11 @@ def save_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-
-    model_format = "peft" if _is_peft_model(model) else "full"
-    model.save_pretrained(tmp)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    torch.save(optimizer.state_dict(), tmp / OPTIMIZER_NAME)
-    if lr_scheduler is not None:
-        torch.save(lr_scheduler.state_dict(), tmp / SCHEDULER_NAME)
-    torch.save(_capture_rng_state(), tmp / RNG_STATE_NAME)
-    (tmp / TRAINER_STATE_NAME).write_text(state_text)
-
-    files = {}
-    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-        size, digest = _fsync_and_hash(path)
-        files[path.relative_to(tmp).as_posix()] = {"size": size, "sha256": digest}
-    manifest = {"version": MANIFEST_VERSION, "step": step, "model_format": model_format, "files": files}
-    _write_synced(tmp / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True))
-    for sub in sorted((p for p in tmp.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
-        _fsync_dir(sub)
-    _fsync_dir(tmp)
+    try:
+        _write_contents(tmp, step, model, tokenizer, optimizer, lr_scheduler, state_text)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed save (disk full...) leaves no debris
+        raise
 
     if final.exists():
         # Re-saving a step (after resuming from an earlier one): move the old one out of
@@ -128,6 +113,29 @@ def save_checkpoint(
     return final
 
 
+def _write_contents(tmp: Path, step: int, model, tokenizer, optimizer, lr_scheduler, state_text: str) -> None:
+    model_format = "peft" if _is_peft_model(model) else "full"
+    model.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    torch.save(optimizer.state_dict(), tmp / OPTIMIZER_NAME)
+    if lr_scheduler is not None:
+        torch.save(lr_scheduler.state_dict(), tmp / SCHEDULER_NAME)
+    torch.save(_capture_rng_state(), tmp / RNG_STATE_NAME)
+    (tmp / TRAINER_STATE_NAME).write_text(state_text)
+
+    files = {}
+    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        size, digest = _fsync_and_hash(path)
+        files[path.relative_to(tmp).as_posix()] = {"size": size, "sha256": digest}
+    manifest = {"version": MANIFEST_VERSION, "step": step, "model_format": model_format, "files": files}
+    # The manifest goes last: a folder with a manifest has everything the manifest lists.
+    _write_synced(tmp / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True))
+    for sub in sorted((p for p in tmp.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        _fsync_dir(sub)
+    _fsync_dir(tmp)
+
+
 def _is_peft_model(model: Any) -> bool:
     # A model can only be a PeftModel if peft has been imported; avoids importing it (slow).
     peft = sys.modules.get("peft")
@@ -136,12 +144,10 @@ def _is_peft_model(model: Any) -> bool:
 
 def _capture_rng_state() -> dict:
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    numpy = sys.modules.get("numpy")
-    if numpy is None:
-        try:
-            import numpy
-        except ImportError:
-            numpy = None
+    try:
+        import numpy
+    except ImportError:  # numpy is optional: nothing of it to restore then
+        numpy = None
     if numpy is not None:
         np_state = numpy.random.get_state(legacy=False)
         # Stored as plain torch/python values so that torch.load(weights_only=True) reads it.

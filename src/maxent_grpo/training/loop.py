@@ -45,7 +45,11 @@ def train(cfg: TrainConfig, *, resume: str | bool | None = None) -> Path:
     step, consecutive_failures, succeeded = run.start_step, 0, run.start_step > 0
     while step < cfg.training.max_steps:
         t_start = time.perf_counter()
-        prepared = prepare_training_batch(ctx, run.sampler.next_batch(), run.sampler.next_batch)
+        try:
+            prepared = prepare_training_batch(ctx, run.sampler.next_batch(), run.sampler.next_batch)
+        except StopIteration:
+            log.info("data exhausted after %d epochs at step %d", cfg.data.num_epochs, step)
+            break
         if prepared is None:
             consecutive_failures += 1
             if not succeeded and consecutive_failures >= MAX_INITIAL_FAILURES:

@@ -34,7 +34,16 @@ from maxent_grpo.rewards.maxent import (
     compute_weight_stats,
 )
 from maxent_grpo.rewards.registry import RewardFunctionError, RewardSpec, evaluate_rewards
-from maxent_grpo.rollout.backend import GenerationBackend, PackedRollout, RolloutBatch, SamplingParams, generate_groups, pack_rollout
+from maxent_grpo.rollout.backend import (
+    GenerationBackend,
+    PackedRollout,
+    RolloutBatch,
+    SamplingParams,
+    concat_rollouts,
+    generate_groups,
+    pack_rollout,
+    select_groups,
+)
 from maxent_grpo.training.config import TrainConfig
 from maxent_grpo.training.data import format_prompt
 from maxent_grpo.training.diversity import group_diversity
@@ -183,7 +192,7 @@ def _rollout_and_rewards(ctx: PipelineContext, rows: list[dict], more_rows: Call
         varied = (total.max(dim=1).values - total.min(dim=1).values) > 0
         keep = [i for i in range(len(rows)) if bool(varied[i])]
         kept_rows += [rows[i] for i in keep]
-        kept_rollouts.append(rollout.select_groups(keep))
+        kept_rollouts.append(select_groups(rollout, keep))
         kept_rewards.append(per_fn.view(len(rows), g, -1)[keep].reshape(-1, per_fn.shape[1]))
         if len(kept_rows) >= target:
             break
@@ -192,7 +201,7 @@ def _rollout_and_rewards(ctx: PipelineContext, rows: list[dict], more_rows: Call
     if not kept_rows:
         raise SkipBatch("dynamic_sampling", "no group with varied rewards")
     kept_rows = kept_rows[:target]
-    rollout = RolloutBatch.concat(kept_rollouts).select_groups(list(range(len(kept_rows))))
+    rollout = select_groups(concat_rollouts(kept_rollouts), list(range(len(kept_rows))))
     per_fn = torch.cat(kept_rewards)[: len(kept_rows) * g]
     return kept_rows, rollout, per_fn, {"dynamic_sampling/groups_seen": float(seen)}
 

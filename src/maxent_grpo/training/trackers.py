@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import json
 import math
+import numbers
 import os
 import re
 import time
@@ -61,8 +62,8 @@ def _import(name: str) -> Any:
 def _floats(metrics: dict[str, Any]) -> dict[str, float]:
     out = {}
     for key, value in metrics.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"metrics[{key!r}] must be an int or float, got {type(value).__name__}")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"metrics[{key!r}] must be a real number, got {type(value).__name__}")
         out[key] = float(value)
     return out
 

@@ -1,0 +1,27 @@
+"""Reward functions for the training tests, written in TRL's GRPOTrainer style.
+
+Imported by name (``learnable_rewards:shortness``) the way a user's own module
+would be: pytest puts this folder on sys.path.
+"""
+
+
+def shortness(prompts, completions, completion_ids, **kwargs):
+    """1 for an immediate end of sequence, falling linearly to 0 at 16 tokens: learnable by a random tiny model."""
+    return [max(0.0, 1.0 - len(ids) / 16.0) for ids in completion_ids]
+
+
+def conversational_length(completions, **kwargs):
+    """A TRL-style function for conversational data: reads completion[0]["content"]."""
+    return [float(len(c[0]["content"])) / 100.0 for c in completions]
+
+
+def wrong_count(prompts, completions, **kwargs):
+    return [0.0] * (len(completions) + 1)
+
+
+def returns_nan(prompts, completions, **kwargs):
+    return [float("nan")] * len(completions)
+
+
+def raises(prompts, completions, **kwargs):
+    raise RuntimeError("scorer crashed")

@@ -1,87 +1,203 @@
 """Per-token log-probs and entropies of completion tokens (ALGORITHMS.md §1).
 
-The full ``[B, T, V]`` log-softmax is never held: rows are processed in chunks,
-the chosen logit is gathered and ``logsumexp`` subtracted; the entropy
-``H = logsumexp(z) - sum softmax(z) * z`` comes from the same chunk.
+The full ``[B, T, V]`` log-softmax is never held: rows are processed in chunks
+into two reusable buffers. With ``u = z - max(z)`` and ``s = sum exp(u)``:
+
+    logp(y) = u_y - log s
+    H       = log s - sum exp(u) * u / s        (= logsumexp(z) - sum softmax(z) z)
+
+Working on ``u`` instead of ``z`` avoids the cancellation between two large
+numbers (``logsumexp(z)`` and ``sum p z``) that costs float32 entropies digits
+when logits are large. The backward is chunked the same way and writes straight
+into the gradient, using the saved ``lse`` and ``H``:
+
+    d logp(y)/dz = onehot(y) - p,    dH/dz = -p * (log p + H).
 """
 
 from __future__ import annotations
 
+import math
+import operator
+from collections.abc import Iterator
+
 import torch
+from torch.autograd.function import once_differentiable
 
-# Rows of [*, V] logits handled at once. 1024 rows x 49152 vocab x fp32 is
-# ~200 MB of temporaries per chunk, small next to the model's own logits.
-DEFAULT_CHUNK_ROWS = 1024
+# Rows of [*, V] logits handled at once (tuned with benchmarks/logprobs_bench.py).
+# At V = 49152 the float32 work buffers are 48 MiB each, ~3% of the logits of
+# a 32 x 256 batch. Smaller chunks save little more memory but multiply the
+# number of thread-synchronised ops: on a busy 2-core machine 32-row chunks
+# were 10x slower, while 128..1024 rows all ran at the same speed.
+DEFAULT_CHUNK_ROWS = 256
 
 
-def _check_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
-    if input_ids.numel() == 0:
+def _check_ids(ids: torch.Tensor, vocab_size: int, name: str) -> None:
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
+    if ids.numel() == 0:
         return
-    lo, hi = int(input_ids.min()), int(input_ids.max())
+    lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one device sync, not two
     if lo < 0 or hi >= vocab_size:
-        raise ValueError(
-            f"input_ids: token id {hi if hi >= vocab_size else lo} is outside the "
-            f"model vocabulary [0, {vocab_size})"
-        )
+        bad = hi if hi >= vocab_size else lo
+        raise ValueError(f"{name}: token id {bad} is outside the model vocabulary [0, {vocab_size})")
 
 
-def _rowwise_logps(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    temperature: float,
-    with_entropy: bool,
-    chunk_rows: int,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of ``targets`` under ``softmax(logits / temperature)`` for 2-D ``[N, V]`` logits."""
-    n = logits.shape[0]
-    logps = torch.empty(n, dtype=torch.float32 if logits.dtype != torch.float64 else torch.float64, device=logits.device)
+def _check_temperature(temperature: float) -> float:
+    t = float(temperature)
+    if not (math.isfinite(t) and t > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    return t
+
+
+def _check_chunk_rows(chunk_rows: int) -> int:
+    rows = operator.index(chunk_rows)
+    if rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    return rows
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Upcast half precision per chunk: a bf16 logsumexp over 49k entries loses ~2 digits.
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _chunks(a: int, t: int, rows: int) -> Iterator[tuple[slice, slice]]:
+    """(batch slice, time slice) pairs of at most ``rows`` rows, never merging
+    non-adjacent memory, so a strided ``[A, T, V]`` view is never copied whole."""
+    if a == 0 or t == 0:
+        return
+    if t <= rows:
+        step = rows // t
+        for a0 in range(0, a, step):
+            yield slice(a0, min(a0 + step, a)), slice(0, t)
+    else:
+        for a0 in range(a):
+            for t0 in range(0, t, rows):
+                yield slice(a0, a0 + 1), slice(t0, min(t0 + rows, t))
+
+
+def _buffer(n_rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(n_rows * vocab, dtype=dtype, device=device)
+
+
+def _view(buf: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    return buf[: math.prod(shape)].view(shape)
+
+
+def _max_chunk_rows(a: int, t: int, rows: int) -> int:
+    if a == 0 or t == 0:
+        return 0
+    return min(rows // t, a) * t if t <= rows else rows
+
+
+def _scaled_shifted(out: torch.Tensor, x: torch.Tensor, temperature: float, offset: torch.Tensor) -> torch.Tensor:
+    """``out = x / temperature + offset`` in ``out``'s dtype."""
+    if x.dtype != out.dtype:
+        # upcast into out first: a mixed-dtype add would allocate a hidden
+        # chunk-sized float32 copy of x (page faults on every chunk)
+        x = out.copy_(x)
+    return torch.add(offset, x, alpha=1.0 / temperature, out=out)
+
+
+def _forward(logits, targets, temperature, with_entropy, rows):
+    a, t, vocab = logits.shape
+    cdtype = _compute_dtype(logits.dtype)
+    logps = torch.empty((a, t), dtype=cdtype, device=logits.device)
+    lse = torch.empty_like(logps)
     ents = torch.empty_like(logps) if with_entropy else None
-    for start in range(0, n, chunk_rows):
-        stop = min(start + chunk_rows, n)
-        # Upcast per chunk: bf16 logsumexp over 49k entries loses ~2 digits.
-        z = logits[start:stop].to(logps.dtype)
-        if temperature != 1.0:
-            z = z / temperature
-        lse = torch.logsumexp(z, dim=-1)
-        logps[start:stop] = z.gather(-1, targets[start:stop, None]).squeeze(-1) - lse
-        if ents is not None:
-            p = torch.softmax(z, dim=-1)
-            ents[start:stop] = lse - (p * z).sum(-1)
-    return logps, ents
+    n_max = _max_chunk_rows(a, t, rows)
+    u_buf = _buffer(n_max, vocab, cdtype, logits.device)
+    p_buf = _buffer(n_max, vocab, cdtype, logits.device) if with_entropy else None
+    for bs, ts in _chunks(a, t, rows):
+        x = logits[bs, ts]
+        m = x.amax(-1, keepdim=True).to(cdtype).div_(temperature)
+        u = _scaled_shifted(_view(u_buf, x.shape), x, temperature, -m)
+        u_y = u.gather(-1, targets[bs, ts, None]).squeeze(-1)
+        if p_buf is None:
+            log_s = u.exp_().sum(-1).log_()
+        else:
+            p = torch.exp(u, out=_view(p_buf, x.shape))
+            s = p.sum(-1)
+            log_s = s.log()
+            # sum p u <= 0 termwise: no cancellation, unlike lse - sum p z
+            ents[bs, ts] = log_s - p.mul_(u).sum(-1).div_(s)
+        logps[bs, ts] = u_y - log_s
+        lse[bs, ts] = m.squeeze(-1) + log_s
+    return logps, ents, lse
+
+
+def _backward(logits, targets, lse, ents, grad_logps, grad_ents, temperature, rows):
+    a, t, vocab = logits.shape
+    cdtype = lse.dtype
+    grad = torch.empty((a, t, vocab), dtype=logits.dtype, device=logits.device)
+    # float32/float64 logits: the gradient slice itself is the work buffer.
+    n_max = _max_chunk_rows(a, t, rows)
+    g_buf = None if logits.dtype == cdtype else _buffer(n_max, vocab, cdtype, logits.device)
+    p_buf = _buffer(n_max, vocab, cdtype, logits.device) if grad_ents is not None else None
+    # Row factors with the chain-rule 1/T folded in, so each chunk costs few passes.
+    g_lp = None if grad_logps is None else grad_logps.to(cdtype) / temperature
+    if grad_ents is not None:
+        g_h = grad_ents.to(cdtype).div(-temperature)
+        offset = g_h * ents if g_lp is None else torch.sub(g_h * ents, g_lp)
+    for bs, ts in _chunks(a, t, rows):
+        x = logits[bs, ts]
+        g = grad[bs, ts] if g_buf is None else _view(g_buf, x.shape)
+        lp = _scaled_shifted(g, x, temperature, -lse[bs, ts, None])  # log softmax
+        if grad_ents is None:
+            g = lp.exp_().mul_(-g_lp[bs, ts, None])
+        else:
+            p = torch.exp(lp, out=_view(p_buf, x.shape))
+            # d/dz [g_lp logp_y + g_H H] = onehot g_lp - p (g_lp + g_H (log p + H)); times 1/T
+            g = torch.addcmul(offset[bs, ts, None], lp, g_h[bs, ts, None], out=lp).mul_(p)
+        if g_lp is not None:
+            g.scatter_add_(-1, targets[bs, ts, None], g_lp[bs, ts, None])
+        if g_buf is not None:
+            grad[bs, ts] = g
+    return grad
 
 
 class _ChunkedLogps(torch.autograd.Function):
-    """Chunked log-prob (+ entropy) with a chunked backward, so neither pass holds [N, V] softmax."""
+    """Chunked log-prob (+ entropy) of ``[A, T, V]`` logits with a chunked backward."""
 
     @staticmethod
     def forward(ctx, logits, targets, temperature, with_entropy, chunk_rows):
-        logps, ents = _rowwise_logps(logits, targets, temperature, with_entropy, chunk_rows)
-        ctx.save_for_backward(logits, targets)
+        logps, ents, lse = _forward(logits, targets, temperature, with_entropy, chunk_rows)
+        ctx.set_materialize_grads(False)
         ctx.temperature, ctx.chunk_rows, ctx.with_entropy = temperature, chunk_rows, with_entropy
         if ents is None:
-            ents = torch.zeros_like(logps)
+            # autograd needs a tensor output; an empty one costs nothing
+            ents = logps.new_empty(0)
+            ctx.mark_non_differentiable(ents)
+            ctx.save_for_backward(logits, targets, lse)
+        else:
+            ctx.save_for_backward(logits, targets, lse, ents)
         return logps, ents
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_logps, grad_ents):
-        logits, targets = ctx.saved_tensors
-        tau, rows = ctx.temperature, ctx.chunk_rows
-        grad = torch.empty_like(logits)
-        for start in range(0, logits.shape[0], rows):
-            stop = min(start + rows, logits.shape[0])
-            z = logits[start:stop].to(grad_logps.dtype) / tau
-            lse = torch.logsumexp(z, dim=-1, keepdim=True)
-            p = torch.exp(z - lse)
-            g_lp = grad_logps[start:stop, None]
-            # d logp_y / dz = onehot(y) - p
-            g = -p * g_lp
-            g.scatter_add_(-1, targets[start:stop, None], g_lp)
-            if ctx.with_entropy and grad_ents is not None:
-                # H = lse - sum p z ;  dH/dz = -p * (z - sum p z)
-                ez = (p * z).sum(-1, keepdim=True)
-                g = g - p * (z - ez) * grad_ents[start:stop, None]
-            grad[start:stop] = (g / tau).to(logits.dtype)
+        if ctx.with_entropy:
+            logits, targets, lse, ents = ctx.saved_tensors
+        else:
+            logits, targets, lse = ctx.saved_tensors
+            ents, grad_ents = None, None
+        if grad_logps is None and grad_ents is None:
+            return None, None, None, None, None
+        grad = _backward(logits, targets, lse, ents, grad_logps, grad_ents, ctx.temperature, ctx.chunk_rows)
         return grad, None, None, None, None
+
+
+def _as_3d(x: torch.Tensor, last: int) -> torch.Tensor:
+    """View ``[..., T, *tail]`` as ``[A, T, *tail]`` (``tail`` has ``last`` dims), copying only if it must."""
+    lead = x.shape[: x.dim() - last]
+    tail = x.shape[x.dim() - last :]
+    if len(lead) == 0:
+        return x.reshape(1, 1, *tail)
+    if len(lead) == 1:
+        return x.unsqueeze(0)
+    if len(lead) == 2:
+        return x
+    return x.reshape(-1, lead[-1], *tail)
 
 
 def selective_logps(
@@ -92,20 +208,38 @@ def selective_logps(
     with_entropy: bool = False,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of ``targets`` and (optionally) entropies for logits of shape ``[..., V]``.
+    """Log-probs of ``targets`` under ``softmax(logits / temperature)`` and, if
+    ``with_entropy``, the entropies of those distributions, for logits ``[..., V]``.
 
-    Returns float32 tensors (float64 for float64 logits) shaped like ``targets``.
+    Returns float32 tensors (float64 for float64 logits) shaped like ``targets``;
+    the entropy is ``None`` when ``with_entropy`` is false. Differentiable w.r.t.
+    ``logits`` (once) through a chunked backward.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if logits.shape[:-1] != targets.shape:
-        raise ValueError(f"targets shape {tuple(targets.shape)} does not match logits {tuple(logits.shape)}")
-    _check_ids(targets, logits.shape[-1])
-    flat_logits = logits.reshape(-1, logits.shape[-1])
-    flat_targets = targets.reshape(-1)
-    logps, ents = _ChunkedLogps.apply(flat_logits, flat_targets, float(temperature), with_entropy, int(chunk_rows))
-    logps = logps.view(targets.shape)
-    return logps, (ents.view(targets.shape) if with_entropy else None)
+    temperature = _check_temperature(temperature)
+    chunk_rows = _check_chunk_rows(chunk_rows)
+    if not logits.dtype.is_floating_point:
+        raise ValueError(f"logits must be floating point, got dtype {logits.dtype}")
+    if logits.dim() < 1 or logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"logits shape {tuple(logits.shape)} must be targets shape {tuple(targets.shape)} plus a vocab dim"
+        )
+    _check_ids(targets, logits.shape[-1], "targets")
+    logps, ents = _ChunkedLogps.apply(
+        _as_3d(logits, 1), _as_3d(targets.long(), 0), temperature, bool(with_entropy), chunk_rows
+    )
+    return logps.view(targets.shape), (ents.view(targets.shape) if with_entropy else None)
+
+
+def _check_prompt_length(prompt_length: int, seq_len: int) -> int:
+    p = operator.index(prompt_length)
+    if not 1 <= p <= seq_len:
+        raise ValueError(f"prompt_length must be in [1, {seq_len}] (the sequence length), got {prompt_length}")
+    return p
+
+
+def _check_input_ids(input_ids: torch.Tensor) -> None:
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
 
 
 def compute_per_token_logps(
@@ -118,29 +252,50 @@ def compute_per_token_logps(
 ) -> torch.Tensor:
     """Log-probs of the completion tokens ``input_ids[:, prompt_length:]``.
 
-    ``logits`` are the model's outputs for the whole ``input_ids`` ``[B, L, V]``;
-    position ``t`` predicts token ``t+1``. Returns ``[B, L - prompt_length]``.
+    ``logits`` are either the model's outputs for the whole ``input_ids``
+    (``[B, L, V]``; position ``t`` predicts token ``t+1``, so positions
+    ``prompt_length-1 .. L-2`` are used) or already trimmed to those positions
+    (``[B, L - prompt_length, V]``). Returns ``[B, L - prompt_length]``.
     """
-    logps, _ = _completion_logps(logits, input_ids, prompt_length, temperature, False, chunk_rows)
+    logps, _ = compute_per_token_logps_and_entropies(
+        logits, input_ids, prompt_length, temperature=temperature, chunk_rows=chunk_rows, with_entropy=False
+    )
     return logps
 
 
-def _completion_logps(logits, input_ids, prompt_length, temperature, with_entropy, chunk_rows):
-    if not 0 < prompt_length < input_ids.shape[1] + 1:
-        raise ValueError(f"prompt_length must be in [1, {input_ids.shape[1]}], got {prompt_length}")
-    # logits for positions prompt_length-1 .. L-2 predict tokens prompt_length .. L-1
-    if logits.shape[1] == input_ids.shape[1]:
+def compute_per_token_logps_and_entropies(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    prompt_length: int,
+    *,
+    temperature: float = 1.0,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Like :func:`compute_per_token_logps`, also returning token entropies ``[B, L - prompt_length]``."""
+    _check_input_ids(input_ids)
+    seq_len = input_ids.shape[1]
+    prompt_length = _check_prompt_length(prompt_length, seq_len)
+    if logits.dim() != 3 or logits.shape[0] != input_ids.shape[0]:
+        raise ValueError(f"logits must be [B, L, V] with B = {input_ids.shape[0]}, got {tuple(logits.shape)}")
+    if logits.shape[1] == seq_len:
         logits = logits[:, prompt_length - 1 : -1]
+    elif logits.shape[1] != seq_len - prompt_length:
+        raise ValueError(
+            f"logits have {logits.shape[1]} positions; expected {seq_len} (whole sequence) "
+            f"or {seq_len - prompt_length} (completion only)"
+        )
     targets = input_ids[:, prompt_length:]
-    return selective_logps(logits, targets, temperature=temperature, with_entropy=with_entropy, chunk_rows=chunk_rows)
+    _check_ids(targets, logits.shape[-1], "input_ids")
+    return selective_logps(
+        logits, targets, temperature=temperature, with_entropy=with_entropy, chunk_rows=chunk_rows
+    )
 
 
-def _forward_completion_logits(model, input_ids, attention_mask, prompt_length):
-    # logits_to_keep avoids the LM head over prompt positions (T+1 keeps the one
-    # that predicts the first completion token).
-    keep = input_ids.shape[1] - prompt_length + 1
-    out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep, use_cache=False)
-    return out.logits[:, :-1]
+def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    # Left padding: positions count real tokens, as during generation, so
+    # absolute-position models see the same positions they sampled with.
+    return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
 
 
 def get_per_token_logps(
@@ -170,10 +325,32 @@ def get_per_token_logps_and_entropies(
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     with_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Forward ``model`` once; return completion log-probs and token entropies, both ``[B, T]``."""
-    _check_ids(input_ids, model.config.get_text_config().vocab_size)
-    logits = _forward_completion_logits(model, input_ids, attention_mask, prompt_length)
+    """Forward ``model`` once over prompt+completion (``[B, L]``, prompts left-padded,
+    ``attention_mask`` 0 on padding); return completion log-probs and token entropies,
+    both ``[B, L - prompt_length]`` (entropies ``None`` unless ``with_entropy``).
+
+    Values at padded completion positions are meaningless; mask them downstream.
+    """
+    _check_input_ids(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape {tuple(input_ids.shape)}"
+        )
+    temperature = _check_temperature(temperature)
+    chunk_rows = _check_chunk_rows(chunk_rows)
+    prompt_length = _check_prompt_length(prompt_length, input_ids.shape[1])
+    _check_ids(input_ids, model.config.get_text_config().vocab_size, "input_ids")
+    # logits_to_keep skips the LM head over the prompt (T+1 keeps the position
+    # that predicts the first completion token).
+    keep = input_ids.shape[1] - prompt_length + 1
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=_position_ids(attention_mask),
+        logits_to_keep=keep,
+        use_cache=False,
+    )
     return selective_logps(
-        logits, input_ids[:, prompt_length:],
+        out.logits[:, :-1], input_ids[:, prompt_length:],
         temperature=temperature, with_entropy=with_entropy, chunk_rows=chunk_rows,
     )

@@ -13,6 +13,7 @@ stop string" has one answer.
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import numpy as np
 import torch
@@ -78,7 +79,10 @@ class HFGenerationBackend:
     In multi-process runs give each rank a different seed.
     """
 
-    def __init__(self, model, tokenizer, *, batch_size: int | None = None, seed: int | None = None):
+    def __init__(
+        self, model, tokenizer, *, batch_size: int | None = None, seed: int | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
@@ -96,7 +100,14 @@ class HFGenerationBackend:
                 f"model.generation_config sets {sorted(leaking)}, which would change the sampling distribution "
                 "behind the behaviour log-probs; set them to None"
             )
+        # A generation copy in another dtype (bf16 sampling for an fp32 policy, the way an
+        # inference engine holds its own weights); sync_weights refreshes it after each step.
         self.model = model
+        self.separate_copy = dtype is not None and dtype != model.dtype
+        if self.separate_copy:
+            if hasattr(model, "peft_config"):
+                raise ValueError("dtype: a separate generation copy is not supported for LoRA (peft) models")
+            self.model = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.seed = seed
@@ -104,7 +115,10 @@ class HFGenerationBackend:
         self._calls = 0
 
     def sync_weights(self, policy) -> None:
-        """Nothing to do: generation runs on the policy object itself."""
+        """Copy ``policy``'s weights into the generation copy; nothing to do when sampling from the policy itself."""
+        if self.separate_copy:
+            with torch.no_grad():
+                self.model.load_state_dict(policy.state_dict())
 
     def generate(self, prompts: list[str], num_generations: int, params: SamplingParams) -> list[PromptGroup]:
         if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 1:

@@ -73,6 +73,9 @@ class GenerationConfig:
     stop: list[str] = field(default_factory=list)
     max_retry_rounds: int = 2
     batch_size: int | None = None
+    # Sample from a copy of the policy in this dtype (refreshed after every optimizer
+    # step); null samples from the policy itself.
+    dtype: Literal["float32", "bfloat16"] | None = None
 
 
 @dataclass
@@ -148,6 +151,8 @@ class TrainingConfig:
     max_grad_norm: float | None = 1.0
     num_iterations: int = 1
     seed: int = 0
+    # Run forward/backward matmuls in bfloat16 (torch.autocast) over float32 weights.
+    autocast_bf16: bool = False
 
 
 @dataclass

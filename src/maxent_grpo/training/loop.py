@@ -61,22 +61,24 @@ def train(cfg: TrainConfig, *, resume: str | bool | None = None) -> Path:
         t_policy = time.perf_counter()
         old_logps = _old_logps(run, prepared) if cfg.training.num_iterations > 1 else None
         for _ in range(cfg.training.num_iterations):
-            result = grpo_step(
-                run.train_model, run.optimizer, prepared.micro_batches(cfg.training.micro_batch_size, old_logps),
-                num_generations=cfg.generation.num_generations,
-                beta=ctx.weighting.beta if ctx.method.weighting != "listwise" else 0.0,
-                loss_type=cfg.loss.loss_type,
-                epsilon=cfg.loss.epsilon,
-                epsilon_high=cfg.loss.epsilon_high,
-                delta=cfg.loss.delta,
-                importance_sampling_level=cfg.loss.importance_sampling_level,
-                top_entropy_quantile=cfg.loss.top_entropy_quantile,
-                loss_config=run.loss_config,
-                max_grad_norm=cfg.training.max_grad_norm,
-                lr_scheduler=run.lr_scheduler,
-                all_reduce_sum=ctx.dist.all_reduce_sum,
-                world_size=ctx.dist.world_size,
-            )
+            with _autocast(cfg):
+                result = grpo_step(
+                    run.train_model, run.optimizer, prepared.micro_batches(cfg.training.micro_batch_size, old_logps),
+                    num_generations=cfg.generation.num_generations,
+                    beta=ctx.weighting.beta if ctx.method.weighting != "listwise" else 0.0,
+                    loss_type=cfg.loss.loss_type,
+                    epsilon=cfg.loss.epsilon,
+                    epsilon_high=cfg.loss.epsilon_high,
+                    delta=cfg.loss.delta,
+                    importance_sampling_level=cfg.loss.importance_sampling_level,
+                    top_entropy_quantile=cfg.loss.top_entropy_quantile,
+                    loss_config=run.loss_config,
+                    max_grad_norm=cfg.training.max_grad_norm,
+                    lr_scheduler=run.lr_scheduler,
+                    all_reduce_sum=ctx.dist.all_reduce_sum,
+                    world_size=ctx.dist.world_size,
+                )
+        ctx.backend.sync_weights(ctx.model)
         timings["time/optimizer"] = result.metrics.pop("time/optimizer")
         timings["time/policy"] = time.perf_counter() - t_policy - timings["time/optimizer"]
         step += 1
@@ -111,11 +113,15 @@ def train(cfg: TrainConfig, *, resume: str | bool | None = None) -> Path:
     return run.output_dir
 
 
+def _autocast(cfg: TrainConfig):
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.training.autocast_bf16)
+
+
 def _old_logps(run: Run, prepared) -> torch.Tensor:
     """Log-probs of the pre-update policy, needed only when a batch is reused (num_iterations > 1)."""
     packed, size = prepared.packed, run.cfg.training.micro_batch_size
     outs = []
-    with torch.no_grad():
+    with torch.no_grad(), _autocast(run.cfg):
         for s in range(0, packed.input_ids.shape[0], size):
             sl = slice(s, s + size)
             outs.append(get_per_token_logps(

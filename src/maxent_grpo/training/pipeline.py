@@ -217,7 +217,7 @@ def _score_rows(ctx: PipelineContext, packed: PackedRollout, fn, with_entropy: b
     """Run ``fn`` (a model scorer) over micro-batches under no_grad; concatenate."""
     size = ctx.cfg.training.micro_batch_size
     outs, ents = [], []
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=ctx.cfg.training.autocast_bf16):
         for s in range(0, packed.input_ids.shape[0], size):
             sl = slice(s, s + size)
             res = fn(packed.input_ids[sl], packed.attention_mask[sl], packed.prompt_length)

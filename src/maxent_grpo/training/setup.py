@@ -13,7 +13,7 @@ from transformers import get_scheduler
 
 from maxent_grpo.core.logprobs import get_per_token_logps
 from maxent_grpo.core.step import LossConfig
-from maxent_grpo.models import apply_lora, load_model_and_tokenizer, load_reference_model, reference_context, resolve_model_path
+from maxent_grpo.models import parse_dtype, apply_lora, load_model_and_tokenizer, load_reference_model, reference_context, resolve_model_path
 from maxent_grpo.rewards.maxent import controller_state_dict, restore_controller_state
 from maxent_grpo.rewards.registry import build_reward_spec
 from maxent_grpo.rollout.backend import SamplingParams
@@ -152,7 +152,9 @@ def build_run(cfg: TrainConfig, *, resume: str | bool | None = None) -> Run:
     )
     ctx = PipelineContext(
         cfg=cfg, method=method, model=model, tokenizer=tokenizer,
-        backend=HFGenerationBackend(model, tokenizer, batch_size=g.batch_size),
+        backend=HFGenerationBackend(
+            model, tokenizer, batch_size=g.batch_size, dtype=None if g.dtype is None else parse_dtype(g.dtype)
+        ),
         sampling=sampling, reward_spec=reward_spec, weighting=weighting_from_config(cfg), dist=dist,
         reference_logps=reference,
     )
@@ -178,6 +180,7 @@ def _resume(run: Run, path: Path | None) -> None:
         log.warning("--resume: no complete checkpoint under %s; starting from step 0", run.output_dir)
         return
     state = load_checkpoint(ckpt, model=run.ctx.model, optimizer=run.optimizer, lr_scheduler=run.lr_scheduler)
+    run.ctx.backend.sync_weights(run.ctx.model)
     run.sampler.sampler.load_state_dict(state["sampler"])
     restore_controller_state(run.ctx.weighting, state["controller"])
     run.ctx.skips.update(state["skips"])

@@ -79,3 +79,26 @@ def test_sigkill_at_random_moments_then_resume(tiny_model_dir, reference_run, tm
     got = _comparable(read_metrics(out / "metrics.jsonl"))
     assert got == expected
     assert find_latest_checkpoint(out).name == "step-6"
+
+
+def _torchrun(args, timeout=600):
+    env = {**os.environ, "MAXENT_GRPO_LOG": "WARNING", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "maxent_grpo.cli", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_two_process_run_resumes_exactly(tiny_model_dir, tmp_path):
+    """Two gloo processes (torchrun): one record per step, and stop+resume equals an uninterrupted run."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    proc = _torchrun(_args(tiny_model_dir, full, 4))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _torchrun(_args(tiny_model_dir, part, 2))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _torchrun([*_args(tiny_model_dir, part, 4), "--resume"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    expected = _comparable(read_metrics(full / "metrics.jsonl"))
+    assert [r["step"] for r in expected] == [1, 2, 3, 4]
+    assert _comparable(read_metrics(part / "metrics.jsonl")) == expected
+    assert '"world_size": 2' in (full / "run_info.json").read_text()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,13 @@ import torch.distributed as dist
 class Dist:
     rank: int = 0
     world_size: int = 1
+
+    @classmethod
+    def init(cls) -> "Dist":
+        """Join the process group that torchrun / accelerate launch describe in the environment."""
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+        return cls.current()
 
     @classmethod
     def current(cls) -> "Dist":

@@ -19,7 +19,7 @@ from maxent_grpo.rewards.maxent import controller_state_dict, maybe_update_beta,
 from maxent_grpo.training.config import TrainConfig
 from maxent_grpo.training.metrics import MetricsLog, build_training_metrics_dict
 from maxent_grpo.training.pipeline import prepare_training_batch
-from maxent_grpo.training.setup import Run, build_run
+from maxent_grpo.training.setup import Run, build_run, seed_step
 from maxent_grpo.training.tables import write_completion_table
 from maxent_grpo.training.validation import validate
 
@@ -45,6 +45,9 @@ def train(cfg: TrainConfig, *, resume: str | bool | None = None) -> Path:
     step, consecutive_failures, succeeded = run.start_step, 0, run.start_step > 0
     while step < cfg.training.max_steps:
         t_start = time.perf_counter()
+        # Each step draws from its own seed (run seed, rank, step), so a resumed run or any
+        # number of processes samples exactly what an uninterrupted run would.
+        seed_step(cfg.training.seed, ctx.dist.rank, step)
         try:
             prepared = prepare_training_batch(ctx, run.sampler.next_batch(), run.sampler.next_batch)
         except StopIteration:

@@ -8,6 +8,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import get_scheduler
 
@@ -85,6 +86,12 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def seed_step(seed: int, rank: int, step: int) -> None:
+    """Seed python and torch for one optimizer step from (seed, rank, step)."""
+    derived = int(np.random.SeedSequence([seed, rank, step]).generate_state(1, np.uint64)[0] >> 1)
+    _seed_everything(derived)
+
+
 def _reference_scorer(cfg: TrainConfig, model, name_or_path: str):
     temp = cfg.generation.temperature
     if cfg.model.lora.enabled:
@@ -100,7 +107,7 @@ def _reference_scorer(cfg: TrainConfig, model, name_or_path: str):
 
 
 def build_run(cfg: TrainConfig, *, resume: str | bool | None = None) -> Run:
-    dist = Dist.current()
+    dist = Dist.init()
     output_dir = Path(cfg.logging.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     method = method_spec(cfg)

@@ -34,7 +34,7 @@ def tiny_overrides(model_dir, out, *, steps=2, extra=()):
         "--set", "training.micro_batch_size=4",
         "--set", "logging.progress_bar=false",
         # A reward that varies on random text, so groups are never all-equal.
-        "--set", "rewards=[{name: boxed_accuracy}, {name: repetition_penalty, kwargs: {ngram_size: 1}}]",
+        "--set", "rewards=[{name: boxed_accuracy}, {name: length, kwargs: {max_length: 100}}]",
         *[a for kv in extra for a in ("--set", kv)],
     ]
 
@@ -168,3 +168,27 @@ def test_trl_style_conversational_reward(tiny_model_dir, tmp_path):
     assert main(["train", *args]) == 0
     row = json.loads((out / "completions" / "step-1.jsonl").read_text().splitlines()[0])
     assert row["rewards"]["learnable_rewards:conversational_length"] == pytest.approx(len(row["completion"]) / 100)
+
+
+def test_help_explains_every_config_key():
+    from maxent_grpo.training.config import field_help
+    from maxent_grpo.training.config_help import HELP
+
+    assert {k for k, _, _ in field_help()} == set(HELP)
+    proc = subprocess.run([sys.executable, "-m", "maxent_grpo.cli", "train", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0
+    for key in ("loss.beta", "maxent.tau", "--resume", "--set"):
+        assert key in proc.stdout
+
+
+def test_lora_run_uses_base_model_as_reference(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    args = tiny_overrides(tiny_model_dir, out, extra=[
+        "method=grpo", "loss.beta=0.04", "model.lora.enabled=true", "model.lora.r=4", "training.learning_rate=0.01"])
+    assert main(["train", *args]) == 0
+    rows = read_metrics(out / "metrics.jsonl")
+    # Step 1 samples from the untouched adapters (B = 0): policy == reference, so KL is 0; then it moves.
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert rows[1]["kl"] > 0
+    saved = sorted(p.name for p in (out / "checkpoints" / "step-2").iterdir())
+    assert "adapter_model.safetensors" in saved and "model.safetensors" not in saved

@@ -20,10 +20,12 @@ commands:
 
 
 def _config_epilog() -> str:
-    rows = field_help()
-    width = max(len(k) for k, _, _ in rows)
+    from maxent_grpo.training.config_help import HELP
+
     lines = ["config keys (set in the YAML file or with --set KEY=VALUE):"]
-    lines += [f"  {k:<{width}}  {t}  (default {d})" for k, t, d in rows]
+    for key, type_name, default in field_help():
+        lines.append(f"  {key}  [{type_name}, default {default}]")
+        lines.append(f"      {HELP[key]}")
     return "\n".join(lines)
 
 

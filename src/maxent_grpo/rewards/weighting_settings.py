@@ -1,0 +1,119 @@
+"""Listwise weighting hyperparameters: :class:`WeightingSettings` and its small settings records.
+
+``WeightingSettings`` also carries the live controller state; the controller
+steps that update it are in :mod:`maxent_grpo.rewards.maxent`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from maxent_grpo.core.advantages import SCALE_REWARDS
+from maxent_grpo.core.controllers import (
+    ControllerMetaSettings,
+    ControllerSettings,
+    ControllerState,
+    KlControllerSettings,
+    TauSchedule,
+)
+
+
+@dataclass(frozen=True)
+class WeightNormalizationSettings:
+    len_norm_ref: bool = True
+
+
+@dataclass(frozen=True)
+class QDistributionSettings:
+    temperature: float = 1.0
+    epsilon: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"q_distribution.temperature must be a finite number > 0, got {self.temperature}")
+        if not (math.isfinite(self.epsilon) and self.epsilon >= 0):
+            raise ValueError(f"q_distribution.epsilon must be a finite number >= 0, got {self.epsilon}")
+
+
+@dataclass
+class WeightingSettings:
+    """Listwise weighting hyperparameters and the live controller state.
+
+    ``tau`` and ``beta`` are the live values (the controllers update them in
+    place); ``controller_state`` carries the rest (entropy EMA, ``log tau``,
+    step, histories) and is kept in step with them. ``train_grpo_objective``
+    is a flag for the loop (train the GRPO surrogate instead of the listwise
+    loss); it changes no formula here.
+    """
+
+    tau: float
+    beta: float
+    normalization: WeightNormalizationSettings = field(default_factory=WeightNormalizationSettings)
+    q_distribution: QDistributionSettings = field(default_factory=QDistributionSettings)
+    tau_schedule: TauSchedule = field(default_factory=TauSchedule)
+    kl_controller: KlControllerSettings = field(default_factory=KlControllerSettings)
+    controller_meta: ControllerMetaSettings = field(default_factory=ControllerMetaSettings)
+    train_grpo_objective: bool = False
+    scale_rewards: str = "group"
+    controller_state: ControllerState | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.tau) and self.tau >= 0):
+            raise ValueError(f"tau must be a finite number >= 0, got {self.tau}")
+        if not (math.isfinite(self.beta) and self.beta >= 0):
+            raise ValueError(f"beta must be a finite number >= 0, got {self.beta}")
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise ValueError(f"scale_rewards must be one of {list(SCALE_REWARDS)}, got {self.scale_rewards!r}")
+        if self.controller_state is None:
+            self.controller_state = ControllerState.initial(self.tau, self.beta)
+        elif (self.controller_state.tau, self.controller_state.beta) != (self.tau, self.beta):
+            raise ValueError(
+                f"controller_state (tau={self.controller_state.tau}, beta={self.controller_state.beta}) "
+                f"disagrees with tau={self.tau}, beta={self.beta}"
+            )
+
+    @property
+    def denom(self) -> float:
+        """``tau + beta``, the denominator of the listwise softmax."""
+        return self.tau + self.beta
+
+    @property
+    def len_norm_ref(self) -> bool:
+        return self.normalization.len_norm_ref
+
+    @property
+    def q_temperature(self) -> float:
+        return self.q_distribution.temperature
+
+    @property
+    def q_epsilon(self) -> float:
+        return self.q_distribution.epsilon
+
+    @property
+    def tau_target_entropy(self) -> float | None:
+        return self.tau_schedule.target_entropy
+
+    @property
+    def tau_lr(self) -> float:
+        return self.tau_schedule.lr
+
+    @property
+    def tau_min(self) -> float:
+        return self.tau_schedule.min
+
+    @property
+    def tau_max(self) -> float:
+        return self.tau_schedule.max
+
+    @property
+    def tau_warmup_steps(self) -> int:
+        return self.tau_schedule.warmup_steps
+
+    @property
+    def kl_target(self) -> float:
+        return self.kl_controller.target
+
+    @property
+    def controller_settings(self) -> ControllerSettings:
+        return ControllerSettings(self.tau_schedule, self.kl_controller, self.controller_meta)

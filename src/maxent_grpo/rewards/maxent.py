@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 
 from maxent_grpo.core import controllers as ctl
+from maxent_grpo.rollout.backend import GenerationBackend, RolloutBatch, SamplingParams, generate_groups
 from maxent_grpo.core.controllers import (
     ControllerMetaSettings,
     ControllerState,
@@ -32,6 +33,7 @@ from maxent_grpo.rewards.reward_stats import (
     SeedGrpoInputs,
     apply_policy_entropy_bonus,
     compute_reward_statistics,
+    compute_reward_totals,
     group_advantages,
     reward_moments,
 )
@@ -69,6 +71,8 @@ __all__ = [
     "WeightStats",
     "WeightLoggingView",
     "compute_reward_statistics",
+    "compute_reward_totals",
+    "prepare_generation_batch",
     "apply_policy_entropy_bonus",
     "reward_moments",
     "group_advantages",
@@ -90,6 +94,26 @@ __all__ = [
 ]
 
 CONTROLLER_STATE_FILENAME = "controller_state.json"
+
+
+def prepare_generation_batch(
+    prompts: list[str],
+    backend: GenerationBackend,
+    generation_stats: dict[str, int],
+    expected_generations: int,
+    params: SamplingParams,
+    max_retry_rounds: int = 2,
+) -> RolloutBatch | None:
+    """Generate ``expected_generations`` completions per prompt, re-asking for missing ones (§9).
+
+    Dropped prompts are counted in ``generation_stats["dropped_prompts"]``; returns ``None``
+    when no prompt got a complete group.
+    """
+    batch, dropped = generate_groups(
+        backend, prompts, expected_generations, params, max_retry_rounds=max_retry_rounds
+    )
+    generation_stats["dropped_prompts"] = generation_stats.get("dropped_prompts", 0) + len(dropped)
+    return batch if batch.num_prompts else None
 
 
 def _live_state(cfg: WeightingSettings) -> ControllerState:

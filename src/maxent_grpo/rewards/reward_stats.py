@@ -27,6 +27,7 @@ from maxent_grpo.core.advantages import (
 from maxent_grpo.core.reward_entropy import entropy_bonus_rewards
 from maxent_grpo.core.seed_grpo import seed_grpo_scales
 from maxent_grpo.core.weighting import q_distribution
+from maxent_grpo.rewards.registry import RewardSpec, evaluate_rewards
 from maxent_grpo.rewards.shapes import check_num_generations, grouped
 
 
@@ -231,3 +232,14 @@ def group_advantages(
     check_num_generations(g)
     flat = compute_advantages(rewards.reshape(-1), g, estimator=estimator, scale_rewards=scale_rewards)
     return flat.view(-1, g), flat
+
+
+def compute_reward_totals(
+    reward_spec: RewardSpec, prompts: list, completions: list, columns: dict[str, list]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the reward functions; return the weighted totals ``[N]`` and the per-function values ``[N, K]``.
+
+    ``None`` results are NaN in the per-function values and left out of the totals (§2).
+    """
+    per_function = evaluate_rewards(reward_spec, prompts, completions, columns)
+    return combine_rewards(per_function, reward_spec.weight_tensor()), per_function

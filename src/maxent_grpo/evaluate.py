@@ -2,34 +2,94 @@
 
 Used in the training loop (NeMo-RL's ``validate``, every ``eval.every_steps``)
 and by ``maxent-grpo eval`` for any saved model or checkpoint.
+
+What counts as correct: the FIRST reward function of the config decides. A
+completion is correct when that function gives at least ``CORRECT_THRESHOLD``
+(1.0), so the first reward should be a 0/1 accuracy check (``boxed_accuracy``,
+``accuracy``, ``reasoning_gym``, or your own ``module:function``); the other
+reward functions are evaluated and recorded but never decide. A ``None``
+("not applicable") from the deciding function counts as not correct and as 0
+in ``mean@k``.
+
+* ``pass@k``: the unbiased estimator ``1 - C(n-c, k) / C(n, k)`` over the ``n = k``
+  samples of each prompt (``pass@1`` is then the fraction correct), averaged over prompts;
+* ``mean@k``: the mean score of the deciding reward over the samples;
+* ``distinct@k``: distinct correct answers per prompt, answers compared after
+  ``extract_final_answer`` (last ``\\boxed{}``, else ``<answer>``) and ``canonical_answer``;
+  a correct completion without such an answer is not counted;
+* ``greedy_pass@1``: the fraction of prompts whose greedy completion is correct.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from maxent_grpo.core.eval_metrics import summarize_eval
+from maxent_grpo.core.eval_metrics import PromptSamples, summarize_eval
 from maxent_grpo.rewards.answers import canonical_answer, extract_final_answer
 from maxent_grpo.rewards.registry import RewardSpec, evaluate_rewards
-from maxent_grpo.rollout.backend import GenerationBackend, SamplingParams, generate_groups
+from maxent_grpo.rollout.backend import GenerationBackend, RolloutBatch, SamplingParams, generate_groups
 from maxent_grpo.training.data import format_prompt
 
+__all__ = [
+    "CORRECT_THRESHOLD", "eval_seed", "evaluate_prompts", "run_eval_cli", "select_eval_rows", "write_eval_outputs",
+]
+
 # A completion is correct when the deciding reward function (the first one in the
-# recipe, normally an accuracy reward) gives at least this much.
+# config, normally an accuracy reward) gives at least this much.
 CORRECT_THRESHOLD = 1.0
 
 
-def _score(spec: RewardSpec, rows: list[dict], texts: list[str], per_prompt: int) -> torch.Tensor:
+def eval_seed(seed: int) -> int:
+    """The torch seed evaluation samples under, from the run's ``training.seed``.
+
+    The same at every validation step (common random numbers: differences between
+    steps come from the weights, not the draw) and in ``maxent-grpo eval``, which
+    therefore reproduces a run's ``eval/step-N`` exactly from ``checkpoints/step-N``.
+    """
+    return int(np.random.SeedSequence([seed, 0x7E57]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def _score(spec: RewardSpec, rows: list[dict], batch: RolloutBatch) -> torch.Tensor:
+    """Every reward function on ``batch``, called exactly as in training: ``[N, K]``, NaN for None."""
+    g = batch.num_generations
     conversational = isinstance(rows[0]["prompt"], list)
-    prompts = [r["prompt"] for r in rows for _ in range(per_prompt)]
-    completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-    columns = {k: [r[k] for r in rows for _ in range(per_prompt)] for k in rows[0] if k != "prompt"}
-    return evaluate_rewards(spec, prompts, completions, columns)[:, 0]
+    prompts = [r["prompt"] for r in rows for _ in range(g)]
+    texts = batch.completion_texts
+    completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else list(texts)
+    columns = {k: [r[k] for r in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
+    columns["completion_ids"] = [list(ids) for ids in batch.completion_ids]
+    return evaluate_rewards(spec, prompts, completions, columns)
+
+
+def _records(spec: RewardSpec, rows: list[dict], batch: RolloutBatch, indices: list[int], mode: str) -> list[dict]:
+    """One record per completion; ``prompt_index`` indexes the evaluated rows."""
+    scores = _score(spec, rows, batch)
+    g, out = batch.num_generations, []
+    for i, text in enumerate(batch.completion_texts):
+        values = [None if math.isnan(float(v)) else float(v) for v in scores[i]]
+        score = values[0]
+        answer = extract_final_answer(text)
+        out.append({
+            "prompt_index": indices[i // g],
+            "sample": i % g,
+            "mode": mode,
+            "prompt": batch.prompts[i // g],
+            "completion": text,
+            "rewards": dict(zip(spec.names, values)),
+            "score": score,
+            "correct": score is not None and score >= CORRECT_THRESHOLD,
+            "answer": canonical_answer(answer) if answer is not None else None,
+            "length": len(batch.completion_ids[i]),
+            "finish_reason": batch.finish_reasons[i],
+        })
+    return out
 
 
 def evaluate_prompts(
@@ -43,48 +103,50 @@ def evaluate_prompts(
     system_prompt: str | None = None,
     greedy: bool = True,
 ) -> tuple[dict[str, float], list[dict]]:
-    """Return the summary metrics and one record per completion."""
+    """Sample ``k`` completions per row (and one greedy one); return the summary and one record per completion.
+
+    The summary holds ``pass@j``, ``mean@j``, ``distinct@j`` for ``j`` in ``{1, k}``,
+    ``greedy_pass@1`` (with ``greedy``) and ``num_prompts`` (rows whose ``k`` samples all
+    came back). Records carry ``mode`` ("sampled" or "greedy"), ``prompt_index`` (into
+    ``rows``), ``sample``, the completion, every reward (``rewards``), the deciding
+    ``score``, ``correct``, the canonical ``answer``, ``length`` and ``finish_reason``.
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+    if not rows:
+        raise ValueError("rows must not be empty")
     prompts = [format_prompt(tokenizer, r["prompt"], system_prompt=system_prompt) for r in rows]
-    # k=1 sampled groups are legal here: evaluation needs no group statistics.
+    # Groups of k = 1 are legal here: evaluation needs no group statistics.
     sampled, dropped = generate_groups(backend, prompts, k, sampling, max_retry_rounds=1)
-    kept_idx = [i for i in range(len(rows)) if i not in set(dropped)]
-    kept = [rows[i] for i in kept_idx]
-    prompts = [prompts[i] for i in kept_idx]
-    scores = _score(spec, kept, sampled.completion_texts, k)
-    records, per_prompt = [], []
-    for p, row in enumerate(kept):
-        flags, answers = [], []
-        for j in range(k):
-            i = p * k + j
-            text = sampled.completion_texts[i]
-            ans = extract_final_answer(text)
-            correct = bool(scores[i] >= CORRECT_THRESHOLD)
-            flags.append(correct)
-            answers.append(canonical_answer(ans) if ans is not None else None)
-            records.append({
-                "prompt_index": p, "sample": j, "prompt": prompts[p], "completion": text,
-                "reward": float(scores[i]), "correct": correct, "answer": answers[-1],
-                "finish_reason": sampled.finish_reasons[i], "mode": "sampled",
-            })
-        per_prompt.append((flags, answers))
-    greedy_flags = None
+    kept = [i for i in range(len(rows)) if i not in set(dropped)]
+    if not kept:
+        raise RuntimeError(f"evaluation: no prompt got its {k} samples back from the generator")
+    records = _records(spec, [rows[i] for i in kept], sampled, kept, "sampled")
+    greedy_correct: dict[int, bool] = {}
     if greedy:
-        gparams = replace(sampling, do_sample=False, temperature=1.0, top_p=1.0, top_k=0)
-        gbatch, _ = generate_groups(backend, prompts, 1, gparams, max_retry_rounds=1)
-        gscores = _score(spec, kept, gbatch.completion_texts, 1)
-        greedy_flags = [bool(s >= CORRECT_THRESHOLD) for s in gscores]
-        for p, text in enumerate(gbatch.completion_texts):
-            records.append({
-                "prompt_index": p, "sample": 0, "prompt": prompts[p], "completion": text,
-                "reward": float(gscores[p]), "correct": greedy_flags[p], "mode": "greedy",
-                "finish_reason": gbatch.finish_reasons[p],
-            })
-    summary = summarize_eval(per_prompt, ks=sorted({1, k}), greedy=greedy_flags)
+        params = replace(sampling, do_sample=False, temperature=1.0, top_p=1.0, top_k=0)
+        gbatch, gdropped = generate_groups(backend, [prompts[i] for i in kept], 1, params, max_retry_rounds=1)
+        gkept = [kept[j] for j in range(len(kept)) if j not in set(gdropped)]
+        if gkept:
+            greedy_records = _records(spec, [rows[i] for i in gkept], gbatch, gkept, "greedy")
+            records += greedy_records
+            greedy_correct = {r["prompt_index"]: r["correct"] for r in greedy_records}
+    per_prompt = []
+    for p, i in enumerate(kept):
+        mine = records[p * k : (p + 1) * k]
+        per_prompt.append(PromptSamples(
+            # The deciding reward's score; None (not applicable) counts as 0, so it is never correct.
+            scores=[0.0 if r["score"] is None else r["score"] for r in mine],
+            answers=[r["answer"] for r in mine],
+            greedy_correct=greedy_correct.get(i),
+        ))
+    summary = summarize_eval(per_prompt, ks=sorted({1, k}), correct_threshold=CORRECT_THRESHOLD)
     summary["num_prompts"] = len(kept)
     return summary, records
 
 
 def write_eval_outputs(out_dir: str | Path, summary: dict, records: list[dict]) -> None:
+    """``summary.json`` and ``completions.jsonl`` in ``out_dir``, each written atomically."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for name, text in (
@@ -96,31 +158,65 @@ def write_eval_outputs(out_dir: str | Path, summary: dict, records: list[dict]) 
         os.replace(tmp, out / name)
 
 
+def select_eval_rows(dataset, eval_size: int, num_prompts: int, seed: int) -> list[dict]:
+    """The rows ``maxent-grpo eval`` evaluates.
+
+    With ``eval_size > 0``: the first ``num_prompts`` of the held-out split, the very
+    rows in-loop validation evaluates (never trained on). Otherwise the first
+    ``num_prompts`` rows of the dataset as configured: point ``data.source`` (or
+    ``data.split``) at a test set.
+    """
+    from maxent_grpo.training.data import split_train_eval
+
+    if isinstance(num_prompts, bool) or not isinstance(num_prompts, int) or num_prompts < 1:
+        raise ValueError(f"num_prompts must be a positive int, got {num_prompts!r}")
+    if eval_size:
+        _, held_out = split_train_eval(dataset, eval_size, seed)
+        return list(held_out)[:num_prompts]
+    return [dict(dataset[i]) for i in range(min(num_prompts, len(dataset)))]
+
+
 def run_eval_cli(args) -> int:
-    """``maxent-grpo eval MODEL --output DIR [--config FILE] [-k K] [--num-prompts N]``."""
-    from maxent_grpo.models import load_model_and_tokenizer, resolve_model_path
+    """``maxent-grpo eval MODEL --output DIR [--config FILE] [--set K=V] [-k K] [--num-prompts N]``.
+
+    Data, rewards and sampling settings come from the config (``--config``/``--set``);
+    the prompts from :func:`select_eval_rows`; correctness from the config's first
+    reward function (see the module docstring). Writes ``DIR/summary.json`` (the
+    metrics, ``num_prompts``, ``model`` and the ``deciding_reward``) and
+    ``DIR/completions.jsonl`` (one record per completion).
+    """
+    from maxent_grpo.models import load_model_and_tokenizer, parse_dtype, resolve_model_path
     from maxent_grpo.rewards.registry import build_reward_spec
     from maxent_grpo.rollout.hf import HFGenerationBackend
     from maxent_grpo.training.config import load_config
-    from maxent_grpo.training.data import load_prompt_dataset, split_train_eval
+    from maxent_grpo.training.data import load_prompt_dataset
 
+    for flag, value in (("-k", args.k), ("--num-prompts", args.num_prompts)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     cfg = load_config(args.config, args.set)
-    k = args.k or cfg.eval.k
-    n = args.num_prompts or cfg.eval.num_prompts
-    torch.manual_seed(cfg.training.seed)
+    k = args.k if args.k is not None else cfg.eval.k
+    n = args.num_prompts if args.num_prompts is not None else cfg.eval.num_prompts
     dataset = load_prompt_dataset(
         cfg.data.source, split=cfg.data.split, prompt_column=cfg.data.prompt_column,
         answer_column=cfg.data.answer_column, size=cfg.data.size, seed=cfg.training.seed,
     )
-    _, eval_ds = split_train_eval(dataset, max(cfg.data.eval_size, n), cfg.training.seed)
-    rows = list(eval_ds)[:n]
+    rows = select_eval_rows(dataset, cfg.data.eval_size, n, cfg.training.seed)
     spec = build_reward_spec(cfg.rewards)
     model, tokenizer = load_model_and_tokenizer(resolve_model_path(args.model), dtype=cfg.model.dtype, device="cpu")
     g = cfg.generation
-    sampling = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, stop=tuple(g.stop))
-    backend = HFGenerationBackend(model, tokenizer, batch_size=g.batch_size)
-    summary, records = evaluate_prompts(backend, tokenizer, rows, spec, k=k, sampling=sampling, system_prompt=cfg.data.system_prompt)
-    summary["model"] = args.model
+    sampling = SamplingParams(
+        max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, stop=tuple(g.stop),
+    )
+    backend = HFGenerationBackend(
+        model, tokenizer, batch_size=g.batch_size, dtype=None if g.dtype is None else parse_dtype(g.dtype)
+    )
+    torch.manual_seed(eval_seed(cfg.training.seed))
+    summary, records = evaluate_prompts(
+        backend, tokenizer, rows, spec, k=k, sampling=sampling, system_prompt=cfg.data.system_prompt
+    )
+    summary["model"] = str(args.model)
+    summary["deciding_reward"] = spec.names[0]
     write_eval_outputs(args.output, summary, records)
     print(json.dumps(summary, indent=2))
     return 0

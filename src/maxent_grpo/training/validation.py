@@ -2,25 +2,35 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
 
-from maxent_grpo.evaluate import evaluate_prompts, write_eval_outputs
+from maxent_grpo.evaluate import eval_seed, evaluate_prompts, write_eval_outputs
 
 
 def validate(run, step: int) -> dict[str, float]:
-    """Evaluate the current policy on ``run.eval_rows``; return ``eval/*`` metrics (main rank writes files)."""
+    """Evaluate the current policy on ``run.eval_rows[:eval.num_prompts]``; return ``eval/*`` metrics.
+
+    The main rank writes ``OUTPUT_DIR/eval/step-N/{summary.json,completions.jsonl}``.
+    Sampling runs under ``eval_seed(training.seed)`` inside a forked RNG, and python's
+    RNG is put back too: validating never changes the training trajectory, and
+    ``maxent-grpo eval checkpoints/step-N --config OUTPUT_DIR/config.yaml`` reproduces
+    ``eval/step-N`` exactly.
+    """
     cfg = run.cfg
     rows = run.eval_rows[: cfg.eval.num_prompts]
-    # Evaluation must not consume the training RNG stream, or resumed runs would diverge.
-    rng = torch.get_rng_state()
-    torch.manual_seed(cfg.training.seed + 7919 * step)
-    try:
-        summary, records = evaluate_prompts(
-            run.ctx.backend, run.ctx.tokenizer, rows, run.ctx.reward_spec,
-            k=cfg.eval.k, sampling=run.ctx.sampling, system_prompt=cfg.data.system_prompt,
-        )
-    finally:
-        torch.set_rng_state(rng)
+    device = run.ctx.model.device
+    py_state = random.getstate()
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+        torch.manual_seed(eval_seed(cfg.training.seed))
+        try:
+            summary, records = evaluate_prompts(
+                run.ctx.backend, run.ctx.tokenizer, rows, run.ctx.reward_spec,
+                k=cfg.eval.k, sampling=run.ctx.sampling, system_prompt=cfg.data.system_prompt,
+            )
+        finally:
+            random.setstate(py_state)
     if run.ctx.dist.is_main:
         write_eval_outputs(run.output_dir / "eval" / f"step-{step}", summary, records)
     return {f"eval/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))}

@@ -55,7 +55,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
 
-    ev = sub.add_parser("eval", help="evaluate a model or checkpoint", description="Greedy pass@1, sampled pass@k, mean@k and distinct correct answers@k.")
+    ev = sub.add_parser(
+        "eval", help="evaluate a model or checkpoint", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="""Sample K completions per prompt (plus one greedy) and write
+DIR/summary.json (pass@1 and pass@K with the unbiased estimator, mean@K, distinct@K,
+greedy_pass@1, num_prompts, model, deciding_reward) and DIR/completions.jsonl.
+
+A completion is correct when the FIRST reward function of the config gives >= 1.0
+(list an accuracy reward first); the other rewards are recorded but never decide, and
+None counts as wrong. distinct@K counts distinct correct final answers (last \\boxed{}
+or <answer>, canonicalised). Prompts: the run's held-out split when data.eval_size > 0,
+else the first N rows of data.source. With --config RUN/config.yaml and MODEL =
+RUN/checkpoints/step-N it reproduces RUN/eval/step-N exactly.""",
+    )
     ev.add_argument("model", help="model name or path, or a checkpoint folder")
     ev.add_argument("--config", metavar="FILE", help="recipe whose data, rewards and generation settings to use")
     ev.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override config keys")

@@ -100,7 +100,7 @@ def _runs_table(runs: Sequence[RunData]) -> str:
         last = run.records[-1]["step"] if run.records else "-"
         cells = [
             escape(run.label),
-            *(escape(str(info.get(k, "-"))) for k in ("method", "family", "loss_backend")),
+            *(escape(str(info.get(k, "-"))) for k in ("method", "family", "policy_loss")),
         ]
         numbers = [str(len(run.records)), str(last), final, mean_time, total_time]
         rows.append(

@@ -417,6 +417,11 @@ def validate(cfg: TrainConfig) -> None:
     for i, r in enumerate(cfg.rewards):
         _check(bool(r.name), f"rewards[{i}].name", "must not be empty")
     _check(cfg.eval.k >= 1, "eval.k", "must be >= 1")
+    _check(
+        cfg.eval.every_steps == 0 or cfg.data.eval_size > 0,
+        "eval.every_steps",
+        "in-loop validation needs a held-out split: set data.eval_size > 0",
+    )
     known = {"tensorboard", "wandb", "mlflow", "trackio", "none", "all"}
     for i, name in enumerate(cfg.logging.report_to):
         _check(name in known, f"logging.report_to[{i}]", f"unknown tracker {name!r}{_suggest(name, known)}")

@@ -100,7 +100,9 @@ def train(cfg: TrainConfig, *, resume: str | bool | None = None) -> Path:
         )
         metrics.update({f"skipped/{k}": float(v) for k, v in ctx.skips.items()})
         if run.eval_rows and cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
+            t_eval = time.perf_counter()
             metrics.update(validate(run, step))
+            metrics["time/eval"] = time.perf_counter() - t_eval
         if ctx.dist.is_main:
             metrics_log.write(metrics)
             run.trackers.log(metrics, step)

@@ -85,7 +85,7 @@ class _TensorBoard:
     def log_table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
         # tensorboard has no tables: a markdown table in the text tab.
         def cell(v: Any) -> str:
-            return str(v).replace("|", "\\|").replace("\n", "<br>")
+            return str(v).replace("|", "\\|").replace("\r\n", "<br>").replace("\r", "<br>").replace("\n", "<br>")
 
         lines = ["| " + " | ".join(cell(c) for c in columns) + " |", "|" + "---|" * len(columns)]
         lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]

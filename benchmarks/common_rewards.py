@@ -1,0 +1,46 @@
+"""The two reward functions both trainers use in every benchmark, in TRL's signature.
+
+``f(prompts, completions, **columns) -> list[float]``: TRL passes every dataset
+column as a keyword list, and so does our trainer for ``module:function``
+rewards (``benchmarks.common_rewards:boxed_accuracy``). Completions may be
+plain strings or TRL's conversational form (a list with one assistant message).
+
+* ``boxed_accuracy``: the completion's last ``\\boxed{...}`` (or
+  ``<answer>...</answer>``), scored by the reasoning-gym task's own scorer
+  against the row's ``rg_entry`` (the task entry as JSON); 0 without an answer.
+* ``boxed_format``: 1 when the completion states a final answer that way, else 0.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from maxent_grpo.rewards.answers import completion_text, extract_final_answer
+
+# Weights of (boxed_accuracy, boxed_format), the same on both sides.
+REWARD_NAMES = ("benchmarks.common_rewards:boxed_accuracy", "benchmarks.common_rewards:boxed_format")
+REWARD_WEIGHTS = (1.0, 0.5)
+
+
+def boxed_accuracy(prompts: Sequence, completions: Sequence, rg_entry: Sequence[str], **columns) -> list[float]:
+    """Task score in [0, 1] of each completion's final answer (reasoning-gym scorer)."""
+    import reasoning_gym
+
+    if len(completions) != len(rg_entry):
+        raise ValueError(f"rg_entry must have one entry per completion, got {len(rg_entry)} for {len(completions)}")
+    scores = []
+    for completion, entry_json in zip(completions, rg_entry):
+        entry = json.loads(entry_json)
+        predicted = extract_final_answer(completion_text(completion))
+        if predicted is None:
+            scores.append(0.0)
+            continue
+        score_fn = reasoning_gym.get_score_answer_fn(entry["metadata"]["source_dataset"])
+        scores.append(float(score_fn(predicted, entry)))
+    return scores
+
+
+def boxed_format(prompts: Sequence, completions: Sequence, **columns) -> list[float]:
+    """1.0 when the completion ends its reasoning with a boxed (or tagged) final answer."""
+    return [0.0 if extract_final_answer(completion_text(c)) is None else 1.0 for c in completions]

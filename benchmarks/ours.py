@@ -1,0 +1,163 @@
+"""Our side of the benchmarks: the ``maxent-grpo train`` CLI on a benchmark setting.
+
+:func:`ours_config` is the one place that maps a :class:`BenchSetting` onto our
+trainer's YAML keys; :func:`read_metrics` is the one place that reads its
+``metrics.jsonl``. Everything else in ``benchmarks/`` goes through these two.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import yaml
+
+from benchmarks.children import ChildRun, run_child
+from benchmarks.common_rewards import REWARD_NAMES, REWARD_WEIGHTS
+from benchmarks.results import RunResult
+from benchmarks.settings import BenchSetting
+
+CLI = "maxent-grpo"
+
+# metrics.jsonl keys (one JSON object per optimizer step).
+STEP_TIME = "step_time"
+REWARD = "reward"
+MEAN_LENGTH = "completions/mean_length"  # optional: tokens/s is shown only when logged
+GENERATE_TIME = "time/generate"  # optional: the generate share is shown only when logged
+CPU_TIME = "step_cpu_time"  # optional
+
+
+def cli_path() -> str | None:
+    """The ``maxent-grpo`` script beside this interpreter (a venv need not be activated), else on PATH."""
+    beside = Path(sys.executable).parent / CLI
+    return str(beside) if beside.is_file() else shutil.which(CLI)
+
+
+def ours_available() -> str | None:
+    """None when our CLI can run; otherwise why not (the command or its module is absent)."""
+    if cli_path() is None:
+        return f"the `{CLI}` command is not installed (pip install -e .)"
+    if importlib.util.find_spec("maxent_grpo.cli") is None:
+        return f"the `{CLI}` command exists but its module maxent_grpo.cli does not yet"
+    return None
+
+
+def ours_config(setting: BenchSetting, model_dir: Path, extra: dict | None = None) -> dict:
+    """Our trainer's config for ``setting`` (same model, prompts, sampling, rewards, optimizer as TRL).
+
+    ``extra`` adds method-specific sections (``{"maxent": {"tau": 0.5}}``).
+    """
+    config = {
+        "method": setting.method,
+        "model": {"name_or_path": str(model_dir), "dtype": "bfloat16" if setting.bf16 else "float32"},
+        # The same rows as benchmarks.tasks.task_rows: data.size problems from the run's seed, in order.
+        "data": {
+            "source": f"reasoning_gym:{setting.task}",
+            "size": setting.dataset_size,
+            "shuffle": False,
+        },
+        "rewards": [{"name": n, "weight": w} for n, w in zip(REWARD_NAMES, REWARD_WEIGHTS)],
+        "generation": {
+            "num_generations": setting.num_generations,
+            "max_new_tokens": setting.max_new_tokens,
+            "temperature": setting.temperature,
+            "top_p": 1.0,
+            "top_k": 0,
+        },
+        "loss": {
+            "loss_type": setting.loss_type,
+            "beta": setting.beta,
+            "epsilon": 0.2,
+            "scale_rewards": "group",
+        },
+        "training": {
+            "max_steps": setting.steps,
+            "prompts_per_step": setting.prompts_per_step,
+            "micro_batch_size": setting.micro_batch_size,
+            "learning_rate": setting.learning_rate,
+            "lr_scheduler": "constant",
+            "weight_decay": 0.0,
+            "adam_beta1": 0.9,
+            "adam_beta2": 0.999,
+            "max_grad_norm": 1.0,
+            "seed": setting.seed,
+        },
+        "logging": {"report_to": [], "progress_bar": False},
+        "checkpoint": {"save_steps": 0},
+        "eval": {"every_steps": 0},
+    }
+    for section, values in (extra or {}).items():
+        if isinstance(values, dict) and isinstance(config.get(section), dict):
+            config[section] = {**config[section], **values}
+        else:
+            config[section] = values
+    return config
+
+
+def write_config(setting: BenchSetting, model_dir: Path, path: Path, extra: dict | None = None) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(ours_config(setting, model_dir, extra), sort_keys=False))
+    return path
+
+
+def train_cmd(config_path: Path, output_dir: Path, max_steps: int) -> list[str]:
+    cli = cli_path()
+    if cli is None:
+        raise FileNotFoundError(f"the `{CLI}` command is not installed")
+    return [cli, "train", "--config", str(config_path), "--output-dir", str(output_dir), "--max-steps", str(max_steps)]
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    path = output_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"our trainer wrote no {path}")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def result_from_metrics(records: list[dict], setting: BenchSetting, child: ChildRun) -> RunResult:
+    """A RunResult from our metrics.jsonl; ``step_time`` and ``reward`` are required on every line."""
+    steps = [r for r in records if STEP_TIME in r]
+    if len(steps) != setting.steps:
+        raise ValueError(f"metrics.jsonl: {len(steps)} lines with {STEP_TIME!r}, expected {setting.steps}")
+    missing = [i for i, r in enumerate(steps) if REWARD not in r]
+    if missing:
+        raise ValueError(f"metrics.jsonl: step lines {missing} have no {REWARD!r}")
+    n = setting.completions_per_step
+
+    def optional(key: str, scale: float = 1.0) -> list:
+        if not all(key in r for r in steps):
+            return [None] * len(steps)
+        return [float(r[key]) * scale for r in steps]
+
+    tokens = optional(MEAN_LENGTH, n)
+    return RunResult(
+        side="ours",
+        step_times=[float(r[STEP_TIME]) for r in steps],
+        rewards=[float(r[REWARD]) for r in steps],
+        completion_tokens=[None if t is None else round(t) for t in tokens],
+        generate_times=optional(GENERATE_TIME),
+        cpu_times=optional(CPU_TIME),
+        peak_rss_bytes=child.peak_rss_bytes,
+        wall_s=child.wall_s,
+        extra={"metrics": steps, "process_cpu_s": child.cpu_s},
+    )
+
+
+def run_ours(setting: BenchSetting, model_dir: Path, work_dir: Path, env: dict[str, str],
+             extra: dict | None = None, timeout_s: float | None = None) -> RunResult:
+    """Write the config, run the CLI in a fresh process, read its metrics and its peak RSS."""
+    config_path = write_config(setting, model_dir, work_dir / "config.yaml", extra)
+    output_dir = work_dir / "out"
+    child = run_child(train_cmd(config_path, output_dir, setting.steps), work_dir / "ours.log", env, timeout_s)
+    return result_from_metrics(read_metrics(output_dir), setting, child)
+
+
+def final_model_dir(work_dir: Path, steps: int) -> Path:
+    """Where :func:`run_ours` leaves the final model: the trainer's last checkpoint."""
+    path = work_dir / "out" / "checkpoints" / f"step-{steps}"
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"our trainer left no final model at {path}")
+    return path

@@ -1,0 +1,107 @@
+"""One benchmark setting: everything both trainers and the floor must agree on.
+
+A :class:`BenchSetting` is written to JSON by the harness and read back by each
+child process, so the three sides cannot drift apart. ``PRESETS`` holds the
+named settings of ``benchmarks/run.py --setting``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
+
+
+@dataclass(frozen=True)
+class BenchSetting:
+    name: str
+    model: str  # "tiny", "smollm2-135m-instruct" or a model folder
+    task: str = "chain_sum"  # reasoning-gym task name
+    dataset_size: int = 256
+    prompts_per_step: int = 4
+    num_generations: int = 8
+    max_new_tokens: int = 64
+    micro_batch_size: int = 8  # completions per forward/backward; divides P*G
+    temperature: float = 1.0
+    beta: float = 0.0
+    loss_type: str = "dapo"
+    learning_rate: float = 1e-6
+    bf16: bool = False  # weights (and compute) in bfloat16 on every side
+    seed: int = 0  # data (reasoning-gym), sampling and training seed
+    steps: int = 3  # optimizer steps per run; the first is the warm-up
+    method: str = "grpo"  # our trainer's method; TRL always runs GRPO
+
+    def __post_init__(self) -> None:
+        positive = ("dataset_size", "prompts_per_step", "micro_batch_size", "max_new_tokens", "steps")
+        for key in positive:
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.num_generations < 2:
+            raise ValueError(f"num_generations must be >= 2, got {self.num_generations}")
+        if self.completions_per_step % self.micro_batch_size:
+            raise ValueError(
+                f"micro_batch_size {self.micro_batch_size} does not divide the "
+                f"{self.completions_per_step} completions of a step"
+            )
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.beta < 0:
+            raise ValueError(f"beta must be >= 0, got {self.beta}")
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.learning_rate < 0:
+            raise ValueError(f"learning_rate must be >= 0, got {self.learning_rate}")
+
+    @property
+    def completions_per_step(self) -> int:
+        return self.prompts_per_step * self.num_generations
+
+    def replace(self, **changes) -> BenchSetting:
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self, path: Path) -> None:
+        path.write_text(json.dumps(dataclasses.asdict(self), indent=1))
+
+    @classmethod
+    def from_json(cls, path: Path) -> BenchSetting:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+PRESETS: dict[str, BenchSetting] = {
+    # Seconds on 2 cores: the harness smoke test and quick overhead checks.
+    "tiny": BenchSetting(
+        name="tiny", model="tiny", dataset_size=64, prompts_per_step=2, num_generations=4,
+        max_new_tokens=16, micro_batch_size=8, learning_rate=1e-4,
+    ),
+    # SmolLM2-135M-Instruct, 4 prompts x 8 completions, the measurements of ENVIRONMENT.md.
+    "smollm2-64": BenchSetting(name="smollm2-64", model="smollm2-135m-instruct", max_new_tokens=64),
+    "smollm2-256": BenchSetting(name="smollm2-256", model="smollm2-135m-instruct", max_new_tokens=256),
+}
+
+
+def add_setting_args(parser) -> None:
+    """Command-line overrides of a preset's fields (shared by run.py, learning.py, methods.py)."""
+    parser.add_argument("--setting", choices=sorted(PRESETS), required=True, help="named preset to start from")
+    parser.add_argument("--task", help="reasoning-gym task")
+    parser.add_argument("--beta", type=float)
+    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--loss-type", choices=LOSS_TYPES)
+    parser.add_argument("--steps", type=int, help="optimizer steps per run")
+    parser.add_argument("--dataset-size", type=int)
+    parser.add_argument("--prompts-per-step", type=int)
+    parser.add_argument("--num-generations", type=int)
+    parser.add_argument("--max-new-tokens", type=int)
+    parser.add_argument("--micro-batch-size", type=int)
+    parser.add_argument("--learning-rate", type=float)
+    parser.add_argument("--seed", type=int)
+
+
+def setting_from_args(args) -> BenchSetting:
+    fields = ("task", "beta", "bf16", "loss_type", "steps", "dataset_size", "prompts_per_step",
+              "num_generations", "max_new_tokens", "micro_batch_size", "learning_rate", "seed")
+    overrides = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
+    return PRESETS[args.setting].replace(**overrides)

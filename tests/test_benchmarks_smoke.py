@@ -1,0 +1,201 @@
+"""The benchmark harness: its pieces (fast) and one end-to-end run on the tiny model (slow)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# benchmarks/ is a top-level folder of the repo, not part of the installed package.
+sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.children import ChildFailed, child_env, run_child  # noqa: E402
+from benchmarks.common_rewards import REWARD_NAMES, boxed_accuracy, boxed_format  # noqa: E402
+from benchmarks.ours import ours_available, ours_config, write_config  # noqa: E402
+from benchmarks.results import RunResult, summarize  # noqa: E402
+from benchmarks.sample_eval import pass_at_k, summarize_samples  # noqa: E402
+from benchmarks.settings import PRESETS, BenchSetting  # noqa: E402
+from benchmarks.tasks import rows_for_step, task_rows  # noqa: E402
+
+
+# ------------------------------------------------------------------ pass@k
+
+
+def _pass_at_k_by_enumeration(n: int, c: int, k: int) -> Fraction:
+    """Exact: the fraction of k-subsets of n samples (c of them correct) holding a correct one."""
+    samples = [True] * c + [False] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    hits = sum(any(samples[i] for i in s) for s in subsets)
+    return Fraction(hits, len(subsets))
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8])
+def test_pass_at_k_matches_enumeration(n):
+    for c in range(n + 1):
+        for k in range(1, n + 1):
+            assert pass_at_k(n, c, k) == pytest.approx(float(_pass_at_k_by_enumeration(n, c, k)), abs=1e-12)
+
+
+def test_pass_at_k_rejects_bad_counts():
+    with pytest.raises(ValueError, match="c <= n"):
+        pass_at_k(4, 5, 1)
+    with pytest.raises(ValueError, match="k <= n"):
+        pass_at_k(4, 1, 5)
+
+
+def test_summarize_samples_counts_distinct_correct_answers_after_canonicalisation():
+    scores = [[1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
+    answers = [["4", "4.0", " 2+2", "5"], ["1", None, "2", "3"]]
+    mean, pass_at, distinct = summarize_samples(scores, answers, ks=[1, 4])
+    assert mean == pytest.approx(3 / 8)
+    assert pass_at[1] == pytest.approx((3 / 4 + 0) / 2)
+    assert pass_at[4] == pytest.approx((1 + 0) / 2)
+    # "4" and "4.0" are one answer, "2+2" another; the wrong "5" does not count.
+    assert distinct == pytest.approx((2 + 0) / 2)
+
+
+# ------------------------------------------------------------------ prompts and rewards
+
+
+@pytest.mark.slow  # importing datasets takes seconds
+def test_task_rows_are_the_prompts_our_trainer_builds():
+    from maxent_grpo.training.data import load_prompt_dataset
+
+    ours = load_prompt_dataset("reasoning_gym:chain_sum", size=6, seed=3)
+    rows = task_rows("chain_sum", 6, 3)
+    assert [r["prompt"] for r in rows] == [[{"role": "user", "content": p}] for p in ours["prompt"]]
+    assert [r["answer"] for r in rows] == list(ours["answer"])
+    assert [json.loads(r["rg_entry"]) for r in rows] == [json.loads(e) for e in ours["rg_entry"]]
+
+
+def test_rows_for_step_takes_rows_in_order_and_cycles():
+    rows = list(range(5))
+    assert rows_for_step(rows, 0, 2) == [0, 1]
+    assert rows_for_step(rows, 2, 2) == [4, 0]
+
+
+def test_boxed_rewards_score_with_the_task_scorer():
+    rows = task_rows("chain_sum", 2, 0)
+    gold = rows[0]["answer"]
+    wrong = str(int(gold) + 1)
+    completions = [
+        f"So the sum is \\boxed{{{gold}}}.",
+        [{"role": "assistant", "content": f"\\boxed{{{wrong}}}"}],  # TRL's conversational form
+        f"The answer is {gold}",  # right number, no final-answer form
+    ]
+    entries = [rows[0]["rg_entry"]] * 3
+    prompts = [rows[0]["prompt"]] * 3
+    assert boxed_accuracy(prompts, completions, rg_entry=entries) == [1.0, 0.0, 0.0]
+    assert boxed_format(prompts, completions) == [1.0, 1.0, 0.0]
+    with pytest.raises(ValueError, match="rg_entry"):
+        boxed_accuracy(prompts, completions, rg_entry=entries[:2])
+
+
+# ------------------------------------------------------------------ our config mapping
+
+
+def test_ours_config_loads_in_our_config_and_keeps_every_shared_value(tmp_path):
+    from maxent_grpo.training.config import load_config
+
+    setting = PRESETS["smollm2-64"].replace(beta=0.04, loss_type="grpo", bf16=True, seed=7, learning_rate=3e-6)
+    cfg = load_config(write_config(setting, tmp_path / "model", tmp_path / "c.yaml"))
+    assert cfg.model.name_or_path == str(tmp_path / "model") and cfg.model.dtype == "bfloat16"
+    assert cfg.data.source == "reasoning_gym:chain_sum" and cfg.data.size == setting.dataset_size
+    assert cfg.data.shuffle is False and cfg.data.system_prompt is None
+    assert [(r.name, r.weight) for r in cfg.rewards] == [(REWARD_NAMES[0], 1.0), (REWARD_NAMES[1], 0.5)]
+    g, t, lo = cfg.generation, cfg.training, cfg.loss
+    assert (g.num_generations, g.max_new_tokens, g.temperature, g.top_p, g.top_k) == (8, 64, 1.0, 1.0, 0)
+    assert (t.prompts_per_step, t.micro_batch_size, t.max_steps, t.seed) == (4, 8, setting.steps, 7)
+    assert (t.learning_rate, t.lr_scheduler, t.weight_decay, t.adam_beta2, t.max_grad_norm) == (
+        3e-6, "constant", 0.0, 0.999, 1.0
+    )
+    assert (lo.loss_type, lo.beta, lo.epsilon, lo.epsilon_high, lo.scale_rewards) == ("grpo", 0.04, 0.2, None, "group")
+    assert lo.dynamic_sampling is False  # TRL does not resample groups
+    assert cfg.method == "grpo"
+
+
+def test_ours_config_extra_sections_merge_into_the_defaults(tmp_path):
+    config = ours_config(PRESETS["tiny"], tmp_path, extra={"loss": {"scale_rewards": "none"}, "maxent": {"tau": 0.3}})
+    assert config["loss"]["scale_rewards"] == "none" and config["loss"]["beta"] == 0.0
+    assert config["maxent"] == {"tau": 0.3}
+
+
+def test_bench_setting_rejects_bad_values_by_name():
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        BenchSetting(name="x", model="tiny", prompts_per_step=2, num_generations=4, micro_batch_size=3)
+    with pytest.raises(ValueError, match="loss_type"):
+        BenchSetting(name="x", model="tiny", loss_type="ppo")
+    with pytest.raises(ValueError, match="num_generations"):
+        BenchSetting(name="x", model="tiny", num_generations=1, micro_batch_size=1)
+
+
+# ------------------------------------------------------------------ measurement
+
+
+def test_summarize_drops_each_runs_warmup_step_and_pools_the_rest():
+    runs = [
+        RunResult("trl", [9.0, 1.0, 3.0], [0.1, 0.2, 0.3], [10, 20, 30], [5.0, 0.5, 1.5], [8.0, 1.0, 2.0], 100),
+        RunResult("trl", [7.0, 2.0, 4.0], [0.0, 0.0, 0.0], [10, 20, 20], [4.0, 1.0, 1.0], [6.0, 2.0, 4.0], 300),
+    ]
+    s = summarize("trl", runs)
+    assert (s.median_s, s.min_s, s.max_s, s.steps_timed) == (2.5, 1.0, 4.0, 4)
+    assert s.tokens_per_s == pytest.approx((20 + 30 + 20 + 20) / (1 + 3 + 2 + 4))
+    assert s.generate_share == pytest.approx((0.5 + 1.5 + 1 + 1) / 10)
+    assert s.cpu_median_s == pytest.approx(2.0)
+    assert s.peak_rss_bytes == 200 and s.warmup_dropped
+
+
+def test_run_child_reports_each_childs_own_peak_rss(tmp_path):
+    env = child_env(threads=None)
+    big = run_child([sys.executable, "-c", "b = bytearray(400 * 2**20); b[::4096] = b'x' * len(b[::4096])"],
+                    tmp_path / "big.log", env)
+    small = run_child([sys.executable, "-c", "pass"], tmp_path / "small.log", env)
+    assert big.peak_rss_bytes > 400 * 2**20
+    # A cumulative measure (RUSAGE_CHILDREN) would report the big child's peak again.
+    assert small.peak_rss_bytes < 100 * 2**20
+
+
+def test_run_child_raises_with_the_log_tail(tmp_path):
+    with pytest.raises(ChildFailed, match="boom"):
+        run_child([sys.executable, "-c", "raise SystemExit('boom')"], tmp_path / "x.log", child_env(None))
+
+
+# ------------------------------------------------------------------ end to end
+
+
+@pytest.mark.slow
+def test_harness_prints_the_table_for_every_side(tmp_path):
+    pytest.importorskip("trl")
+    out = tmp_path / "bench.json"
+    cmd = [
+        sys.executable, str(REPO_ROOT / "benchmarks" / "run.py"), "--setting", "tiny", "--steps", "2", "--reps", "1",
+        "--max-new-tokens", "8", "--threads", "1", "--work-dir", str(tmp_path / "work"), "--json-out", str(out), "--timeout", "240",
+    ]
+    env = {**os.environ, "MAXENT_GRPO_BENCH_CACHE": str(tmp_path / "models")}
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    table = proc.stdout
+    assert "| side | s/step median |" in table
+    expected = ["trl", "floor"] + (["ours"] if ours_available() is None else [])
+    for side in expected:
+        assert f"\n| {side} |" in table, table
+    if ours_available() is not None:
+        assert "ours skipped:" in table
+    payload = json.loads(out.read_text())
+    assert sorted(payload["runs"]) == sorted(expected)
+    for side in expected:
+        (run,) = payload["runs"][side]
+        assert len(run["step_times"]) == 2 and all(t > 0 for t in run["step_times"])
+        assert run["peak_rss_bytes"] > 50 * 2**20  # a Python process with torch loaded
+        # every completion of a step is generated: P*G sequences of at most max_new_tokens
+        assert all(0 < n <= 2 * 4 * 8 for n in run["completion_tokens"] if n is not None)
+    summary = payload["summaries"]["trl"]
+    assert summary["steps_timed"] == 1 and summary["warmup_dropped"] is True
+    assert summary["median_s"] == pytest.approx(payload["runs"]["trl"][0]["step_times"][1])

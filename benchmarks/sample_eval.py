@@ -14,23 +14,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common_rewards import boxed_accuracy, boxed_format
+from maxent_grpo.core.eval_metrics import pass_at_k
 from benchmarks.tasks import task_rows
 
 EVAL_SEED_OFFSET = 10_000  # held-out prompts: a reasoning-gym seed no training run uses
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from ``c`` correct among ``n`` samples."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 @dataclass(frozen=True)

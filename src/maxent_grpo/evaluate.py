@@ -33,7 +33,7 @@ import torch
 
 from maxent_grpo.core.eval_metrics import PromptSamples, summarize_eval
 from maxent_grpo.rewards.answers import canonical_answer, extract_final_answer
-from maxent_grpo.rewards.registry import RewardSpec, evaluate_rewards
+from maxent_grpo.rewards.registry import RewardSpec, evaluate_rewards, grouped_reward_inputs
 from maxent_grpo.rollout.backend import GenerationBackend, RolloutBatch, SamplingParams, generate_groups
 from maxent_grpo.training.data import format_prompt
 
@@ -58,14 +58,8 @@ def eval_seed(seed: int) -> int:
 
 def _score(spec: RewardSpec, rows: list[dict], batch: RolloutBatch) -> torch.Tensor:
     """Every reward function on ``batch``, called exactly as in training: ``[N, K]``, NaN for None."""
-    g = batch.num_generations
-    conversational = isinstance(rows[0]["prompt"], list)
-    prompts = [r["prompt"] for r in rows for _ in range(g)]
-    texts = batch.completion_texts
-    completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else list(texts)
-    columns = {k: [r[k] for r in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
-    columns["completion_ids"] = [list(ids) for ids in batch.completion_ids]
-    return evaluate_rewards(spec, prompts, completions, columns)
+    inputs = grouped_reward_inputs(rows, batch.completion_texts, batch.completion_ids, batch.num_generations)
+    return evaluate_rewards(spec, *inputs)
 
 
 def _records(spec: RewardSpec, rows: list[dict], batch: RolloutBatch, indices: list[int], mode: str) -> list[dict]:
@@ -200,6 +194,7 @@ def run_eval_cli(args) -> int:
     dataset = load_prompt_dataset(
         cfg.data.source, split=cfg.data.split, prompt_column=cfg.data.prompt_column,
         answer_column=cfg.data.answer_column, size=cfg.data.size, seed=cfg.training.seed,
+        instruction=cfg.data.instruction, task_kwargs=cfg.data.task_kwargs,
     )
     rows = select_eval_rows(dataset, cfg.data.eval_size, n, cfg.training.seed)
     spec = build_reward_spec(cfg.rewards)

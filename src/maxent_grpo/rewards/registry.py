@@ -177,6 +177,26 @@ def _check_output(name: str, values: Any, n: int) -> list[float]:
     return out
 
 
+def grouped_reward_inputs(
+    rows: list[dict], completion_texts: list[str], completion_ids: list[list[int]], num_generations: int
+) -> tuple[list, list, dict[str, list]]:
+    """``(prompts, completions, columns)`` for :func:`evaluate_rewards`, the way TRL builds them.
+
+    ``rows`` are the P dataset rows; completions are prompt-major, ``num_generations`` per row.
+    Conversational prompts get conversational completions; every dataset column (and
+    ``completion_ids``) is repeated per completion.
+    """
+    g = num_generations
+    conversational = isinstance(rows[0]["prompt"], list)
+    prompts = [r["prompt"] for r in rows for _ in range(g)]
+    completions = (
+        [[{"role": "assistant", "content": t}] for t in completion_texts] if conversational else list(completion_texts)
+    )
+    columns = {k: [r[k] for r in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
+    columns["completion_ids"] = [list(ids) for ids in completion_ids]
+    return prompts, completions, columns
+
+
 def evaluate_rewards(
     spec: RewardSpec, prompts: list, completions: list, columns: Mapping[str, list]
 ) -> torch.Tensor:

@@ -48,6 +48,9 @@ class DataConfig:
     source: str = "reasoning_gym:chain_sum"
     split: str = "train"
     size: int | None = 1000
+    # reasoning_gym sources: options of the task's generator, and the line appended to each question.
+    task_kwargs: dict[str, Any] = field(default_factory=dict)
+    instruction: str | None = "Put your final answer within \\boxed{}."
     prompt_column: str = "prompt"
     answer_column: str = "answer"
     system_prompt: str | None = None
@@ -234,6 +237,12 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         return value
     if hint is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads 5e-5 (no dot) as a string; accept any float literal.
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{key}: expected a number, got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)
@@ -326,22 +335,26 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, yaml.safe_load(raw) if raw.strip() else ""
 
 
+DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "default.yaml"
+
+
+def _read_yaml(p: Path) -> dict:
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        loaded = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)  # only syntax errors carry a position
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{p}{where}: invalid YAML") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping of sections")
+    return loaded or {}
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> TrainConfig:
-    """Read YAML (or the built-in default when ``path`` is None), apply overrides, validate."""
-    user: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f" line {mark.line + 1}" if mark is not None else ""
-            raise ConfigError(f"{p}{where}: invalid YAML") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"{p}: the top level must be a mapping of sections")
-        user = loaded or {}
+    """Read YAML (the built-in default recipe when ``path`` is None), apply overrides, validate."""
+    user = _read_yaml(Path(path) if path is not None else DEFAULT_RECIPE)
     items = overrides.items() if isinstance(overrides, dict) else [parse_override(o) for o in overrides or []]
     for key, value in items:
         _set_dotted(user, key, value)

@@ -162,7 +162,7 @@ def load_prompt_dataset(
     (`size` problems generated offline from `seed`, each question followed by
     `instruction`, `task_kwargs` passed to the task's config), or a `datasets`
     name (with `data_files` if it needs them; offline it loads from the cache
-    only). `size` keeps the first `size` rows of a file or hub split. Raises
+    only). `size` keeps at most the first `size` rows of a file or hub split. Raises
     `DataError` with a one-line message.
     """
     if not isinstance(source, str) or not source:
@@ -175,9 +175,7 @@ def load_prompt_dataset(
         path = Path(source)
         is_file = path.suffix in _FILE_BUILDERS
         ds = _load_file(path, split, data_files) if is_file else _load_hub(source, split, data_files)
-        if size is not None:
-            if size > len(ds):
-                raise DataError(f"{source}: size={size} but it holds only {len(ds)} rows")
+        if size is not None and size < len(ds):
             ds = ds.select(range(size))
     ds = _standardise(ds, source, prompt_column, answer_column)
     _check_prompts(ds, source)

@@ -18,6 +18,8 @@ class Dist:
     def init(cls) -> "Dist":
         """Join the process group that torchrun / accelerate launch describe in the environment."""
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
         return cls.current()
 
@@ -28,15 +30,22 @@ class Dist:
         return cls()
 
     @property
+    def device(self) -> torch.device:
+        """This process's accelerator (cuda:LOCAL_RANK) when there is one, else the CPU."""
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
+
+    @property
     def is_main(self) -> bool:
         return self.rank == 0
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return t
-        out = t.clone()
+        out = t.to(self.device, copy=True)
         dist.all_reduce(out, op=dist.ReduceOp.SUM)
-        return out
+        return out.to(t.device)
 
     def mean(self, value: float) -> float:
         """Mean of a scalar over ranks."""
@@ -48,6 +57,14 @@ class Dist:
         if self.world_size == 1:
             return bool(flag)
         return bool(self.all_reduce_sum(torch.tensor([1.0 if flag else 0.0]))[0] > 0)
+
+    def any_and_min(self, flag: bool, count: int) -> tuple[bool, int]:
+        """(flag on any rank, smallest count over ranks) in one collective."""
+        if self.world_size == 1:
+            return bool(flag), int(count)
+        t = torch.tensor([1.0 if flag else 0.0, -float(count)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t[0] > 0), int(-t[1])
 
     def gather_floats(self, values: list[float]) -> list[float]:
         """Concatenate equal-or-unequal length lists of floats from every rank."""

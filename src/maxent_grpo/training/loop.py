@@ -64,7 +64,7 @@ def train(cfg: TrainConfig, *, resume: str | bool | None = None) -> Path:
         t_policy = time.perf_counter()
         old_logps = _old_logps(run, prepared) if cfg.training.num_iterations > 1 else None
         for _ in range(cfg.training.num_iterations):
-            with _autocast(cfg):
+            with autocast(cfg, ctx.dist.device):
                 result = grpo_step(
                     run.train_model, run.optimizer, prepared.micro_batches(cfg.training.micro_batch_size, old_logps),
                     num_generations=cfg.generation.num_generations,
@@ -118,15 +118,15 @@ def train(cfg: TrainConfig, *, resume: str | bool | None = None) -> Path:
     return run.output_dir
 
 
-def _autocast(cfg: TrainConfig):
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.training.autocast_bf16)
+def autocast(cfg: TrainConfig, device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.training.autocast_bf16)
 
 
 def _old_logps(run: Run, prepared) -> torch.Tensor:
     """Log-probs of the pre-update policy, needed only when a batch is reused (num_iterations > 1)."""
     packed, size = prepared.packed, run.cfg.training.micro_batch_size
     outs = []
-    with torch.no_grad(), _autocast(run.cfg):
+    with torch.no_grad(), autocast(run.cfg, run.ctx.dist.device):
         for s in range(0, packed.input_ids.shape[0], size):
             sl = slice(s, s + size)
             outs.append(get_per_token_logps(

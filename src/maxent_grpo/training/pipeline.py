@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from maxent_grpo.core.advantages import combine_rewards, zero_std_groups
 from maxent_grpo.core.logprobs import get_per_token_logps, get_per_token_logps_and_entropies
 from maxent_grpo.core.seed_grpo import cluster_ids_from_answers
 from maxent_grpo.core.step import MicroBatch
@@ -33,7 +34,7 @@ from maxent_grpo.rewards.maxent import (
     compute_reward_statistics,
     compute_weight_stats,
 )
-from maxent_grpo.rewards.registry import RewardFunctionError, RewardSpec, evaluate_rewards
+from maxent_grpo.rewards.registry import RewardFunctionError, RewardSpec, evaluate_rewards, grouped_reward_inputs
 from maxent_grpo.rollout.backend import (
     GenerationBackend,
     PackedRollout,
@@ -108,7 +109,11 @@ class PreparedBatch:
     def micro_batches(self, size: int, old_logps: torch.Tensor | None = None) -> list[MicroBatch]:
         """Split into micro-batches of ``size`` rows (whole groups when ``size`` is a multiple of G)."""
         p, n = self.packed, self.packed.input_ids.shape[0]
-        g = self.rollout.num_generations
+        g, device = self.rollout.num_generations, self.packed.input_ids.device
+
+        def rows(t: torch.Tensor | None, sl: slice) -> torch.Tensor | None:
+            return None if t is None else t[sl].to(device)
+
         lw = self.weight_stats.flat_weights if self.weight_stats is not None else None
         out = []
         for s in range(0, n, size):
@@ -120,12 +125,12 @@ class PreparedBatch:
                     attention_mask=p.attention_mask[sl],
                     prompt_length=p.prompt_length,
                     completion_mask=p.completion_mask[sl],
-                    advantages=self.advantages[sl],
-                    old_logps=None if old_logps is None else old_logps[sl],
-                    ref_logps=None if self.ref_logps is None else self.ref_logps[sl],
-                    row_weights=None if self.row_weights is None else self.row_weights[sl],
-                    listwise_weights=None if lw is None else lw[sl],
-                    listwise_active=None if self.listwise_active is None else self.listwise_active[s // g : e // g],
+                    advantages=rows(self.advantages, sl),
+                    old_logps=rows(old_logps, sl),
+                    ref_logps=rows(self.ref_logps, sl),
+                    row_weights=rows(self.row_weights, sl),
+                    listwise_weights=rows(lw, sl),
+                    listwise_active=rows(self.listwise_active, slice(s // g, e // g)),
                 )
             )
         return out
@@ -159,16 +164,9 @@ def _reward_matrix(ctx: PipelineContext, rows: list[dict], rollout: RolloutBatch
 
 
 def _call_rewards(ctx: PipelineContext, rows: list[dict], rollout: RolloutBatch) -> torch.Tensor:
-    g = rollout.num_generations
-    conversational = isinstance(rows[0]["prompt"], list)
-    prompts = [r["prompt"] for r in rows for _ in range(g)]
-    texts = rollout.completion_texts
-    # TRL passes conversational completions when the prompts are conversational.
-    completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else list(texts)
-    columns = {k: [r[k] for r in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
-    columns["completion_ids"] = [list(ids) for ids in rollout.completion_ids]  # as TRL passes them
+    inputs = grouped_reward_inputs(rows, rollout.completion_texts, rollout.completion_ids, rollout.num_generations)
     try:
-        return evaluate_rewards(ctx.reward_spec, prompts, completions, columns)
+        return evaluate_rewards(ctx.reward_spec, *inputs)
     except RewardFunctionError as err:
         raise SkipBatch("reward", str(err)) from err
 
@@ -188,9 +186,8 @@ def _rollout_and_rewards(ctx: PipelineContext, rows: list[dict], more_rows: Call
             rows, rollout = _generate(ctx, more_rows())
             per_fn = _reward_matrix(ctx, rows, rollout, timings)
         seen += len(rows)
-        total = torch.nansum(per_fn * ctx.reward_spec.weight_tensor(), dim=1).view(-1, g)
-        varied = (total.max(dim=1).values - total.min(dim=1).values) > 0
-        keep = [i for i in range(len(rows)) if bool(varied[i])]
+        flat = zero_std_groups(combine_rewards(per_fn, ctx.reward_spec.weight_tensor()), g)
+        keep = [i for i in range(len(rows)) if not bool(flat[i])]
         kept_rows += [rows[i] for i in keep]
         kept_rollouts.append(select_groups(rollout, keep))
         kept_rewards.append(per_fn.view(len(rows), g, -1)[keep].reshape(-1, per_fn.shape[1]))
@@ -217,7 +214,8 @@ def _score_rows(ctx: PipelineContext, packed: PackedRollout, fn, with_entropy: b
     """Run ``fn`` (a model scorer) over micro-batches under no_grad; concatenate."""
     size = ctx.cfg.training.micro_batch_size
     outs, ents = [], []
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=ctx.cfg.training.autocast_bf16):
+    autocast = torch.autocast(ctx.dist.device.type, dtype=torch.bfloat16, enabled=ctx.cfg.training.autocast_bf16)
+    with torch.no_grad(), autocast:
         for s in range(0, packed.input_ids.shape[0], size):
             sl = slice(s, s + size)
             res = fn(packed.input_ids[sl], packed.attention_mask[sl], packed.prompt_length)
@@ -237,7 +235,7 @@ def _policy_entropy(ctx: PipelineContext, packed: PackedRollout) -> torch.Tensor
 
     _, ent = _score_rows(ctx, packed, fn, with_entropy=True)
     m = packed.completion_mask
-    return (ent * m).sum(1) / m.sum(1).clamp(min=1)
+    return ((ent * m).sum(1) / m.sum(1).clamp(min=1)).cpu()
 
 
 def _seed_inputs(ctx: PipelineContext, rollout: RolloutBatch, packed: PackedRollout):
@@ -249,8 +247,8 @@ def _seed_inputs(ctx: PipelineContext, rollout: RolloutBatch, packed: PackedRoll
     answers = _final_answers(rollout.completion_texts, rollout.num_generations)
     return SeedGrpoInputs(
         cluster_ids=cluster_ids_from_answers(answers).reshape(-1),
-        seq_logps=(packed.behaviour_logps * packed.completion_mask).sum(1),
-        token_counts=packed.completion_mask.sum(1),
+        seq_logps=(packed.behaviour_logps * packed.completion_mask).sum(1).cpu(),
+        token_counts=packed.completion_mask.sum(1).cpu(),
         alpha=sg.alpha,
         normalize_by_max_entropy=sg.normalize_by_max_entropy,
         length_normalize=sg.length_normalize_logprobs,
@@ -259,9 +257,10 @@ def _seed_inputs(ctx: PipelineContext, rollout: RolloutBatch, packed: PackedRoll
 
 def _xdr_row_weights(ctx: PipelineContext, reward_comp: RewardComputation, rollout, packed, ref_logps):
     g = rollout.num_generations
-    lengths = packed.completion_mask.sum(1).view(-1, g)
+    # Reward statistics live on the CPU; the packed batch may be on an accelerator.
+    lengths = packed.completion_mask.sum(1).view(-1, g).cpu()
     util = xdr_utilities(reward_comp.advantages.view(-1, g), lengths, ctx.cfg.generation.max_new_tokens)
-    valid = packed.completion_mask.sum(1).view(-1, g) > 0
+    valid = lengths > 0
     tau: float | torch.Tensor = ctx.cfg.xdr.tau
     if ctx.cfg.xdr.mode_adaptive:
         total = reward_comp.total.view(-1, g)
@@ -274,7 +273,8 @@ def _xdr_row_weights(ctx: PipelineContext, reward_comp: RewardComputation, rollo
         tau = mode_adaptive_tau(ctx.cfg.xdr.tau, torch.tensor(kappa, dtype=torch.float64))
     ref_seq = None
     if ref_logps is not None and ctx.cfg.xdr.lam > 0:
-        ref_seq = ((ref_logps * packed.completion_mask).sum(1) / lengths.view(-1).clamp(min=1)).view(-1, g)
+        ref_sum = (ref_logps * packed.completion_mask).sum(1).cpu()
+        ref_seq = (ref_sum / lengths.view(-1).clamp(min=1)).view(-1, g)
     return xdr_multipliers(util, valid, tau, lam=ctx.cfg.xdr.lam, ref_logp=ref_seq).reshape(-1)
 
 
@@ -287,30 +287,47 @@ def prepare_training_batch(
 ) -> PreparedBatch | None:
     """Return a :class:`PreparedBatch`, or ``None`` when a stage failed (counted in ``ctx.skips``).
 
-    In a multi-process run every rank skips together, so no collective hangs.
+    Two sync points, reached by every rank whatever happened locally, keep a
+    multi-process run in step: after rollout and rewards (any failure skips the
+    batch everywhere; every rank keeps the same number of groups, so the
+    optimizer step runs the same number of micro-batches), and after scoring.
     """
+    timings = {"time/reward": 0.0}
+    t0 = time.perf_counter()
     try:
-        batch, failed = _prepare(ctx, rows, more_rows), None
+        sampled, failed = _rollout_and_rewards(ctx, rows, more_rows, timings), None
+    except SkipBatch as err:
+        sampled, failed = None, err
+    failed_anywhere, common = ctx.dist.any_and_min(failed is not None, len(sampled[0]) if sampled else 0)
+    if failed_anywhere:
+        return _skip(ctx, failed)
+    rows, rollout, per_fn, stats = sampled
+    if common < len(rows):
+        rows, rollout = rows[:common], select_groups(rollout, list(range(common)))
+        per_fn = per_fn[: common * rollout.num_generations]
+    timings["time/generate"] = time.perf_counter() - t0 - timings["time/reward"]
+    try:
+        batch, failed = _score_and_weight(ctx, rows, rollout, per_fn, stats, timings), None
     except SkipBatch as err:
         batch, failed = None, err
     if ctx.dist.any_rank(failed is not None):
-        stage = failed.stage if failed is not None else "other_rank"
-        ctx.skips[stage] += 1
-        ctx.last_error = str(failed) if failed is not None else "another rank failed"
-        log.warning("skipping batch: %s", ctx.last_error)
-        return None
+        return _skip(ctx, failed)
     return batch
 
 
-def _prepare(ctx: PipelineContext, rows, more_rows) -> PreparedBatch:
-    cfg, timings = ctx.cfg, {"time/reward": 0.0}
-    t0 = time.perf_counter()
-    rows, rollout, per_fn, stats = _rollout_and_rewards(ctx, rows, more_rows, timings)
-    packed = pack_rollout(rollout, ctx.tokenizer.pad_token_id)
+def _skip(ctx: PipelineContext, failed: SkipBatch | None) -> None:
+    ctx.skips[failed.stage if failed is not None else "other_rank"] += 1
+    ctx.last_error = str(failed) if failed is not None else "another rank failed"
+    log.warning("skipping batch: %s", ctx.last_error)
+    return None
+
+
+def _score_and_weight(ctx: PipelineContext, rows, rollout, per_fn, stats, timings) -> PreparedBatch:
+    cfg = ctx.cfg
+    packed = pack_rollout(rollout, ctx.tokenizer.pad_token_id, device=ctx.dist.device)
     if cfg.loss.mask_truncated_completions:
         packed.completion_mask[packed.truncated] = 0.0
     g = rollout.num_generations
-    timings["time/generate"] = time.perf_counter() - t0 - timings["time/reward"]
     t1 = time.perf_counter()
     reward_comp = compute_reward_statistics(
         per_fn, ctx.reward_spec.weight_tensor(), g,
@@ -319,7 +336,7 @@ def _prepare(ctx: PipelineContext, rows, more_rows) -> PreparedBatch:
         q_epsilon=cfg.maxent.q_epsilon,
         scale_rewards=cfg.loss.scale_rewards,
         advantage_estimator=cfg.loss.advantage_estimator,
-        truncated=packed.truncated,
+        truncated=packed.truncated.cpu(),
         zero_truncated_completion_rewards=cfg.loss.zero_truncated_completion_rewards,
         seed_grpo=_seed_inputs(ctx, rollout, packed),
     )
@@ -341,7 +358,7 @@ def _prepare(ctx: PipelineContext, rows, more_rows) -> PreparedBatch:
         if ref_logps is not None:
             counts = packed.completion_mask.sum(1)
             ref_stats = ReferenceLogprobs(
-                ref_logp_sum=(ref_logps * packed.completion_mask).sum(1), ref_tok_counts=counts
+                ref_logp_sum=(ref_logps * packed.completion_mask).sum(1).cpu(), ref_tok_counts=counts.cpu()
             )
         weight_stats = compute_weight_stats(reward_comp, ref_stats, ctx.weighting)
         active = torch.ones_like(reward_comp.zero_std) if cfg.maxent.keep_zero_variance_groups else ~reward_comp.zero_std

@@ -99,7 +99,7 @@ def _reference_scorer(cfg: TrainConfig, model, name_or_path: str):
             with reference_context(model):
                 return get_per_token_logps(model, ids, mask, plen, temperature=temp)
         return score
-    ref = load_reference_model(name_or_path, dtype=cfg.model.dtype, device="cpu")
+    ref = load_reference_model(name_or_path, dtype=cfg.model.dtype, device=model.device)
 
     def score(ids, mask, plen):
         return get_per_token_logps(ref, ids, mask, plen, temperature=temp)
@@ -117,6 +117,7 @@ def build_run(cfg: TrainConfig, *, resume: str | bool | None = None) -> Run:
     dataset = load_prompt_dataset(
         cfg.data.source, split=cfg.data.split, prompt_column=cfg.data.prompt_column,
         answer_column=cfg.data.answer_column, size=cfg.data.size, seed=cfg.training.seed,
+        instruction=cfg.data.instruction, task_kwargs=cfg.data.task_kwargs,
     )
     train_ds, eval_ds = dataset, None
     if cfg.data.eval_size > 0:
@@ -130,7 +131,7 @@ def build_run(cfg: TrainConfig, *, resume: str | bool | None = None) -> Run:
         ))
     log.info("method %s: family=%s loss=%s weighting=%s", method.name, method.family, method.policy_loss, method.weighting)
 
-    model, tokenizer = load_model_and_tokenizer(model_path, dtype=cfg.model.dtype, device="cpu")
+    model, tokenizer = load_model_and_tokenizer(model_path, dtype=cfg.model.dtype, device=dist.device)
     if cfg.model.lora.enabled:
         lc = cfg.model.lora
         model = apply_lora(model, r=lc.r, alpha=lc.alpha, dropout=lc.dropout, target_modules=lc.target_modules)
@@ -147,7 +148,7 @@ def build_run(cfg: TrainConfig, *, resume: str | bool | None = None) -> Run:
     )
     train_model = model
     if dist.world_size > 1:
-        train_model = DataParallelPolicy(model)
+        train_model = DataParallelPolicy(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
 
     g = cfg.generation
     sampling = SamplingParams(

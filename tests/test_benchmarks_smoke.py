@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import subprocess
 import sys
-from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -20,34 +18,12 @@ from benchmarks.children import ChildFailed, child_env, run_child  # noqa: E402
 from benchmarks.common_rewards import REWARD_NAMES, boxed_accuracy, boxed_format  # noqa: E402
 from benchmarks.ours import ours_available, ours_config, write_config  # noqa: E402
 from benchmarks.results import RunResult, summarize  # noqa: E402
-from benchmarks.sample_eval import pass_at_k, summarize_samples  # noqa: E402
+from benchmarks.sample_eval import summarize_samples  # noqa: E402
 from benchmarks.settings import PRESETS, BenchSetting  # noqa: E402
 from benchmarks.tasks import rows_for_step, task_rows  # noqa: E402
 
 
 # ------------------------------------------------------------------ pass@k
-
-
-def _pass_at_k_by_enumeration(n: int, c: int, k: int) -> Fraction:
-    """Exact: the fraction of k-subsets of n samples (c of them correct) holding a correct one."""
-    samples = [True] * c + [False] * (n - c)
-    subsets = list(itertools.combinations(range(n), k))
-    hits = sum(any(samples[i] for i in s) for s in subsets)
-    return Fraction(hits, len(subsets))
-
-
-@pytest.mark.parametrize("n", [1, 2, 5, 8])
-def test_pass_at_k_matches_enumeration(n):
-    for c in range(n + 1):
-        for k in range(1, n + 1):
-            assert pass_at_k(n, c, k) == pytest.approx(float(_pass_at_k_by_enumeration(n, c, k)), abs=1e-12)
-
-
-def test_pass_at_k_rejects_bad_counts():
-    with pytest.raises(ValueError, match="c <= n"):
-        pass_at_k(4, 5, 1)
-    with pytest.raises(ValueError, match="k <= n"):
-        pass_at_k(4, 1, 5)
 
 
 def test_summarize_samples_counts_distinct_correct_answers_after_canonicalisation():

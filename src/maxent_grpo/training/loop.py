@@ -44,7 +44,7 @@ def train(cfg: TrainConfig, *, resume: str | bool | None = None) -> Path:
     )
     step, consecutive_failures, succeeded = run.start_step, 0, run.start_step > 0
     while step < cfg.training.max_steps:
-        t_start = time.perf_counter()
+        t_start, cpu_start = time.perf_counter(), time.process_time()
         # Each step draws from its own seed (run seed, rank, step), so a resumed run or any
         # number of processes samples exactly what an uninterrupted run would.
         seed_step(cfg.training.seed, ctx.dist.rank, step)
@@ -93,6 +93,7 @@ def train(cfg: TrainConfig, *, resume: str | bool | None = None) -> Path:
             maybe_update_beta(ctx.weighting, ctx.dist.mean(result.metrics["kl"]))
 
         timings["time/total"] = time.perf_counter() - t_start
+        timings["step_cpu_time"] = time.process_time() - cpu_start
         metrics = build_training_metrics_dict(
             prepared, result, step=step, learning_rate=run.lr_scheduler.get_last_lr()[0],
             timings=timings, controller=_controller_metrics(run), dist=ctx.dist,

@@ -38,6 +38,8 @@ def tiny_overrides(model_dir, out, *, steps=2, extra=()):
         "--set", f"training.prompts_per_step={PROMPTS}",
         "--set", "training.micro_batch_size=4",
         "--set", "logging.progress_bar=false",
+        # fp32 throughout and the task generator's own defaults: these tests compare exact values.
+        "--set", "generation.dtype=null", "--set", "training.autocast_bf16=false", "--set", "data.task_kwargs={}",
         # Weighted, and varying on random text (its length in characters), so groups are not all-equal.
         "--set", "rewards=[{name: boxed_accuracy}, "
                  "{name: length, weight: 0.5, kwargs: {max_length: 32, direction: favour}}]",

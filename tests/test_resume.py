@@ -22,6 +22,7 @@ def _args(model_dir, out, steps, *extra):
         f"model.name_or_path={model_dir}", "data.source=reasoning_gym:chain_sum", "data.size=64",
         "generation.num_generations=4", "generation.max_new_tokens=8", "training.prompts_per_step=2",
         "training.micro_batch_size=4", "logging.progress_bar=false", "checkpoint.save_steps=1",
+        "generation.dtype=null", "training.autocast_bf16=false", "data.task_kwargs={}",
         "checkpoint.keep_last=2", "training.learning_rate=0.01", "loss.beta=0.04",
         "rewards=[{name: length, kwargs: {max_length: 100}}]", *extra,
     ]
@@ -31,7 +32,7 @@ def _args(model_dir, out, steps, *extra):
 
 def _comparable(rows):
     """Metrics without wall-clock timings."""
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "step_time"} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith("time/") and not k.endswith("_time")} for r in rows]
 
 
 @pytest.fixture(scope="module")

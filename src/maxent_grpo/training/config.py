@@ -431,6 +431,11 @@ def validate(cfg: TrainConfig) -> None:
         _check(bool(r.name), f"rewards[{i}].name", "must not be empty")
     _check(cfg.eval.k >= 1, "eval.k", "must be >= 1")
     _check(
+        g.dtype is None or not cfg.model.lora.enabled,
+        "generation.dtype",
+        "a separate generation copy is not supported with model.lora.enabled; set it to null",
+    )
+    _check(
         cfg.eval.every_steps == 0 or cfg.data.eval_size > 0,
         "eval.every_steps",
         "in-loop validation needs a held-out split: set data.eval_size > 0",

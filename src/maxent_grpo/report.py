@@ -207,7 +207,7 @@ def figure_specs(keys: set[str]) -> list[FigureSpec]:
             "Rewards (mean over the step's completions)",
             (
                 Panel("reward", "Total reward", "reward"),
-                Panel("reward_std", "Total reward: std within groups", "reward"),
+                Panel("reward_std", "Total reward: std over the step", "reward"),
             )
             + tuple(Panel(f"rewards/{n}/mean", f"Reward function: {n}", "reward") for n in reward_names),
         ),

@@ -7,7 +7,6 @@ import json
 import math
 import random
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +20,8 @@ from maxent_grpo.rollout.backend import Completion, PromptGroup, SamplingParams
 from maxent_grpo.training.config import load_config
 from maxent_grpo.training.data import format_prompt, load_prompt_dataset, split_train_eval
 from maxent_grpo.training.metrics import read_metrics
+from tiny_runs import read_jsonl
+from tiny_runs import tiny_overrides as tiny_run_args
 
 # ----------------------------------------------------------------------------- reward functions
 # Imported by the config as 'test_evaluate:<name>' (pytest puts tests/ on sys.path).
@@ -58,31 +59,13 @@ def boxed_in_valid(prompts, completions, valid, **kwargs):
 # ----------------------------------------------------------------------------- helpers
 
 
+# The first reward decides correctness in evaluation; the second is recorded beside it.
+REWARDS = ("[{name: 'test_evaluate:digit_score'}, "
+           "{name: length, weight: 0.5, kwargs: {max_length: 32, direction: favour}}]")
+
+
 def tiny_overrides(model_dir, out, *, steps=2, extra=()):
-    return [
-        "--output-dir", str(out), "--max-steps", str(steps),
-        "--set", f"model.name_or_path={model_dir}",
-        "--set", "model.dtype=float32",
-        "--set", "data.source=reasoning_gym:chain_sum",
-        "--set", "data.size=32",
-        "--set", "data.prompt_column=prompt",
-        "--set", "data.answer_column=answer",
-        "--set", "generation.num_generations=4",
-        "--set", "generation.max_new_tokens=8",
-        "--set", "training.prompts_per_step=2",
-        "--set", "training.micro_batch_size=4",
-        "--set", "logging.progress_bar=false",
-        # fp32 throughout and the task generator's own defaults: these tests compare exact values.
-        "--set", "generation.dtype=null", "--set", "training.autocast_bf16=false", "--set", "data.task_kwargs={}",
-        # The first reward decides correctness in evaluation; the second is recorded beside it.
-        "--set", "rewards=[{name: 'test_evaluate:digit_score'}, "
-                 "{name: length, weight: 0.5, kwargs: {max_length: 32, direction: favour}}]",
-        *[a for kv in extra for a in ("--set", kv)],
-    ]
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+    return tiny_run_args(model_dir, out, rewards=REWARDS, steps=steps, extra=extra)
 
 
 def comb_pass_at_k(n: int, c: int, k: int) -> float:

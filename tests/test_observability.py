@@ -9,7 +9,6 @@ import importlib.util
 import json
 import math
 import statistics
-import struct
 from html import escape as html_escape
 from pathlib import Path
 
@@ -17,6 +16,8 @@ import pytest
 
 from maxent_grpo.cli import main
 from maxent_grpo.training.metrics import read_metrics
+from tiny_runs import read_jsonl, wandb_history
+from tiny_runs import tiny_overrides as tiny_run_args
 
 COLUMNS = ["prompt", "completion", "rewards", "reward", "advantage", "weight", "length", "finish_reason"]
 REWARD_WEIGHTS = {"boxed_accuracy": 1.0, "length": 0.5}
@@ -26,29 +27,13 @@ HAS_WANDB = importlib.util.find_spec("wandb") is not None
 pytestmark = pytest.mark.slow  # every test here reads a training run (a few seconds each)
 
 
+# Weighted, and varying on random text (its length in characters), so groups are not all-equal.
+REWARDS = "[{name: boxed_accuracy}, {name: length, weight: 0.5, kwargs: {max_length: 32, direction: favour}}]"
+
+
 def tiny_overrides(model_dir, out, *, steps=2, extra=()):
-    return [
-        "--output-dir", str(out), "--max-steps", str(steps),
-        "--set", f"model.name_or_path={model_dir}",
-        "--set", "model.dtype=float32",
-        "--set", "data.source=reasoning_gym:chain_sum",
-        "--set", "data.size=32",
-        "--set", f"generation.num_generations={G}",
-        "--set", f"generation.max_new_tokens={MAX_NEW}",
-        "--set", f"training.prompts_per_step={PROMPTS}",
-        "--set", "training.micro_batch_size=4",
-        "--set", "logging.progress_bar=false",
-        # fp32 throughout and the task generator's own defaults: these tests compare exact values.
-        "--set", "generation.dtype=null", "--set", "training.autocast_bf16=false", "--set", "data.task_kwargs={}",
-        # Weighted, and varying on random text (its length in characters), so groups are not all-equal.
-        "--set", "rewards=[{name: boxed_accuracy}, "
-                 "{name: length, weight: 0.5, kwargs: {max_length: 32, direction: favour}}]",
-        *[a for kv in extra for a in ("--set", kv)],
-    ]
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+    return tiny_run_args(model_dir, out, rewards=REWARDS, steps=steps, num_generations=G,
+                         max_new_tokens=MAX_NEW, prompts_per_step=PROMPTS, extra=extra)
 
 
 @pytest.fixture(scope="module")
@@ -114,39 +99,12 @@ def test_tensorboard_holds_every_metric_of_every_step_and_the_tables(grpo_run):
 # ----------------------------------------------------------------------------- wandb
 
 
-def _wandb_history(run_file):
-    """History rows from a .wandb file (leveldb-log framing of protobuf records)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = open(run_file, "rb").read()
-    assert data[:4] == b":W&B"
-    block, pos, chunk, rows = 32768, 7, b"", []
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        if left < 7:
-            pos += left
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if length == 0 and kind == 0:
-            pos += left
-            continue
-        chunk += data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # FULL or LAST
-            record = pb.Record()
-            record.ParseFromString(chunk)
-            chunk = b""
-            if record.WhichOneof("record_type") == "history":
-                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
-    return rows
-
-
 @pytest.mark.skipif(not HAS_WANDB, reason="wandb is not installed")
 def test_wandb_offline_run_holds_the_metrics_and_the_tables(grpo_run):
     rows = read_metrics(grpo_run / "metrics.jsonl")
     run_dirs = glob.glob(str(grpo_run / "wandb" / "offline-run-*"))
     assert len(run_dirs) == 1
-    history = _wandb_history(glob.glob(run_dirs[0] + "/run-*.wandb")[0])
+    history = wandb_history(glob.glob(run_dirs[0] + "/run-*.wandb")[0])
     assert [h["_step"] for h in history] == [1, 2]
     for h, r in zip(history, rows):
         for key in ("reward", "loss", "grad_norm", "eval/pass@1", "rewards/length/mean"):

@@ -6,12 +6,12 @@ import glob
 import importlib.util
 import json
 import os
-import struct
 import sys
 
 import pytest
 
 from maxent_grpo.training.trackers import TRACKER_NAMES, make_trackers, resolve_report_to
+from tiny_runs import wandb_history
 
 METRICS = [
     {"reward": 0.25, "kl": 0.0, "eval/pass@1": 0.5, "step_time": 3},
@@ -89,33 +89,6 @@ def test_tensorboard_events_hold_the_scalars_and_the_table(tmp_path):
     assert "What is 2+2?" in table and "a \\| b" in table  # the pipe is escaped, not a column break
 
 
-def _wandb_history(run_file):
-    """History rows from a .wandb file (leveldb-log framing of protobuf records)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = open(run_file, "rb").read()
-    assert data[:4] == b":W&B"
-    block, pos, chunk, rows = 32768, 7, b"", []
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        if left < 7:
-            pos += left
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if length == 0 and kind == 0:
-            pos += left
-            continue
-        chunk += data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # FULL or LAST
-            record = pb.Record()
-            record.ParseFromString(chunk)
-            chunk = b""
-            if record.WhichOneof("record_type") == "history":
-                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
-    return rows
-
-
 @_needs("wandb")
 @pytest.mark.slow
 def test_wandb_offline_run_holds_the_history(tmp_path, monkeypatch):
@@ -127,7 +100,7 @@ def test_wandb_offline_run_holds_the_history(tmp_path, monkeypatch):
     wandb.teardown()  # run.finish() can return before wandb's service process has written the file
     run_dirs = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
     assert len(run_dirs) == 1
-    history = _wandb_history(glob.glob(run_dirs[0] + "/run-*.wandb")[0])
+    history = wandb_history(glob.glob(run_dirs[0] + "/run-*.wandb")[0])
     assert [row["_step"] for row in history] == [1, 2, 3]
     assert [row["reward"] for row in history] == [m["reward"] for m in METRICS]
     assert history[-1]["samples/_type"] == "table-file"

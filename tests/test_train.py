@@ -12,6 +12,7 @@ import pytest
 
 from maxent_grpo.cli import main
 from maxent_grpo.training.metrics import read_metrics
+from tiny_runs import tiny_overrides as tiny_run_args
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p for p in (REPO / "recipes").glob("*.yaml"))
@@ -19,26 +20,12 @@ METHOD_RECIPES = [p for p in RECIPES if p.stem in {
     "grpo", "dr_grpo", "dapo", "gspo", "seed_grpo", "maxent_entropy", "maxent_listwise", "xdr"}]
 
 
+# A reward that varies on random text, so groups are never all-equal.
+REWARDS = "[{name: boxed_accuracy}, {name: length, kwargs: {max_length: 100}}]"
+
+
 def tiny_overrides(model_dir, out, *, steps=2, extra=()):
-    return [
-        "--output-dir", str(out), "--max-steps", str(steps),
-        "--set", f"model.name_or_path={model_dir}",
-        "--set", "model.dtype=float32",
-        "--set", "data.source=reasoning_gym:chain_sum",
-        "--set", "data.size=32",
-        "--set", "data.prompt_column=prompt",
-        "--set", "data.answer_column=answer",
-        "--set", "generation.num_generations=4",
-        "--set", "generation.max_new_tokens=8",
-        "--set", "training.prompts_per_step=2",
-        "--set", "training.micro_batch_size=4",
-        "--set", "logging.progress_bar=false",
-        # fp32 throughout and the task generator's own defaults: these tests compare exact values.
-        "--set", "generation.dtype=null", "--set", "training.autocast_bf16=false", "--set", "data.task_kwargs={}",
-        # A reward that varies on random text, so groups are never all-equal.
-        "--set", "rewards=[{name: boxed_accuracy}, {name: length, kwargs: {max_length: 100}}]",
-        *[a for kv in extra for a in ("--set", kv)],
-    ]
+    return tiny_run_args(model_dir, out, rewards=REWARDS, steps=steps, extra=extra)
 
 
 def test_every_method_recipe_is_present():

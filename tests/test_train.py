@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from maxent_grpo.cli import main
+from maxent_grpo.training.config import ConfigError, parse_override
 from maxent_grpo.training.metrics import read_metrics
 from tiny_runs import tiny_overrides as tiny_run_args
 
@@ -110,6 +111,25 @@ def test_bad_config_one_line_error(sets, needles, tmp_path):
     proc = _cli(["train", "--output-dir", str(tmp_path / "o"), *[a for s in sets for a in ("--set", s)]], tmp_path)
     _one_line_error(proc, *needles)
     assert not (tmp_path / "o" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("loss.beta=0.04", ("loss.beta", 0.04)),
+    ("data.task_kwargs={min_terms: 2}", ("data.task_kwargs", {"min_terms": 2})),
+    ("rewards=[a, b]", ("rewards", ["a", "b"])),
+    ("data.system_prompt=null", ("data.system_prompt", None)),
+    # A colon followed by a space would make a YAML block mapping: keep the typed string.
+    ("data.instruction=Like this: 2 + 3 = \\boxed{5}", ("data.instruction", "Like this: 2 + 3 = \\boxed{5}")),
+    ("data.instruction=a: b: c", ("data.instruction", "a: b: c")),
+    ("data.instruction=- item", ("data.instruction", "- item")),
+])
+def test_set_values_parse_as_yaml_scalars_or_flow_collections(text, expected):
+    assert parse_override(text) == expected
+
+
+def test_set_with_broken_flow_collection_is_a_config_error():
+    with pytest.raises(ConfigError, match="data.task_kwargs"):
+        parse_override("data.task_kwargs={min_terms: 2")
 
 
 def test_bad_inputs_one_line_errors(tiny_model_dir, tmp_path):

@@ -325,14 +325,30 @@ def _merge(base: dict, top: dict) -> dict:
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """``KEY=VALUE`` with VALUE parsed as YAML (so 0.1, true, [a, b] and null work)."""
+    """``KEY=VALUE`` with VALUE parsed as YAML (so 0.1, true, [a, b], {a: 1} and null work).
+
+    Only the flow forms ``[...]`` and ``{...}`` make a list or mapping: a value
+    such as ``Answer: \\boxed{5}`` stays the string it was typed as, rather than
+    YAML's block mapping ``{"Answer": "\\boxed{5}"}``.
+    """
     if "=" not in text:
         raise ConfigError(f"--set {text!r}: expected KEY=VALUE")
     key, raw = text.split("=", 1)
     key = key.strip()
     if not key:
         raise ConfigError(f"--set {text!r}: empty key")
-    return key, yaml.safe_load(raw) if raw.strip() else ""
+    if not raw.strip():
+        return key, ""
+    flow = raw.lstrip()[:1] in ("[", "{")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        if flow:
+            raise ConfigError(f"--set {key}: value {raw!r} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        return key, raw
+    if isinstance(value, (dict, list)) and not flow:
+        return key, raw
+    return key, value
 
 
 DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "default.yaml"

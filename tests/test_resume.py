@@ -53,6 +53,20 @@ def test_stop_and_resume_writes_the_same_metrics(method, tiny_model_dir, referen
     assert got[3:] == expected[3:]
 
 
+def test_resume_is_exact_with_the_default_bf16_sampling_copy_and_autocast(tiny_model_dir, tmp_path):
+    """The packaged default samples from a bf16 copy and trains under bf16 autocast:
+    a repeat of the run and a stop-and-resume both match the unbroken run exactly."""
+    bf16 = ("generation.dtype=bfloat16", "training.autocast_bf16=true")
+    full, again, resumed = tmp_path / "full", tmp_path / "again", tmp_path / "resumed"
+    assert main(_args(tiny_model_dir, full, 4, *bf16)) == 0
+    assert main(_args(tiny_model_dir, again, 4, *bf16)) == 0
+    assert main(_args(tiny_model_dir, resumed, 2, *bf16)) == 0
+    assert main([*_args(tiny_model_dir, resumed, 4, *bf16), "--resume"]) == 0
+    expected = _comparable(read_metrics(full / "metrics.jsonl"))
+    assert _comparable(read_metrics(again / "metrics.jsonl")) == expected
+    assert _comparable(read_metrics(resumed / "metrics.jsonl"))[2:] == expected[2:]
+
+
 @pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume(tiny_model_dir, reference_run, tmp_path):
     """Kill the run several times at random moments (generation, backward, checkpoint writing); resume each time."""

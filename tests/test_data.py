@@ -8,6 +8,7 @@ import datasets
 import pytest
 
 from maxent_grpo.rewards.builtin import make_reasoning_gym
+from maxent_grpo.training.config import ConfigError, FewShotExample, load_config
 from maxent_grpo.training.data import (
     DEFAULT_INSTRUCTION,
     DataError,
@@ -168,6 +169,29 @@ def test_format_prompt_applies_the_chat_template(tokenizer):
     assert format_prompt(tokenizer, messages) == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"
     with pytest.raises(ValueError, match="has its own system message"):
         format_prompt(tokenizer, messages, system_prompt="other")
+
+
+def test_few_shot_examples_become_turns_after_the_system_message(tokenizer):
+    shots = [FewShotExample("1 + 1 =", "\\boxed{2}"), FewShotExample("2 + 2 =", "\\boxed{4}")]
+    turns = (
+        "<|im_start|>user\n1 + 1 =<|im_end|>\n<|im_start|>assistant\n\\boxed{2}<|im_end|>\n"
+        "<|im_start|>user\n2 + 2 =<|im_end|>\n<|im_start|>assistant\n\\boxed{4}<|im_end|>\n"
+    )
+    tail = "<|im_start|>user\n3 + 3 =<|im_end|>\n<|im_start|>assistant\n"
+    assert format_prompt(tokenizer, "3 + 3 =", few_shot=shots) == turns + tail
+    system = "<|im_start|>system\nS<|im_end|>\n"
+    assert format_prompt(tokenizer, "3 + 3 =", system_prompt="S", few_shot=shots) == system + turns + tail
+    own_system = [{"role": "system", "content": "S"}, {"role": "user", "content": "3 + 3 ="}]
+    assert format_prompt(tokenizer, own_system, few_shot=shots) == system + turns + tail
+
+
+def test_few_shot_config_is_validated():
+    cfg = load_config(None, {"data.few_shot": [{"prompt": "1 + 1 =", "completion": "2"}]})
+    assert cfg.data.few_shot == [FewShotExample("1 + 1 =", "2")]
+    with pytest.raises(ConfigError, match=r"data\.few_shot\[0\]\.completion: required key is missing"):
+        load_config(None, {"data.few_shot": [{"prompt": "1 + 1 ="}]})
+    with pytest.raises(ConfigError, match=r"data\.few_shot\[0\]\.answer"):
+        load_config(None, {"data.few_shot": [{"prompt": "1 + 1 =", "answer": "2"}]})
 
 
 def test_format_prompt_without_chat_template_names_the_model(tiny_model_dir):

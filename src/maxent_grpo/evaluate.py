@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from maxent_grpo.core.eval_metrics import PromptSamples, summarize_eval
 from maxent_grpo.rewards.answers import canonical_answer, extract_final_answer
 from maxent_grpo.rewards.registry import RewardSpec, evaluate_rewards, grouped_reward_inputs
 from maxent_grpo.rollout.backend import GenerationBackend, RolloutBatch, SamplingParams, generate_groups
+from maxent_grpo.training.config import FewShotExample
 from maxent_grpo.training.data import format_prompt
 
 __all__ = [
@@ -95,6 +97,7 @@ def evaluate_prompts(
     k: int,
     sampling: SamplingParams,
     system_prompt: str | None = None,
+    few_shot: Sequence[FewShotExample] = (),
     greedy: bool = True,
 ) -> tuple[dict[str, float], list[dict]]:
     """Sample ``k`` completions per row (and one greedy one); return the summary and one record per completion.
@@ -109,7 +112,7 @@ def evaluate_prompts(
         raise ValueError(f"k must be a positive int, got {k!r}")
     if not rows:
         raise ValueError("rows must not be empty")
-    prompts = [format_prompt(tokenizer, r["prompt"], system_prompt=system_prompt) for r in rows]
+    prompts = [format_prompt(tokenizer, r["prompt"], system_prompt=system_prompt, few_shot=few_shot) for r in rows]
     # Groups of k = 1 are legal here: evaluation needs no group statistics.
     sampled, dropped = generate_groups(backend, prompts, k, sampling, max_retry_rounds=1)
     kept = [i for i in range(len(rows)) if i not in set(dropped)]
@@ -208,7 +211,8 @@ def run_eval_cli(args) -> int:
     )
     torch.manual_seed(eval_seed(cfg.training.seed))
     summary, records = evaluate_prompts(
-        backend, tokenizer, rows, spec, k=k, sampling=sampling, system_prompt=cfg.data.system_prompt
+        backend, tokenizer, rows, spec, k=k, sampling=sampling,
+        system_prompt=cfg.data.system_prompt, few_shot=cfg.data.few_shot,
     )
     summary["model"] = str(args.model)
     summary["deciding_reward"] = spec.names[0]

@@ -44,6 +44,14 @@ class ModelConfig:
 
 
 @dataclass
+class FewShotExample:
+    """One demonstration: a user turn and the assistant's reply, placed before every prompt."""
+
+    prompt: str
+    completion: str
+
+
+@dataclass
 class DataConfig:
     source: str = "reasoning_gym:chain_sum"
     split: str = "train"
@@ -54,6 +62,7 @@ class DataConfig:
     prompt_column: str = "prompt"
     answer_column: str = "answer"
     system_prompt: str | None = None
+    few_shot: list[FewShotExample] = field(default_factory=list)
     eval_size: int = 0
     num_epochs: int | None = None
     shuffle: bool = True

@@ -19,6 +19,7 @@ HELP: dict[str, str] = {
     "data.prompt_column": "column holding the prompt (text or chat messages)",
     "data.answer_column": "column holding the reference answer",
     "data.system_prompt": "system message added to every prompt",
+    "data.few_shot": "demonstrations [{prompt, completion}] placed as user/assistant turns before every prompt",
     "data.eval_size": "rows held out for in-loop validation (0 = none)",
     "data.num_epochs": "stop after this many passes over the data (null = until max_steps)",
     "data.shuffle": "shuffle prompts each epoch (seeded)",

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from maxent_grpo.training.config import FewShotExample
+
 DEFAULT_INSTRUCTION = "Put your final answer within \\boxed{}."
 RG_PREFIX = "reasoning_gym:"
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -201,10 +203,18 @@ def split_train_eval(dataset, eval_size: int | float, seed: int):
 # -------------------------------------------------------------- formatting
 
 
-def format_prompt(tokenizer, prompt: str | Sequence[Mapping[str, str]], *, system_prompt: str | None = None) -> str:
+def format_prompt(
+    tokenizer,
+    prompt: str | Sequence[Mapping[str, str]],
+    *,
+    system_prompt: str | None = None,
+    few_shot: Sequence[FewShotExample] = (),
+) -> str:
     """The prompt as the model sees it: the tokenizer's chat template applied with
     the generation prompt opened. A str becomes one user message; a message list
-    is used as is. `system_prompt` is prepended (an error if the prompt has its own)."""
+    is used as is. `system_prompt` is prepended (an error if the prompt has its own);
+    each `few_shot` example becomes a user turn and an assistant turn, after any
+    system message and before the prompt's own messages."""
     if not tokenizer.chat_template:
         raise ValueError(f"tokenizer of {tokenizer.name_or_path!r} has no chat template; prompts cannot be formatted")
     if isinstance(prompt, str):
@@ -217,6 +227,13 @@ def format_prompt(tokenizer, prompt: str | Sequence[Mapping[str, str]], *, syste
         if any(m.get("role") == "system" for m in messages):
             raise ValueError("system_prompt is set but the prompt has its own system message")
         messages = [{"role": "system", "content": system_prompt}, *messages]
+    if few_shot:
+        head = 1 if messages[0].get("role") == "system" else 0
+        turns = [
+            turn for ex in few_shot
+            for turn in ({"role": "user", "content": ex.prompt}, {"role": "assistant", "content": ex.completion})
+        ]
+        messages = [*messages[:head], *turns, *messages[head:]]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     if not isinstance(text, str):
         raise ValueError(f"chat template of {tokenizer.name_or_path!r} returned {type(text).__name__}, not a str")

@@ -139,7 +139,7 @@ class PreparedBatch:
 # ----------------------------------------------------------------- stages
 
 def _generate(ctx: PipelineContext, rows: list[dict]) -> tuple[list[dict], RolloutBatch]:
-    prompts = [format_prompt(ctx.tokenizer, r["prompt"], system_prompt=ctx.cfg.data.system_prompt) for r in rows]
+    prompts = [format_prompt(ctx.tokenizer, r["prompt"], system_prompt=ctx.cfg.data.system_prompt, few_shot=ctx.cfg.data.few_shot) for r in rows]
     try:
         rollout, dropped = generate_groups(
             ctx.backend, prompts, ctx.cfg.generation.num_generations, ctx.sampling,

@@ -335,6 +335,58 @@ def test_model_parameter_gradients_match_reference(tiny_model_dir):
         torch.testing.assert_close(o, t, atol=1e-10, rtol=1e-8)
 
 
+def _grouped_batch(vocab, pad_id):
+    """Six rows: two prompts (2 and 5 tokens) taking turns, each with 3 completions of 1..4 tokens."""
+    g = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(3, vocab, (n,), generator=g) for n in (2, 5)]
+    p_len, c_len = 5, 4
+    ids = torch.full((6, p_len + c_len), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate((4, 1, 3, 4, 2, 3)):
+        p, c = prompts[i % 2], torch.randint(3, vocab, (n,), generator=g)
+        ids[i, p_len - len(p) : p_len] = p
+        ids[i, p_len : p_len + n] = c
+        mask[i, p_len - len(p) : p_len + n] = 1
+    return ids, mask, p_len
+
+
+def test_shared_prompt_forward_matches_plain_forward_values_and_gradients(tiny_model_dir):
+    model = _tiny_model(tiny_model_dir)
+    ids, mask, p_len = _grouped_batch(model.config.vocab_size, model.config.pad_token_id)
+    comp_mask = mask[:, p_len:].double()
+    g = torch.Generator().manual_seed(22)
+    a, b = (torch.randn(comp_mask.shape, generator=g, dtype=torch.float64) for _ in range(2))
+
+    def run(share):
+        model.zero_grad()
+        lp, h = get_per_token_logps_and_entropies(model, ids, mask, p_len, temperature=0.7, share_prompts=share)
+        (comp_mask * (a * lp + b * h)).sum().backward()
+        return lp.detach() * comp_mask, h.detach() * comp_mask, [p.grad.clone() for p in model.parameters()]
+
+    shared, plain = run(True), run(False)
+    torch.testing.assert_close(shared[0], plain[0], atol=1e-10, rtol=0)
+    torch.testing.assert_close(shared[1], plain[1], atol=1e-10, rtol=0)
+    # HF's RMSNorm computes in float32 even in a float64 model, so gradients summed
+    # in another order (once per prompt instead of once per row) agree to ~1e-7
+    # of their scale; a lost or double-counted prompt gradient is off by O(1).
+    assert all(float(t.abs().max()) > 0 for t in plain[2])
+    for s_grad, p_grad in zip(shared[2], plain[2]):
+        assert float((s_grad - p_grad).abs().max()) <= 1e-5 * float(p_grad.abs().max())
+
+
+def test_shared_prompt_rows_are_found_by_ids_and_mask():
+    from maxent_grpo.core.completion_logits import _distinct_prompt_rows
+
+    ids = torch.tensor([[0, 5, 6], [5, 5, 6], [0, 5, 6], [5, 5, 6]])
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 1, 1], [1, 1, 1]])
+    first, inverse = _distinct_prompt_rows(ids, mask)
+    assert sorted(first.tolist()) == [0, 1]
+    assert inverse[0] == inverse[2] != inverse[1] == inverse[3]
+    # Same ids but a different mask (a real 0 token vs padding) are different prompts.
+    _, inverse = _distinct_prompt_rows(torch.tensor([[0, 5], [0, 5]]), torch.tensor([[0, 1], [1, 1]]))
+    assert inverse[0] != inverse[1]
+
+
 # ---------------------------------------------------------------- errors
 
 

@@ -23,6 +23,8 @@ from collections.abc import Iterator
 import torch
 from torch.autograd.function import once_differentiable
 
+from maxent_grpo.core.completion_logits import completion_logits
+
 # Rows of [*, V] logits handled at once (tuned with benchmarks/logprobs_bench.py).
 # At V = 49152 the float32 work buffers are 48 MiB each, ~3% of the logits of
 # a 32 x 256 batch. Smaller chunks save little more memory but multiply the
@@ -292,12 +294,6 @@ def compute_per_token_logps_and_entropies(
     )
 
 
-def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    # Left padding: positions count real tokens, as during generation, so
-    # absolute-position models see the same positions they sampled with.
-    return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
-
-
 def get_per_token_logps(
     model,
     input_ids: torch.Tensor,
@@ -306,11 +302,12 @@ def get_per_token_logps(
     *,
     temperature: float = 1.0,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    share_prompts: bool = True,
 ) -> torch.Tensor:
-    """Forward ``model`` once and return completion-token log-probs ``[B, L - prompt_length]``."""
+    """Completion-token log-probs ``[B, L - prompt_length]`` of ``model``."""
     logps, _ = get_per_token_logps_and_entropies(
         model, input_ids, attention_mask, prompt_length,
-        temperature=temperature, chunk_rows=chunk_rows, with_entropy=False,
+        temperature=temperature, chunk_rows=chunk_rows, with_entropy=False, share_prompts=share_prompts,
     )
     return logps
 
@@ -324,10 +321,12 @@ def get_per_token_logps_and_entropies(
     temperature: float = 1.0,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     with_entropy: bool = True,
+    share_prompts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Forward ``model`` once over prompt+completion (``[B, L]``, prompts left-padded,
+    """Run ``model`` over prompt+completion (``[B, L]``, prompts left-padded,
     ``attention_mask`` 0 on padding); return completion log-probs and token entropies,
     both ``[B, L - prompt_length]`` (entropies ``None`` unless ``with_entropy``).
+    ``share_prompts``: run each distinct prompt row once (see ``completion_logits``).
 
     Values at padded completion positions are meaningless; mask them downstream.
     """
@@ -340,17 +339,8 @@ def get_per_token_logps_and_entropies(
     chunk_rows = _check_chunk_rows(chunk_rows)
     prompt_length = _check_prompt_length(prompt_length, input_ids.shape[1])
     _check_ids(input_ids, model.config.get_text_config().vocab_size, "input_ids")
-    # logits_to_keep skips the LM head over the prompt (T+1 keeps the position
-    # that predicts the first completion token).
-    keep = input_ids.shape[1] - prompt_length + 1
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=_position_ids(attention_mask),
-        logits_to_keep=keep,
-        use_cache=False,
-    )
+    logits = completion_logits(model, input_ids, attention_mask, prompt_length, share_prompts=share_prompts)
     return selective_logps(
-        out.logits[:, :-1], input_ids[:, prompt_length:],
+        logits, input_ids[:, prompt_length:],
         temperature=temperature, with_entropy=with_entropy, chunk_rows=chunk_rows,
     )

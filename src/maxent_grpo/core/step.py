@@ -218,6 +218,7 @@ def grpo_step(
     lr_scheduler=None,
     all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
     world_size: int = 1,
+    share_prompts: bool = True,
 ) -> StepResult:
     """Forward/backward every micro-batch, clip, step the optimizer and scheduler, zero the grads.
 
@@ -226,6 +227,7 @@ def grpo_step(
     losses add their group term; ``entropy_coef > 0`` subtracts ``alpha * B``.
     ``all_reduce_sum`` sums a tensor over ranks (in place or not; its return
     value is used); ``model`` is expected to be DDP-wrapped when ``world_size > 1``.
+    ``share_prompts``: each distinct prompt of a micro-batch runs once (``completion_logits``).
     """
     cfg = loss_config if loss_config is not None else LossConfig()
     eps_high = epsilon if epsilon_high is None else epsilon_high
@@ -242,7 +244,7 @@ def grpo_step(
     for mb in micro_batches:
         logp, ent = get_per_token_logps_and_entropies(
             model, mb.input_ids, mb.attention_mask, mb.prompt_length,
-            temperature=cfg.temperature, with_entropy=True,
+            temperature=cfg.temperature, with_entropy=True, share_prompts=share_prompts,
         )
         mask = mb.completion_mask.to(logp.dtype)
         old = logp.detach() if mb.old_logps is None else mb.old_logps

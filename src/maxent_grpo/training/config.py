@@ -165,6 +165,9 @@ class TrainingConfig:
     seed: int = 0
     # Run forward/backward matmuls in bfloat16 (torch.autocast) over float32 weights.
     autocast_bf16: bool = False
+    # Forward each distinct prompt once per micro-batch and let its G completions
+    # attend to the shared keys/values (same gradient up to float rounding).
+    share_prompts: bool = True
 
 
 @dataclass

@@ -78,6 +78,7 @@ def train(cfg: TrainConfig, *, resume: str | bool | None = None) -> Path:
                     loss_config=run.loss_config,
                     max_grad_norm=cfg.training.max_grad_norm,
                     lr_scheduler=run.lr_scheduler,
+                    share_prompts=cfg.training.share_prompts,
                     all_reduce_sum=ctx.dist.all_reduce_sum,
                     world_size=ctx.dist.world_size,
                 )
@@ -132,7 +133,7 @@ def _old_logps(run: Run, prepared) -> torch.Tensor:
             sl = slice(s, s + size)
             outs.append(get_per_token_logps(
                 run.ctx.model, packed.input_ids[sl], packed.attention_mask[sl], packed.prompt_length,
-                temperature=run.cfg.generation.temperature,
+                temperature=run.cfg.generation.temperature, share_prompts=run.cfg.training.share_prompts,
             ))
     return torch.cat(outs)
 

@@ -231,7 +231,9 @@ def _policy_entropy(ctx: PipelineContext, packed: PackedRollout) -> torch.Tensor
     temp = ctx.cfg.generation.temperature
 
     def fn(ids, mask, plen):
-        return get_per_token_logps_and_entropies(ctx.model, ids, mask, plen, temperature=temp)
+        return get_per_token_logps_and_entropies(
+            ctx.model, ids, mask, plen, temperature=temp, share_prompts=ctx.cfg.training.share_prompts
+        )
 
     _, ent = _score_rows(ctx, packed, fn, with_entropy=True)
     m = packed.completion_mask

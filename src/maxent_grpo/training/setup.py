@@ -93,16 +93,16 @@ def seed_step(seed: int, rank: int, step: int) -> None:
 
 
 def _reference_scorer(cfg: TrainConfig, model, name_or_path: str):
-    temp = cfg.generation.temperature
+    temp, share = cfg.generation.temperature, cfg.training.share_prompts
     if cfg.model.lora.enabled:
         def score(ids, mask, plen):
             with reference_context(model):
-                return get_per_token_logps(model, ids, mask, plen, temperature=temp)
+                return get_per_token_logps(model, ids, mask, plen, temperature=temp, share_prompts=share)
         return score
     ref = load_reference_model(name_or_path, dtype=cfg.model.dtype, device=model.device)
 
     def score(ids, mask, plen):
-        return get_per_token_logps(ref, ids, mask, plen, temperature=temp)
+        return get_per_token_logps(ref, ids, mask, plen, temperature=temp, share_prompts=share)
     return score
 
 

@@ -1,0 +1,89 @@
+"""The model's logits at the positions that predict each completion token.
+
+A GRPO batch holds ``G`` completions per prompt, so a plain forward over
+``[prompt + completion]`` rows runs every prompt ``G`` times. When prompts are
+long next to completions (few-shot demonstrations, system prompts, short
+answers) that repeated prompt work is most of the forward and backward.
+
+With ``share_prompts`` each distinct prompt row runs once: its keys and values
+(kept in the autograd graph) are gathered to every row that shares it, and the
+completions attend to them through the KV cache. The gradient of the shared
+prompt work is the sum over the rows that used it, exactly as in the plain
+forward; only the order of floating-point sums differs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    # Left padding: positions count real tokens, as during generation, so
+    # absolute-position models see the same positions they sampled with.
+    return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    # A DistributedDataParallel wrapper syncs gradients through hooks on the
+    # parameters, which fire once per backward whichever forward used them; its
+    # own forward must run only once per backward, so the prompt pass bypasses it.
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def _distinct_prompt_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(first, inverse)``: one row index per distinct prompt, and each row's distinct prompt."""
+    key = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)
+    rows = torch.arange(key.shape[0], device=key.device)
+    first = torch.full((int(inverse.max()) + 1,), key.shape[0], dtype=torch.long, device=key.device)
+    first = first.scatter_reduce(0, inverse, rows, reduce="amin")
+    return first, inverse
+
+
+def completion_logits(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_length: int,
+    *,
+    share_prompts: bool = True,
+) -> torch.Tensor:
+    """Logits ``[B, L - prompt_length, V]``; position ``t`` predicts ``input_ids[:, prompt_length + t]``.
+
+    ``input_ids`` / ``attention_mask`` are ``[B, L]`` with prompts left-padded to
+    ``prompt_length``. The plain path runs one forward (LM head only where needed);
+    ``share_prompts`` runs each distinct prompt row once when some row repeats.
+    """
+    positions = position_ids(attention_mask)
+    completion_length = input_ids.shape[1] - prompt_length
+    if share_prompts and completion_length > 0:
+        first, inverse = _distinct_prompt_rows(input_ids[:, :prompt_length], attention_mask[:, :prompt_length])
+        if first.numel() < input_ids.shape[0]:
+            prompt_mask = attention_mask[first, :prompt_length]
+            prompt = _unwrapped(model)(
+                input_ids=input_ids[first, :prompt_length],
+                attention_mask=prompt_mask,
+                position_ids=position_ids(prompt_mask),
+                logits_to_keep=1,
+                use_cache=True,
+            )
+            cache = prompt.past_key_values
+            cache.batch_select_indices(inverse)
+            rest = model(
+                input_ids=input_ids[:, prompt_length:],
+                attention_mask=attention_mask,
+                position_ids=positions[:, prompt_length:],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            return torch.cat([prompt.logits[inverse], rest.logits[:, :-1]], dim=1)
+    # logits_to_keep skips the LM head over the prompt (T+1 keeps the position
+    # that predicts the first completion token).
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        logits_to_keep=completion_length + 1,
+        use_cache=False,
+    )
+    return out.logits[:, :-1]

@@ -337,7 +337,10 @@ def test_validation_writes_summaries_and_eval_metrics_at_its_steps(trained_runs)
         for key in ("pass@1", "pass@3", "mean@1", "mean@3", "distinct@1", "distinct@3", "greedy_pass@1", "num_prompts"):
             assert rows[step][f"eval/{key}"] == summary[key], key
         greedy = sorted((r for r in records if r["mode"] == "greedy"), key=lambda r: r["prompt_index"])
-        assert [r["prompt"] for r in greedy] == [format_prompt(tokenizer, row["prompt"]) for row in held_out]
+        assert [r["prompt"] for r in greedy] == [
+            format_prompt(tokenizer, row["prompt"], system_prompt=cfg.data.system_prompt, few_shot=cfg.data.few_shot)
+            for row in held_out
+        ]
     # Never validated on a prompt it trained on.
     trained_prompts = {r["prompt"] for s in (1, 2, 3, 4) for r in read_jsonl(out / "completions" / f"step-{s}.jsonl")}
     assert not trained_prompts & {r["prompt"] for r in read_jsonl(out / "eval" / "step-4" / "completions.jsonl")}

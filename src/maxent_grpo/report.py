@@ -217,7 +217,7 @@ def figure_specs(keys: set[str]) -> list[FigureSpec]:
             (
                 Panel("kl", r"KL($\pi_\theta\;\|\;\pi_{\mathrm{ref}}$)", "nats per token"),
                 Panel("entropy", "Policy token entropy", "nats per token"),
-                Panel("weight_entropy", "Weight entropy H(q) over each group", "nats"),
+                Panel("weight_entropy", "Entropy of the MaxEnt weights w, group mean (ln G = uniform)", "nats"),
             ),
         ),
         FigureSpec(

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from maxent_grpo.core.advantages import combine_rewards, zero_std_groups
-from maxent_grpo.core.logprobs import get_per_token_logps, get_per_token_logps_and_entropies
+from maxent_grpo.core.logprobs import get_per_token_logps_and_entropies
 from maxent_grpo.core.seed_grpo import cluster_ids_from_answers
 from maxent_grpo.core.step import MicroBatch
 from maxent_grpo.core.weighting import mode_adaptive_tau, xdr_multipliers, xdr_utilities

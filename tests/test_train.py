@@ -180,8 +180,7 @@ def test_trl_style_conversational_reward(tiny_model_dir, tmp_path):
 
 
 def test_help_explains_every_config_key():
-    from maxent_grpo.training.config import field_help
-    from maxent_grpo.training.config_help import HELP
+    from maxent_grpo.training.config_help import HELP, field_help
 
     assert {k for k, _, _ in field_help()} == set(HELP)
     proc = subprocess.run([sys.executable, "-m", "maxent_grpo.cli", "train", "--help"], capture_output=True, text=True)

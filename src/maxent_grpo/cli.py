@@ -7,7 +7,8 @@ import logging
 import os
 import sys
 
-from maxent_grpo.training.config import ConfigError, field_help
+from maxent_grpo.training.config import ConfigError
+from maxent_grpo.training.config_help import field_help
 
 DESCRIPTION = """\
 GRPO and maximum-entropy GRPO fine-tuning of language models.

@@ -479,35 +479,3 @@ def save_config(cfg: TrainConfig, path: str | Path) -> None:
     tmp = p.with_name(p.name + ".tmp")
     tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     tmp.replace(p)
-
-
-def field_help() -> list[tuple[str, str, str]]:
-    """``(dotted key, type, default)`` for every config field, for ``--help``."""
-    rows: list[tuple[str, str, str]] = []
-
-    def walk(cls, prefix):
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            key = f"{prefix}{f.name}"
-            hint = hints[f.name]
-            if dataclasses.is_dataclass(hint):
-                walk(hint, key + ".")
-                continue
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            if dataclasses.is_dataclass(default) or (isinstance(default, list) and default and dataclasses.is_dataclass(default[0])):
-                default = "[...]"
-            rows.append((key, _type_name(hint), repr(default)))
-
-    walk(TrainConfig, "")
-    return rows
-
-
-def _type_name(hint) -> str:
-    origin = typing.get_origin(hint)
-    if origin is Literal:
-        return "|".join(map(str, typing.get_args(hint)))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(hint))
-    if hint is type(None):
-        return "null"
-    return getattr(hint, "__name__", str(hint))

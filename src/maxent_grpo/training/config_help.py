@@ -1,6 +1,14 @@
-"""One line of help per config key, shown by ``maxent-grpo train --help``."""
+"""One line of help per config key, shown by ``maxent-grpo train --help``, and the
+``(key, type, default)`` rows read off the config dataclasses."""
 
 from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Literal
+
+from maxent_grpo.training.config import TrainConfig
 
 HELP: dict[str, str] = {
     "method": "training method; picks the advantage estimator, weighting and loss (see README)",
@@ -98,3 +106,35 @@ HELP: dict[str, str] = {
     "eval.num_prompts": "prompts per validation",
     "eval.k": "samples per prompt for pass@k",
 }
+
+
+def field_help() -> list[tuple[str, str, str]]:
+    """``(dotted key, type, default)`` for every config field, for ``--help``."""
+    rows: list[tuple[str, str, str]] = []
+
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            key = f"{prefix}{f.name}"
+            hint = hints[f.name]
+            if dataclasses.is_dataclass(hint):
+                walk(hint, key + ".")
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if dataclasses.is_dataclass(default) or (isinstance(default, list) and default and dataclasses.is_dataclass(default[0])):
+                default = "[...]"
+            rows.append((key, _type_name(hint), repr(default)))
+
+    walk(TrainConfig, "")
+    return rows
+
+
+def _type_name(hint) -> str:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return "|".join(map(str, typing.get_args(hint)))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(hint))
+    if hint is type(None):
+        return "null"
+    return getattr(hint, "__name__", str(hint))

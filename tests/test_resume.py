@@ -66,30 +66,53 @@ def test_resume_is_exact_with_the_default_bf16_sampling_copy_and_autocast(tiny_m
     assert _comparable(read_metrics(resumed / "metrics.jsonl"))[2:] == expected[2:]
 
 
+def _latest_step(out) -> int:
+    latest = find_latest_checkpoint(out)
+    return int(latest.name.split("-")[1]) if latest is not None else 0
+
+
+def _kill_when(proc, ready, delay: float = 0.0) -> bool:
+    """SIGKILL ``proc`` ``delay`` seconds after ``ready()`` first holds; False if it exited first."""
+    while proc.poll() is None:
+        if ready():
+            time.sleep(delay)
+            if proc.poll() is None:
+                proc.kill()
+                return True
+            return False
+        time.sleep(0.002)
+    return False
+
+
 @pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume(tiny_model_dir, reference_run, tmp_path):
-    """Kill the run several times at random moments (generation, backward, checkpoint writing); resume each time."""
-    _, expected = reference_run
-    out = tmp_path / "run"
+    """Kill the run at moments chosen by what it is doing, not by the clock (a fast machine
+    finishes before any fixed delay): at a random point of the step after a checkpoint
+    (generation, backward, metrics), and while a checkpoint is being written. Resume each time."""
+    ref_dir, expected = reference_run
+    step_time = max(r["step_time"] for r in read_metrics(ref_dir / "metrics.jsonl"))
+    out, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
     rng = random.Random(0)
     env = {**os.environ, "MAXENT_GRPO_LOG": "WARNING"}
+    plans = ["mid-step", "mid-save", "mid-step", "mid-save"]
     kills = 0
-    for attempt in range(12):
+    for attempt in range(len(plans) + 1):
         args = _args(tiny_model_dir, out, 6) + (["--resume"] if attempt else [])
+        start = _latest_step(out)
         proc = subprocess.Popen([sys.executable, "-m", "maxent_grpo.cli", *args], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if kills < 4:
-            time.sleep(rng.uniform(4.0, 12.0))  # past start-up (imports, model load) into training
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-                kills += 1
+        if attempt < len(plans) and plans[attempt] == "mid-step":
+            kills += _kill_when(proc, lambda: (ckpts / f"step-{start + 1}").is_dir(), rng.uniform(0, step_time))
+        elif attempt < len(plans):
+            # The folder a save is being written into carries the writer's pid.
+            kills += _kill_when(proc, lambda: any(ckpts.glob(f".tmp-step-*-{proc.pid}")))
         _, err = proc.communicate(timeout=600)
         if proc.returncode == 0:
             break
         assert proc.returncode == -signal.SIGKILL, err
     else:
         pytest.fail("the run never completed")
-    assert kills >= 2, "the kill points all fell after the run finished; lengthen the run"
+    assert kills >= 3, f"only {kills} of the kills landed before the run finished"
     got = _comparable(read_metrics(out / "metrics.jsonl"))
     assert got == expected
     assert find_latest_checkpoint(out).name == "step-6"
@@ -102,16 +125,22 @@ def _torchrun(args, timeout=600):
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _rank_errors(proc) -> str:
+    """The workers' own error lines: torchrun's summary at the end of stderr hides them."""
+    lines = [ln for ln in proc.stderr.splitlines() if "Error" in ln or "error:" in ln]
+    return "\n".join(lines[:20]) or proc.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_two_process_run_resumes_exactly(tiny_model_dir, tmp_path):
     """Two gloo processes (torchrun): one record per step, and stop+resume equals an uninterrupted run."""
     full, part = tmp_path / "full", tmp_path / "part"
     proc = _torchrun(_args(tiny_model_dir, full, 4))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 0, _rank_errors(proc)
     proc = _torchrun(_args(tiny_model_dir, part, 2))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 0, _rank_errors(proc)
     proc = _torchrun([*_args(tiny_model_dir, part, 4), "--resume"])
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 0, _rank_errors(proc)
     expected = _comparable(read_metrics(full / "metrics.jsonl"))
     assert [r["step"] for r in expected] == [1, 2, 3, 4]
     assert _comparable(read_metrics(part / "metrics.jsonl")) == expected

@@ -37,7 +37,11 @@ def train(cfg: TrainConfig, *, resume: str | bool | None = None) -> Path:
     """Train according to ``cfg``; return the output directory."""
     run = build_run(cfg, resume=resume)
     cfg, ctx = run.cfg, run.ctx
-    metrics_log = MetricsLog(run.output_dir / "metrics.jsonl", resume_after_step=run.start_step if run.resumed else None)
+    # Only the main process owns metrics.jsonl: two processes truncating it on resume would race.
+    metrics_log = (
+        MetricsLog(run.output_dir / "metrics.jsonl", resume_after_step=run.start_step if run.resumed else None)
+        if ctx.dist.is_main else None
+    )
     bar = tqdm(
         total=cfg.training.max_steps, initial=run.start_step, desc=f"{cfg.method}", unit="step",
         disable=not (cfg.logging.progress_bar and ctx.dist.is_main), dynamic_ncols=True,
@@ -105,7 +109,7 @@ def train(cfg: TrainConfig, *, resume: str | bool | None = None) -> Path:
             t_eval = time.perf_counter()
             metrics.update(validate(run, step))
             metrics["time/eval"] = time.perf_counter() - t_eval
-        if ctx.dist.is_main:
+        if metrics_log is not None:
             metrics_log.write(metrics)
             run.trackers.log(metrics, step)
             if cfg.logging.log_completions_every and step % cfg.logging.log_completions_every == 0:

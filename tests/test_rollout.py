@@ -233,6 +233,33 @@ def test_greedy_is_batch_size_invariant_and_groups_identical(tiny, prompts):
         assert a == pytest.approx(b, abs=1e-5)
 
 
+@pytest.mark.parametrize("batch_size", [None, 3])
+def test_shared_prefill_samples_what_per_row_prefill_samples(tiny_model_dir, prompts, batch_size):
+    """Prefilling each distinct prompt once (KV cache copied to its rows) draws the same tokens
+    as generate's own per-row prefill, with the same behaviour log-probs (float64: to 1e-10).
+    batch_size=3 with G=2 splits groups across generate calls."""
+    model, tok = load_model_and_tokenizer(tiny_model_dir)
+    model = model.to(torch.float64).requires_grad_(False)
+    params = SamplingParams(max_new_tokens=9, temperature=0.8)
+    shared = HFGenerationBackend(model, tok, seed=5, batch_size=batch_size, share_prompts=True)
+    plain = HFGenerationBackend(model, tok, seed=5, batch_size=batch_size, share_prompts=False)
+    a = build_rollout_batch(shared.generate(prompts, 2, params), 2)
+    b = build_rollout_batch(plain.generate(prompts, 2, params), 2)
+    assert a.completion_ids == b.completion_ids
+    for x, y in zip(a.behaviour_logps, b.behaviour_logps):
+        assert x == pytest.approx(y, abs=1e-10)
+
+
+def test_shared_prefill_is_skipped_when_no_rows_share_a_prompt(tiny, prompts):
+    model, tok = tiny
+    backend = HFGenerationBackend(model, tok, share_prompts=True)
+    ids = tok(prompts, add_special_tokens=False, padding=True, return_tensors="pt")
+    assert backend._shared_prefill(ids["input_ids"], ids["attention_mask"]) is None
+    doubled = ids["input_ids"].repeat_interleave(2, 0), ids["attention_mask"].repeat_interleave(2, 0)
+    cache = backend._shared_prefill(*doubled)
+    assert cache.get_seq_length() == ids["input_ids"].shape[1] - 1
+
+
 def test_chunked_sampling_logps_match_trainer(tiny, prompts):
     model, tok = tiny
     batch = _rollout(tiny, prompts, 3, SamplingParams(max_new_tokens=7, temperature=0.9), batch_size=2)

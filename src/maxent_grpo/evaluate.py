@@ -207,7 +207,8 @@ def run_eval_cli(args) -> int:
         max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, stop=tuple(g.stop),
     )
     backend = HFGenerationBackend(
-        model, tokenizer, batch_size=g.batch_size, dtype=None if g.dtype is None else parse_dtype(g.dtype)
+        model, tokenizer, batch_size=g.batch_size, dtype=None if g.dtype is None else parse_dtype(g.dtype),
+        share_prompts=cfg.training.share_prompts,
     )
     torch.manual_seed(eval_seed(cfg.training.seed))
     summary, records = evaluate_prompts(

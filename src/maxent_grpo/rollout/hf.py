@@ -8,16 +8,24 @@ call, ``rows x steps x V x 4`` bytes: ``batch_size`` bounds it.
 Stop strings are detected by our own stopping criterion, and the same record
 decides where a completion is cut afterwards, so "which token completed the
 stop string" has one answer.
+
+Shared prefill (``share_prompts``): the ``G`` rows of a group carry the same
+prompt, and ``generate`` would run the prompt forward once per row. We run it
+once per distinct prompt (all but its last token), copy that KV cache to the
+group's rows, and hand it to ``generate``, which then feeds only the last prompt
+token. Same tokens, same RNG draws; the logits differ from per-row prefill only
+by float rounding.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 
 import numpy as np
 import torch
-from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import DynamicCache, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from maxent_grpo.core.logprobs import selective_logps
 from maxent_grpo.rollout.backend import Completion, PromptGroup, SamplingParams
@@ -77,11 +85,12 @@ class HFGenerationBackend:
     ``seed`` and a call counter, without touching the global RNG; otherwise the
     global torch RNG is used (deterministic under ``torch.manual_seed``).
     In multi-process runs give each rank a different seed.
+    ``share_prompts``: prefill each distinct prompt once per call (see the module notes).
     """
 
     def __init__(
         self, model, tokenizer, *, batch_size: int | None = None, seed: int | None = None,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | None = None, share_prompts: bool = True,
     ):
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
@@ -112,6 +121,7 @@ class HFGenerationBackend:
         self.batch_size = batch_size
         self.seed = seed
         self.eos_ids = sorted(eos_ids)
+        self.share_prompts = share_prompts
         self._calls = 0
 
     def sync_weights(self, policy) -> None:
@@ -192,9 +202,11 @@ class HFGenerationBackend:
             [[0] * (lp - len(p)) + [1] * len(p) for p in prompt_ids], dtype=torch.long, device=device
         )
         stop = _StopStrings(self.tokenizer, params.stop, lp, len(prompt_ids)) if params.stop else None
+        cache = self._shared_prefill(input_ids, attention_mask) if self.share_prompts else None
         out = self.model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
+            past_key_values=cache,
             generation_config=self._generation_config(params),
             stopping_criteria=StoppingCriteriaList([stop]) if stop is not None else None,
         )
@@ -224,6 +236,30 @@ class HFGenerationBackend:
             text = self.tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
             result.append(Completion(token_ids=token_ids, text=text, finish_reason=reason, logps=lps[:cut]))
         return result
+
+    def _shared_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> DynamicCache | None:
+        """The KV cache of every row's prompt but its last token, computed once per run of equal rows.
+
+        ``None`` when no two neighbouring rows share a prompt (nothing to save) or a
+        prompt is a single token (``generate`` needs at least one uncached token).
+        """
+        if input_ids.shape[0] < 2 or input_ids.shape[1] < 2:
+            return None
+        starts = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        starts[1:] = (input_ids[1:] != input_ids[:-1]).any(dim=1)
+        if bool(starts.all()):
+            return None
+        owner = torch.cumsum(starts.long(), 0) - 1  # row -> its distinct prompt
+        ids, mask = input_ids[starts, :-1], attention_mask[starts, :-1]
+        # The positions generate gives a left-padded row: count of real tokens so far.
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
+        self.model(
+            input_ids=ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache, use_cache=True, **extra
+        )
+        cache.batch_select_indices(owner)
+        return cache
 
 
 @contextlib.contextmanager

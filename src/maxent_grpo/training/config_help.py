@@ -95,7 +95,7 @@ HELP: dict[str, str] = {
     "training.num_iterations": "optimizer passes over each rollout batch (old log-probs recomputed when > 1)",
     "training.seed": "random seed",
     "training.autocast_bf16": "bfloat16 matmuls (torch.autocast) over float32 weights",
-    "training.share_prompts": "policy/reference forwards run each distinct prompt once per micro-batch (false: once per row)",
+    "training.share_prompts": "generation prefill and policy/reference forwards run each distinct prompt once (false: once per row)",
     "logging.output_dir": "run folder: config, metrics.jsonl, completions, checkpoints",
     "logging.report_to": "trackers: tensorboard, wandb, mlflow, trackio, all, none",
     "logging.log_completions_every": "write a completion table every N steps (0 = never)",

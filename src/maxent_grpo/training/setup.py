@@ -161,7 +161,8 @@ def build_run(cfg: TrainConfig, *, resume: str | bool | None = None) -> Run:
     ctx = PipelineContext(
         cfg=cfg, method=method, model=model, tokenizer=tokenizer,
         backend=HFGenerationBackend(
-            model, tokenizer, batch_size=g.batch_size, dtype=None if g.dtype is None else parse_dtype(g.dtype)
+            model, tokenizer, batch_size=g.batch_size, dtype=None if g.dtype is None else parse_dtype(g.dtype),
+            share_prompts=cfg.training.share_prompts,
         ),
         sampling=sampling, reward_spec=reward_spec, weighting=weighting_from_config(cfg), dist=dist,
         reference_logps=reference,

@@ -63,7 +63,7 @@ def run_floor(setting: BenchSetting, model_dir: Path) -> RunResult:
         max_new_tokens=setting.max_new_tokens, do_sample=True, temperature=setting.temperature,
         top_p=1.0, top_k=0, pad_token_id=tok.pad_token_id, eos_token_id=eos_ids,
     )
-    rows = task_rows(setting.task, setting.dataset_size, setting.seed)
+    rows = task_rows(setting.task, setting.dataset_size, setting.seed, default_task=setting.default_task)
     G, micro = setting.num_generations, setting.micro_batch_size
 
     step_times, gen_times, tokens, cpu_times = [], [], [], []

@@ -46,6 +46,7 @@ def heldout_eval(model_dir: Path, setting: BenchSetting, prompts: int, samples: 
         "benchmarks.sample_eval", "--model-dir", str(model_dir), "--task", setting.task,
         "--prompts", str(prompts), "--samples", str(samples), "--max-new-tokens", str(setting.max_new_tokens),
         "--seed", str(setting.seed), "--out", str(out), *(["--bf16"] if setting.bf16 else []),
+        *(["--default-task"] if setting.default_task else []),
     )
     run_child(cmd, out.with_suffix(".log"), env)
     return json.loads(out.read_text())

@@ -36,7 +36,8 @@ from benchmarks.sides import run_side  # noqa: E402
 METHOD_VARIANTS: dict[str, tuple[str, str, dict]] = {
     "grpo": ("grpo", "grpo", {}),
     "dr_grpo": ("dr_grpo", "dr_grpo", {"loss": {"scale_rewards": "none"}}),
-    "maxent_listwise": ("maxent_listwise", "dapo", {}),
+    # Weighted MLE on the listwise targets, as in the default recipe (BENCHMARKS.md §3).
+    "maxent_listwise": ("maxent_listwise", "dapo", {"maxent": {"listwise_loss": "weighted_mle"}}),
     "xdr": ("xdr", "dapo", {}),
 }
 

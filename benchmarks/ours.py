@@ -19,6 +19,7 @@ from benchmarks.children import ChildRun, run_child
 from benchmarks.common_rewards import REWARD_NAMES, REWARD_WEIGHTS
 from benchmarks.results import RunResult
 from benchmarks.settings import BenchSetting
+from benchmarks.tasks import default_task_options
 
 CLI = "maxent-grpo"
 
@@ -89,6 +90,10 @@ def ours_config(setting: BenchSetting, model_dir: Path, extra: dict | None = Non
         "checkpoint": {"save_steps": 0},
         "eval": {"every_steps": 0},
     }
+    if setting.default_task:
+        options, examples = default_task_options(setting.task)
+        config["data"]["task_kwargs"] = options
+        config["data"]["few_shot"] = [{"prompt": ex.prompt, "completion": ex.completion} for ex in examples]
     for section, values in (extra or {}).items():
         if isinstance(values, dict) and isinstance(config.get(section), dict):
             config[section] = {**config[section], **values}

@@ -34,6 +34,9 @@ class BenchSetting:
     seed: int = 0  # data (reasoning-gym), sampling and training seed
     steps: int = 3  # optimizer steps per run; the first is the warm-up
     method: str = "grpo"  # our trainer's method; TRL always runs GRPO
+    # The default recipe's task instead of reasoning-gym's defaults: its generator options
+    # (one-digit a + b) and its solved example as an earlier chat turn, on every side.
+    default_task: bool = False
 
     def __post_init__(self) -> None:
         positive = ("dataset_size", "prompts_per_step", "micro_batch_size", "max_new_tokens", "steps")
@@ -80,6 +83,11 @@ PRESETS: dict[str, BenchSetting] = {
     # SmolLM2-135M-Instruct, 4 prompts x 8 completions, the measurements of ENVIRONMENT.md.
     "smollm2-64": BenchSetting(name="smollm2-64", model="smollm2-135m-instruct", max_new_tokens=64),
     "smollm2-256": BenchSetting(name="smollm2-256", model="smollm2-135m-instruct", max_new_tokens=256),
+    # The built-in default run's task and sizes (learning comparisons: the model learns it in ~15 steps).
+    "smollm2-default": BenchSetting(
+        name="smollm2-default", model="smollm2-135m-instruct", max_new_tokens=48, learning_rate=1e-5,
+        steps=15, default_task=True,
+    ),
 }
 
 
@@ -98,10 +106,12 @@ def add_setting_args(parser) -> None:
     parser.add_argument("--micro-batch-size", type=int)
     parser.add_argument("--learning-rate", type=float)
     parser.add_argument("--seed", type=int)
+    parser.add_argument("--default-task", action=argparse.BooleanOptionalAction, default=None,
+                        help="the default recipe's task options and solved example")
 
 
 def setting_from_args(args) -> BenchSetting:
     fields = ("task", "beta", "bf16", "loss_type", "steps", "dataset_size", "prompts_per_step",
-              "num_generations", "max_new_tokens", "micro_batch_size", "learning_rate", "seed")
+              "num_generations", "max_new_tokens", "micro_batch_size", "learning_rate", "seed", "default_task")
     overrides = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
     return PRESETS[args.setting].replace(**overrides)

@@ -6,6 +6,10 @@ followed by our instruction line as one user message (no system message, so
 the model's chat template supplies its own default on every side), plus the
 columns the reward functions read: ``answer``, ``rg_entry`` (the task's entry
 as JSON) and ``task``.
+
+``default_task=True`` takes the built-in default recipe's task instead: its
+generator options, and its solved example as an earlier user/assistant turn
+(the way our trainer's ``data.few_shot`` places it).
 """
 
 from __future__ import annotations
@@ -15,17 +19,32 @@ import json
 from maxent_grpo.training.data import DEFAULT_INSTRUCTION
 
 
-def task_rows(task: str, size: int, seed: int) -> list[dict]:
-    """``size`` rows ``{"prompt": [user message], "answer", "rg_entry", "task"}``."""
+def default_task_options(task: str) -> tuple[dict, list]:
+    """The default recipe's (generator options, few-shot examples); it must be a recipe for ``task``."""
+    from maxent_grpo.training.config import load_config
+
+    data = load_config().data
+    if data.source != f"reasoning_gym:{task}":
+        raise ValueError(f"default_task: the default recipe's task is {data.source!r}, not reasoning_gym:{task}")
+    return dict(data.task_kwargs), list(data.few_shot)
+
+
+def task_rows(task: str, size: int, seed: int, *, default_task: bool = False) -> list[dict]:
+    """``size`` rows ``{"prompt": [messages], "answer", "rg_entry", "task"}``."""
     if size < 1:
         raise ValueError(f"size must be >= 1, got {size}")
     import reasoning_gym
 
+    options, examples = default_task_options(task) if default_task else ({}, [])
+    turns = [
+        turn for ex in examples
+        for turn in ({"role": "user", "content": ex.prompt}, {"role": "assistant", "content": ex.completion})
+    ]
     rows = []
-    for entry in reasoning_gym.create_dataset(task, size=size, seed=seed):
+    for entry in reasoning_gym.create_dataset(task, size=size, seed=seed, **options):
         rows.append(
             {
-                "prompt": [{"role": "user", "content": f"{entry['question']}\n\n{DEFAULT_INSTRUCTION}"}],
+                "prompt": [*turns, {"role": "user", "content": f"{entry['question']}\n\n{DEFAULT_INSTRUCTION}"}],
                 "answer": str(entry["answer"]),
                 "rg_entry": json.dumps(entry),
                 "task": task,

@@ -120,7 +120,7 @@ def run_trl(setting: BenchSetting, model_dir: Path, save_dir: Path | None = None
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    dataset = Dataset.from_list(task_rows(setting.task, setting.dataset_size, setting.seed))
+    dataset = Dataset.from_list(task_rows(setting.task, setting.dataset_size, setting.seed, default_task=setting.default_task))
     recorder = _step_recorder()
     with tempfile.TemporaryDirectory(prefix="trl-bench-") as out_dir:
         args = GRPOConfig(**grpo_config_kwargs(setting, out_dir))

@@ -51,6 +51,25 @@ def test_task_rows_are_the_prompts_our_trainer_builds():
     assert [json.loads(r["rg_entry"]) for r in rows] == [json.loads(e) for e in ours["rg_entry"]]
 
 
+@pytest.mark.slow  # importing datasets takes seconds
+def test_default_task_rows_show_every_side_the_prompt_our_trainer_formats(tiny_model_dir, tmp_path):
+    """--default-task: TRL and the floor template the rows' messages; ours formats its source with
+    data.few_shot from the benchmark config. Both must give the same text and the same problems."""
+    from maxent_grpo.models import load_model_and_tokenizer
+    from maxent_grpo.training.config import load_config
+    from maxent_grpo.training.data import format_prompt, load_prompt_dataset
+
+    setting = PRESETS["smollm2-default"].replace(dataset_size=5)
+    cfg = load_config(write_config(setting, tiny_model_dir, tmp_path / "c.yaml"))
+    ours = load_prompt_dataset(cfg.data.source, size=5, seed=setting.seed, task_kwargs=cfg.data.task_kwargs)
+    rows = task_rows(setting.task, 5, setting.seed, default_task=True)
+    _, tok = load_model_and_tokenizer(tiny_model_dir)
+    theirs = [tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows]
+    assert theirs == [format_prompt(tok, p, few_shot=cfg.data.few_shot) for p in ours["prompt"]]
+    assert len(rows[0]["prompt"]) == 3  # example question, example answer, the problem
+    assert all(json.loads(r["rg_entry"])["metadata"]["num_terms"] == 2 for r in rows)  # the default's a + b
+
+
 def test_rows_for_step_takes_rows_in_order_and_cycles():
     rows = list(range(5))
     assert rows_for_step(rows, 0, 2) == [0, 1]

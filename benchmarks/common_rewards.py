@@ -8,6 +8,7 @@ plain strings or TRL's conversational form (a list with one assistant message).
 * ``boxed_accuracy``: the completion's last ``\\boxed{...}`` (or
   ``<answer>...</answer>``), scored by the reasoning-gym task's own scorer
   against the row's ``rg_entry`` (the task entry as JSON); 0 without an answer.
+  The benchmark's own ``pair_sum`` task is scored by :func:`benchmarks.pair_sum.score_pair_sum`.
 * ``boxed_format``: 1 when the completion states a final answer that way, else 0.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+from benchmarks.pair_sum import TASK as PAIR_SUM, score_pair_sum
 from maxent_grpo.rewards.answers import completion_text, extract_final_answer
 
 # Weights of (boxed_accuracy, boxed_format), the same on both sides.
@@ -36,7 +38,8 @@ def boxed_accuracy(prompts: Sequence, completions: Sequence, rg_entry: Sequence[
         if predicted is None:
             scores.append(0.0)
             continue
-        score_fn = reasoning_gym.get_score_answer_fn(entry["metadata"]["source_dataset"])
+        source = entry["metadata"]["source_dataset"]
+        score_fn = score_pair_sum if source == PAIR_SUM else reasoning_gym.get_score_answer_fn(source)
         scores.append(float(score_fn(predicted, entry)))
     return scores
 

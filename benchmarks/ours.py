@@ -19,7 +19,8 @@ from benchmarks.children import ChildRun, run_child
 from benchmarks.common_rewards import REWARD_NAMES, REWARD_WEIGHTS
 from benchmarks.results import RunResult
 from benchmarks.settings import BenchSetting
-from benchmarks.tasks import default_task_options
+from benchmarks.pair_sum import TASK as PAIR_SUM
+from benchmarks.tasks import default_task_options, task_rows
 
 CLI = "maxent-grpo"
 
@@ -46,20 +47,25 @@ def ours_available() -> str | None:
     return None
 
 
-def ours_config(setting: BenchSetting, model_dir: Path, extra: dict | None = None) -> dict:
+def ours_config(setting: BenchSetting, model_dir: Path, extra: dict | None = None,
+                rows_file: Path | None = None) -> dict:
     """Our trainer's config for ``setting`` (same model, prompts, sampling, rewards, optimizer as TRL).
 
-    ``extra`` adds method-specific sections (``{"maxent": {"tau": 0.5}}``).
+    ``extra`` adds method-specific sections (``{"maxent": {"tau": 0.5}}``). A task that is not
+    reasoning-gym's (``pair_sum``) is read from ``rows_file``, the JSONL of its rows.
     """
+    if setting.task == PAIR_SUM:
+        if rows_file is None:
+            raise ValueError(f"task {PAIR_SUM}: rows_file (the JSONL of its rows) is required")
+        # The rows carry their prompt as finished messages (example turn and instruction included).
+        data = {"source": str(rows_file), "instruction": None, "shuffle": False}
+    else:
+        # The same rows as benchmarks.tasks.task_rows: data.size problems from the run's seed, in order.
+        data = {"source": f"reasoning_gym:{setting.task}", "size": setting.dataset_size, "shuffle": False}
     config = {
         "method": setting.method,
         "model": {"name_or_path": str(model_dir), "dtype": "bfloat16" if setting.bf16 else "float32"},
-        # The same rows as benchmarks.tasks.task_rows: data.size problems from the run's seed, in order.
-        "data": {
-            "source": f"reasoning_gym:{setting.task}",
-            "size": setting.dataset_size,
-            "shuffle": False,
-        },
+        "data": data,
         "rewards": [{"name": n, "weight": w} for n, w in zip(REWARD_NAMES, REWARD_WEIGHTS)],
         "generation": {
             "num_generations": setting.num_generations,
@@ -103,8 +109,14 @@ def ours_config(setting: BenchSetting, model_dir: Path, extra: dict | None = Non
 
 
 def write_config(setting: BenchSetting, model_dir: Path, path: Path, extra: dict | None = None) -> Path:
+    """Our config at ``path``; for ``pair_sum`` also its rows, beside it as ``<name>.rows.jsonl``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(ours_config(setting, model_dir, extra), sort_keys=False))
+    rows_file = None
+    if setting.task == PAIR_SUM:
+        rows_file = path.with_suffix(".rows.jsonl")
+        rows = task_rows(setting.task, setting.dataset_size, setting.seed)
+        rows_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    path.write_text(yaml.safe_dump(ours_config(setting, model_dir, extra, rows_file), sort_keys=False))
     return path
 
 

@@ -20,7 +20,7 @@ LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
 class BenchSetting:
     name: str
     model: str  # "tiny", "smollm2-135m-instruct" or a model folder
-    task: str = "chain_sum"  # reasoning-gym task name
+    task: str = "chain_sum"  # reasoning-gym task name, or the benchmark's own "pair_sum"
     dataset_size: int = 256
     prompts_per_step: int = 4
     num_generations: int = 8
@@ -87,6 +87,11 @@ PRESETS: dict[str, BenchSetting] = {
     "smollm2-default": BenchSetting(
         name="smollm2-default", model="smollm2-135m-instruct", max_new_tokens=48, learning_rate=1e-5,
         steps=15, default_task=True,
+    ),
+    # The method comparison: the benchmark's pair_sum task (many correct answers per prompt).
+    "smollm2-pair-sum": BenchSetting(
+        name="smollm2-pair-sum", model="smollm2-135m-instruct", task="pair_sum", max_new_tokens=48,
+        learning_rate=1e-5, steps=20,
     ),
 }
 

@@ -10,12 +10,18 @@ as JSON) and ``task``.
 ``default_task=True`` takes the built-in default recipe's task instead: its
 generator options, and its solved example as an earlier user/assistant turn
 (the way our trainer's ``data.few_shot`` places it).
+
+``pair_sum`` is not a reasoning-gym task but the benchmark's own
+(:mod:`benchmarks.pair_sum`, many correct answers per prompt); its rows carry
+its solved example as an earlier turn the same way. Our trainer reads such
+rows from a JSONL file (:func:`benchmarks.ours.ours_config`).
 """
 
 from __future__ import annotations
 
 import json
 
+from benchmarks.pair_sum import EXAMPLE, TASK as PAIR_SUM, pair_sum_entries
 from maxent_grpo.training.data import DEFAULT_INSTRUCTION
 
 
@@ -33,15 +39,23 @@ def task_rows(task: str, size: int, seed: int, *, default_task: bool = False) ->
     """``size`` rows ``{"prompt": [messages], "answer", "rg_entry", "task"}``."""
     if size < 1:
         raise ValueError(f"size must be >= 1, got {size}")
-    import reasoning_gym
+    if task == PAIR_SUM:
+        if default_task:
+            raise ValueError(f"default_task: the default recipe's task is not {PAIR_SUM}")
+        entries = pair_sum_entries(size, seed)
+        examples = [(EXAMPLE[0] + f"\n\n{DEFAULT_INSTRUCTION}", EXAMPLE[1])]
+    else:
+        import reasoning_gym
 
-    options, examples = default_task_options(task) if default_task else ({}, [])
+        options, recipe_examples = default_task_options(task) if default_task else ({}, [])
+        entries = reasoning_gym.create_dataset(task, size=size, seed=seed, **options)
+        examples = [(ex.prompt, ex.completion) for ex in recipe_examples]
     turns = [
-        turn for ex in examples
-        for turn in ({"role": "user", "content": ex.prompt}, {"role": "assistant", "content": ex.completion})
+        turn for prompt, completion in examples
+        for turn in ({"role": "user", "content": prompt}, {"role": "assistant", "content": completion})
     ]
     rows = []
-    for entry in reasoning_gym.create_dataset(task, size=size, seed=seed, **options):
+    for entry in entries:
         rows.append(
             {
                 "prompt": [*turns, {"role": "user", "content": f"{entry['question']}\n\n{DEFAULT_INSTRUCTION}"}],

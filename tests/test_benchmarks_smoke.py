@@ -70,6 +70,37 @@ def test_default_task_rows_show_every_side_the_prompt_our_trainer_formats(tiny_m
     assert all(json.loads(r["rg_entry"])["metadata"]["num_terms"] == 2 for r in rows)  # the default's a + b
 
 
+def test_pair_sum_rows_reach_our_trainer_as_the_other_sides_see_them(tiny_model_dir, tmp_path):
+    """pair_sum is read by our trainer from the JSONL that write_config writes: the same
+    messages (example turn included) and the same rg_entry the rewards score."""
+    from maxent_grpo.models import load_model_and_tokenizer
+    from maxent_grpo.training.config import load_config
+    from maxent_grpo.training.data import format_prompt, load_prompt_dataset
+
+    setting = PRESETS["smollm2-pair-sum"].replace(dataset_size=6)
+    cfg = load_config(write_config(setting, tiny_model_dir, tmp_path / "c.yaml"))
+    ours = load_prompt_dataset(cfg.data.source, instruction=cfg.data.instruction)
+    rows = task_rows("pair_sum", 6, setting.seed)
+    _, tok = load_model_and_tokenizer(tiny_model_dir)
+    theirs = [tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows]
+    assert theirs == [format_prompt(tok, p) for p in ours["prompt"]]
+    assert list(ours["rg_entry"]) == [r["rg_entry"] for r in rows]
+    assert len(rows[0]["prompt"]) == 3 and "3 + 4" in rows[0]["prompt"][1]["content"]
+
+
+def test_pair_sum_scores_every_correct_pair_and_only_those():
+    from benchmarks.pair_sum import WELL_FORMED_SCORE
+    from maxent_grpo.rewards.answers import canonical_answer
+
+    row = next(r for r in task_rows("pair_sum", 20, 0) if json.loads(r["rg_entry"])["metadata"]["target"] >= 8)
+    n = json.loads(row["rg_entry"])["metadata"]["target"]
+    correct = [f"\\boxed{{{a} + {n - a}}}" for a in range(1, n)]
+    wrong = [f"\\boxed{{{n}}}", f"\\boxed{{0 + {n}}}", f"\\boxed{{2 + {n}}}", f"\\boxed{{{n - 3} - 3}}", "no answer"]
+    scores = boxed_accuracy([row["prompt"]] * (n - 1 + 5), correct + wrong, rg_entry=[row["rg_entry"]] * (n - 1 + 5))
+    assert scores == [1.0] * (n - 1) + [0.0, 0.0, WELL_FORMED_SCORE, 0.0, 0.0]
+    assert len({canonical_answer(c) for c in correct}) == n - 1  # n - 1 distinct correct answers
+
+
 def test_rows_for_step_takes_rows_in_order_and_cycles():
     rows = list(range(5))
     assert rows_for_step(rows, 0, 2) == [0, 1]

@@ -225,3 +225,26 @@ def test_harness_prints_the_table_for_every_side(tmp_path):
     summary = payload["summaries"]["trl"]
     assert summary["steps_timed"] == 1 and summary["warmup_dropped"] is True
     assert summary["median_s"] == pytest.approx(payload["runs"]["trl"][0]["step_times"][1])
+
+
+@pytest.mark.slow
+def test_methods_comparison_trains_each_method_and_scores_the_start_model(tmp_path):
+    if ours_available() is not None:
+        pytest.skip(ours_available())
+    out = tmp_path / "methods.json"
+    cmd = [
+        sys.executable, str(REPO_ROOT / "benchmarks" / "methods.py"), "--setting", "tiny", "--task", "pair_sum",
+        "--steps", "2", "--window", "1", "--methods", "grpo,maxent_listwise", "--eval-prompts", "2",
+        "--eval-samples", "2", "--threads", "1", "--work-dir", str(tmp_path / "work"), "--json-out", str(out),
+    ]
+    env = {**os.environ, "MAXENT_GRPO_BENCH_CACHE": str(tmp_path / "models")}
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "| method | seed | reward first 1 |" in proc.stdout
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["method"] for r in runs] == ["start model", "grpo", "maxent_listwise"]
+    for run in runs:
+        assert run["eval"]["task"] == "pair_sum" and run["eval"]["prompts"] == 2
+    for run in runs[1:]:
+        assert len(run["rewards"]) == 2 and len(run["step_times"]) == 2
+        assert (tmp_path / "work" / "seed0" / run["method"] / "config.rows.jsonl").is_file()

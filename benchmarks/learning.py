@@ -41,7 +41,10 @@ def window_means(rewards: list[float | None], window: int) -> tuple[float, float
 
 def heldout_eval(model_dir: Path, setting: BenchSetting, prompts: int, samples: int, out: Path,
                  env: dict[str, str]) -> dict:
-    """``benchmarks.sample_eval`` on ``model_dir`` in a fresh process; its JSON summary."""
+    """``benchmarks.sample_eval`` on ``model_dir`` in a fresh process; its JSON summary.
+
+    The held-out prompts and the sampling seed come from ``setting.seed``: pass the same setting
+    for every model that is to be compared."""
     cmd = python_module_cmd(
         "benchmarks.sample_eval", "--model-dir", str(model_dir), "--task", setting.task,
         "--prompts", str(prompts), "--samples", str(samples), "--max-new-tokens", str(setting.max_new_tokens),
@@ -115,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 result, final = run_side("trl", setting, model_dir, run_dir, env), None
             first, last = window_means(result.rewards, args.window)
-            ev = heldout_eval(final, setting, args.eval_prompts, args.eval_samples, run_dir / "eval.json", env) \
+            # `base`: every model, the start model included, is scored on the same held-out prompts.
+            ev = heldout_eval(final, base, args.eval_prompts, args.eval_samples, run_dir / "eval.json", env) \
                 if final is not None else None
             rows.append({"side": side, "seed": seed, "first": first, "last": last, "rewards": result.rewards,
                          "step_times": result.step_times, "wall_s": result.wall_s, "eval": ev})

@@ -57,7 +57,7 @@ def methods_table(rows: list[dict], window: int, samples: int) -> str:
         pass_at = {int(k): v for k, v in ev["pass_at"].items()}
         trained = r["step_times"] is not None  # the start model's row has no training cells
         lines.append(
-            f"| {r['method']} | {r['seed']} | {_cell(r['first'], '.3f')} | {_cell(r['last'], '.3f')} "
+            f"| {r['method']} | {'—' if r['seed'] is None else r['seed']} | {_cell(r['first'], '.3f')} | {_cell(r['last'], '.3f')} "
             f"| {ev['mean_score']:.3f} | {pass_at[1]:.3f} | {pass_at[max(pass_at)]:.3f} "
             f"| {ev['distinct_correct_per_prompt']:.2f} | {ev['format_rate']:.2f} "
             f"| {_cell(statistics.median(r['step_times']) if trained else None, '.2f')} "
@@ -96,13 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     env = child_env(args.threads)
     model_dir = resolve_model(base.model)
     rows = []
+    # Every model, the start model included, is scored on the same held-out prompts (those of `base`).
+    if args.start_eval:
+        ev = heldout_eval(model_dir, base, args.eval_prompts, args.eval_samples, work / "eval-start.json", env)
+        rows.append({"method": "start model", "seed": None, "first": None, "last": None, "rewards": None,
+                     "step_times": None, "wall_s": None, "eval": ev})
     for seed in seeds:
-        if args.start_eval:
-            start = base.replace(seed=seed)
-            ev = heldout_eval(model_dir, start, args.eval_prompts, args.eval_samples,
-                              work / f"seed{seed}" / "eval-start.json", env)
-            rows.append({"method": "start model", "seed": seed, "first": None, "last": None, "rewards": None,
-                         "step_times": None, "wall_s": None, "eval": ev})
         for name in methods:
             method, loss_type, extra = METHOD_VARIANTS[name]
             setting = base.replace(seed=seed, method=method, loss_type=loss_type)
@@ -110,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[seed {seed}] {name} ...", file=sys.stderr, flush=True)
             result = run_side("ours", setting, model_dir, run_dir, env, ours_extra=extra)
             first, last = window_means(result.rewards, args.window)
-            ev = heldout_eval(final_model_dir(run_dir, setting.steps), setting, args.eval_prompts,
+            ev = heldout_eval(final_model_dir(run_dir, setting.steps), base, args.eval_prompts,
                               args.eval_samples, run_dir / "eval.json", env)
             rows.append({"method": name, "seed": seed, "first": first, "last": last, "rewards": result.rewards,
                          "step_times": result.step_times, "wall_s": result.wall_s, "eval": ev})

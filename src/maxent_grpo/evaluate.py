@@ -187,11 +187,12 @@ def run_eval_cli(args) -> int:
     from maxent_grpo.rollout.hf import HFGenerationBackend
     from maxent_grpo.training.config import load_config
     from maxent_grpo.training.data import load_prompt_dataset
+    from maxent_grpo.training.precision import bf16_is_fast, resolve_precision
 
     for flag, value in (("-k", args.k), ("--num-prompts", args.num_prompts)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    cfg = load_config(args.config, args.set)
+    cfg = resolve_precision(load_config(args.config, args.set), bf16_is_fast(torch.device("cpu")))
     k = args.k if args.k is not None else cfg.eval.k
     n = args.num_prompts if args.num_prompts is not None else cfg.eval.num_prompts
     dataset = load_prompt_dataset(

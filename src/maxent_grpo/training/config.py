@@ -86,8 +86,9 @@ class GenerationConfig:
     max_retry_rounds: int = 2
     batch_size: int | None = None
     # Sample from a copy of the policy in this dtype (refreshed after every optimizer
-    # step); null samples from the policy itself.
-    dtype: Literal["float32", "bfloat16"] | None = None
+    # step); null samples from the policy itself; auto: bfloat16 where the device
+    # multiplies it natively, else null (training/precision.py).
+    dtype: Literal["float32", "bfloat16", "auto"] | None = None
 
 
 @dataclass
@@ -163,8 +164,9 @@ class TrainingConfig:
     max_grad_norm: float | None = 1.0
     num_iterations: int = 1
     seed: int = 0
-    # Run forward/backward matmuls in bfloat16 (torch.autocast) over float32 weights.
-    autocast_bf16: bool = False
+    # Run forward/backward matmuls in bfloat16 (torch.autocast) over float32 weights;
+    # auto: where the device multiplies bf16 natively.
+    autocast_bf16: Literal[True, False, "auto"] = False
     # Forward each distinct prompt once per micro-batch and let its G completions
     # attend to the shared keys/values (same gradient up to float rounding).
     share_prompts: bool = True
@@ -459,7 +461,7 @@ def validate(cfg: TrainConfig) -> None:
         _check(bool(r.name), f"rewards[{i}].name", "must not be empty")
     _check(cfg.eval.k >= 1, "eval.k", "must be >= 1")
     _check(
-        g.dtype is None or not cfg.model.lora.enabled,
+        g.dtype in (None, "auto") or not cfg.model.lora.enabled,
         "generation.dtype",
         "a separate generation copy is not supported with model.lora.enabled; set it to null",
     )

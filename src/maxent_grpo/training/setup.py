@@ -25,6 +25,7 @@ from maxent_grpo.training.data import PromptSampler, load_prompt_dataset, split_
 from maxent_grpo.training.distributed import DataParallelPolicy, Dist
 from maxent_grpo.training.methods import method_spec
 from maxent_grpo.training.pipeline import PipelineContext
+from maxent_grpo.training.precision import bf16_is_fast, resolve_precision
 from maxent_grpo.training.trackers import make_trackers
 from maxent_grpo.training.weighting_config import weighting_from_config
 
@@ -108,6 +109,7 @@ def _reference_scorer(cfg: TrainConfig, model, name_or_path: str):
 
 def build_run(cfg: TrainConfig, *, resume: str | bool | None = None) -> Run:
     dist = Dist.init()
+    cfg = resolve_precision(cfg, bf16_is_fast(dist.device))
     output_dir = Path(cfg.logging.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     method = method_spec(cfg)

@@ -1,0 +1,46 @@
+"""Resolve ``auto`` precision settings against the device the run is on.
+
+bfloat16 sampling (``generation.dtype``) and bf16 autocast
+(``training.autocast_bf16``) pay off only where the hardware multiplies bf16
+natively: CUDA devices that support it, and CPUs with AVX-512 BF16 or AMX.
+Elsewhere (an AVX2-only CPU, for one) PyTorch falls back to a reference bf16
+matmul that is many times slower than float32, so ``auto`` means float32 there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from maxent_grpo.training.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+def bf16_is_fast(device: torch.device) -> bool:
+    """Whether ``device`` runs bfloat16 matmuls natively."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return False
+
+
+def resolve_precision(cfg: TrainConfig, fast_bf16: bool) -> TrainConfig:
+    """``cfg`` with every ``auto`` precision replaced: bf16 when ``fast_bf16``, else float32."""
+    g, t = cfg.generation, cfg.training
+    # A LoRA policy samples from itself (config.validate): no copy to make.
+    auto_dtype = "bfloat16" if fast_bf16 and not cfg.model.lora.enabled else None
+    dtype = auto_dtype if g.dtype == "auto" else g.dtype
+    autocast = fast_bf16 if t.autocast_bf16 == "auto" else t.autocast_bf16
+    if (dtype, autocast) == (g.dtype, t.autocast_bf16):
+        return cfg
+    log.info("precision auto (%s bf16): generation.dtype=%s, training.autocast_bf16=%s",
+             "native" if fast_bf16 else "no native", dtype, autocast)
+    return dataclasses.replace(
+        cfg,
+        generation=dataclasses.replace(g, dtype=dtype),
+        training=dataclasses.replace(t, autocast_bf16=autocast),
+    )

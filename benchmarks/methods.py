@@ -55,12 +55,11 @@ def methods_table(rows: list[dict], window: int, samples: int) -> str:
     for r in rows:
         ev = r["eval"]
         pass_at = {int(k): v for k, v in ev["pass_at"].items()}
-        trained = r["step_times"] is not None  # the start model's row has no training cells
         lines.append(
             f"| {r['method']} | {'—' if r['seed'] is None else r['seed']} | {_cell(r['first'], '.3f')} | {_cell(r['last'], '.3f')} "
             f"| {ev['mean_score']:.3f} | {pass_at[1]:.3f} | {pass_at[max(pass_at)]:.3f} "
             f"| {ev['distinct_correct_per_prompt']:.2f} | {ev['format_rate']:.2f} "
-            f"| {_cell(statistics.median(r['step_times']) if trained else None, '.2f')} "
+            f"| {_cell(statistics.median(r['step_times']) if r['step_times'] else None, '.2f')} "
             f"| {_cell(r['wall_s'], '.0f')} |"
         )
     return "\n".join(lines)

@@ -47,6 +47,14 @@ def ours_available() -> str | None:
     return None
 
 
+def ours_vllm_available() -> str | None:
+    """None when our CLI can sample with vLLM here; otherwise why not."""
+    why = ours_available()
+    if why is None and importlib.util.find_spec("vllm") is None:
+        why = "vLLM is not installed in this environment (bash scripts/setup_vllm.sh; run from .venv-vllm)"
+    return why
+
+
 def ours_config(setting: BenchSetting, model_dir: Path, extra: dict | None = None,
                 rows_file: Path | None = None) -> dict:
     """Our trainer's config for ``setting`` (same model, prompts, sampling, rewards, optimizer as TRL).

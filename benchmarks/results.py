@@ -13,7 +13,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SIDES = ("ours", "trl", "floor")
+# ours_vllm: our trainer sampling with an in-process vLLM engine (generation.backend: vllm).
+SIDES = ("ours", "ours_vllm", "trl", "floor")
 
 
 @dataclass

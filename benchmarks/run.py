@@ -9,7 +9,9 @@ sampling, rewards, optimizer and LR (one :class:`BenchSetting` JSON). The
 table reports seconds per optimizer step over the steps after each run's
 first (warm-up) step, ratios to TRL and to the floor, peak RSS (each child's
 own ``ru_maxrss``), generated tokens per second and the process CPU time per
-step. "Ours" is skipped, with the reason printed, only when our CLI is absent.
+step. "Ours" is skipped, with the reason printed, only when our CLI is absent;
+"ours_vllm" (our trainer with ``generation.backend: vllm``) also when vLLM is
+(run it from ``.venv-vllm``: ``.venv-vllm/bin/python benchmarks/run.py --sides ours,ours_vllm,trl,floor``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from benchmarks.children import child_env  # noqa: E402
 from benchmarks.model_paths import resolve_model  # noqa: E402
-from benchmarks.ours import ours_available  # noqa: E402
+from benchmarks.ours import ours_available, ours_vllm_available  # noqa: E402
 from benchmarks.results import SIDES, RunResult, markdown_table, summarize  # noqa: E402
 from benchmarks.settings import BenchSetting, add_setting_args, setting_from_args  # noqa: E402
 from benchmarks.sides import run_side  # noqa: E402
@@ -69,7 +71,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Ours vs TRL vs the floor: seconds per step, peak RSS, tokens/s.")
     add_setting_args(p)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--sides", default=",".join(SIDES), help="comma-separated subset of ours,trl,floor")
+    p.add_argument("--sides", default="ours,trl,floor",
+                   help="comma-separated subset of ours,ours_vllm,trl,floor (ours_vllm: run in .venv-vllm)")
     p.add_argument("--threads", type=int, help="OMP/MKL threads of every child (default: torch's own choice)")
     p.add_argument("--timeout", type=float, help="seconds allowed per child run")
     p.add_argument("--work-dir", type=Path, help="where configs, logs and raw results go (default: a new temp dir)")
@@ -82,11 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     setting = setting_from_args(args)
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     notes = []
-    if "ours" in sides:
-        why = ours_available()
-        if why is not None:
-            sides.remove("ours")
-            notes.append(f"ours skipped: {why}")
+    for side in ("ours", "ours_vllm"):
+        why = ours_available() if side == "ours" else ours_vllm_available()
+        if side in sides and why is not None:
+            sides.remove(side)
+            notes.append(f"{side} skipped: {why}")
             print(notes[-1], file=sys.stderr)
     work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="maxent-bench-"))
     load_before = os.getloadavg()

@@ -22,8 +22,13 @@ def run_side(side: str, setting: BenchSetting, model_dir: Path, work: Path, env:
     work.mkdir(parents=True, exist_ok=True)
     if side == "ours":
         return run_ours(setting, model_dir, work, env, extra=ours_extra, timeout_s=timeout_s)
+    if side == "ours_vllm":
+        extra = {**(ours_extra or {}), "generation": {"backend": "vllm"}}
+        result = run_ours(setting, model_dir, work, env, extra=extra, timeout_s=timeout_s)
+        result.side = "ours_vllm"
+        return result
     if side not in RUNNER_MODULES:
-        raise ValueError(f"side must be one of ours, {', '.join(RUNNER_MODULES)}; got {side!r}")
+        raise ValueError(f"side must be one of ours, ours_vllm, {', '.join(RUNNER_MODULES)}; got {side!r}")
     return _run_module(side, setting, model_dir, work, env, timeout_s, ())
 
 

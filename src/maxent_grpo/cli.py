@@ -76,6 +76,18 @@ RUN/checkpoints/step-N it reproduces RUN/eval/step-N exactly.""",
     ev.add_argument("-k", type=int, default=None, help="samples per prompt (eval.k)")
     ev.add_argument("--output", metavar="DIR", required=True, help="folder for summary.json and completions.jsonl")
 
+    srv = sub.add_parser(
+        "serve", help="start a vLLM server for generation.backend: vllm_server",
+        description="Start vLLM's OpenAI-compatible server with the flags the vllm_server backend needs "
+        "(processed log-probs, the weight-reload endpoints). Arguments after -- go to vLLM unchanged, "
+        "e.g. -- --tensor-parallel-size 2 --gpu-memory-utilization 0.9.",
+    )
+    srv.add_argument("model", help="model name or path (smollm2-135m-instruct for the packaged model)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--dtype", default="auto", help="engine dtype: auto, float32, bfloat16, float16")
+    srv.add_argument("--print-command", action="store_true", help="print the command instead of running it")
+
     rep = sub.add_parser("report", help="plots and an HTML page for runs", description="Plot one run, or overlay several.")
     rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     rep.add_argument("--out", metavar="DIR", help="output folder (default: RUN_DIR/report, or ./report for several runs)")
@@ -119,23 +131,45 @@ def _report(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    import shlex
+
+    from maxent_grpo.models import resolve_model_path
+    from maxent_grpo.rollout.vllm_server import server_command
+
+    cmd, env = server_command(
+        resolve_model_path(args.model), host=args.host, port=args.port, dtype=args.dtype, extra=args.vllm_args
+    )
+    if args.print_command:
+        print("VLLM_SERVER_DEV_MODE=1 " + shlex.join(cmd))
+        return 0
+    os.execvpe(cmd[0], cmd, env)
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean bad input: reported in one line, no traceback."""
     from maxent_grpo.rewards.registry import RewardFunctionError
+    from maxent_grpo.rollout.vllm_server import VLLMServerError
     from maxent_grpo.training.data import DataError
     from maxent_grpo.training.loop import TrainingError
 
-    return (ConfigError, DataError, RewardFunctionError, TrainingError, FileNotFoundError, ValueError)
+    return (ConfigError, DataError, RewardFunctionError, TrainingError, VLLMServerError, FileNotFoundError, ValueError)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after "--" goes to vLLM's server unchanged (serve only).
+    passthrough = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    if passthrough and args.command != "serve":
+        parser.error("arguments after -- are only taken by serve")
+    args.vllm_args = passthrough
     if args.command is None:
         parser.print_help()
         return 2
     logging.basicConfig(level=os.environ.get("MAXENT_GRPO_LOG", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    handler = {"train": _train, "eval": _eval, "report": _report}[args.command]
+    handler = {"train": _train, "eval": _eval, "report": _report, "serve": _serve}[args.command]
     if os.environ.get("MAXENT_GRPO_DEBUG"):
         return handler(args)  # full tracebacks
     try:

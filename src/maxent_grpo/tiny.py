@@ -57,8 +57,14 @@ def build_tiny_tokenizer(vocab_size: int = 512):
     return fast
 
 
-def build_tiny_model(output_dir: str | Path, *, hidden_size: int = 64, num_layers: int = 2, seed: int = 0) -> Path:
-    """Write a tiny random Llama model and its tokenizer to ``output_dir``; return the path."""
+def build_tiny_model(
+    output_dir: str | Path, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, seed: int = 0
+) -> Path:
+    """Write a tiny random Llama model and its tokenizer to ``output_dir``; return the path.
+
+    vLLM's CPU attention needs a head size of at least 32 (``hidden_size / num_heads``):
+    the vLLM tests build ``hidden_size=128, num_heads=2``.
+    """
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -69,8 +75,8 @@ def build_tiny_model(output_dir: str | Path, *, hidden_size: int = 64, num_layer
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=num_heads,
+        num_key_value_heads=max(1, num_heads // 2),
         max_position_embeddings=512,
         tie_word_embeddings=True,
         eos_token_id=tok.eos_token_id,

@@ -30,6 +30,13 @@ from maxent_grpo.core.losses import (
     kl_penalty,
     top_entropy_mask,
 )
+from maxent_grpo.core.rollout_correction import (
+    ROLLOUT_CORRECTIONS,
+    MismatchSums,
+    combine_mismatch_sums,
+    rollout_correction_weights,
+    rollout_mismatch_sums,
+)
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,8 @@ class MicroBatch:
     """One forward/backward's rows. Completion tensors are ``[B, T]`` with ``T = L - prompt_length``.
 
     ``old_logps=None`` means one pass per rollout batch (old = current, detached).
+    ``behaviour_logps`` are the sampler's own log-probs: with them the step
+    measures the sampler/trainer mismatch and applies ``rollout_correction``.
     ``row_weights`` are xDr multipliers on the policy term; ``listwise_weights``
     (``[B]``, whole groups, group-major) and ``listwise_active`` (``[B // G]``
     bool) feed the listwise losses.
@@ -52,6 +61,7 @@ class MicroBatch:
     row_weights: torch.Tensor | None = None
     listwise_weights: torch.Tensor | None = None
     listwise_active: torch.Tensor | None = None
+    behaviour_logps: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 2:
@@ -67,6 +77,7 @@ class MicroBatch:
             "advantages": (self.advantages, (b,)),
             "old_logps": (self.old_logps, bt),
             "ref_logps": (self.ref_logps, bt),
+            "behaviour_logps": (self.behaviour_logps, bt),
             "row_weights": (self.row_weights, (b,)),
             "listwise_weights": (self.listwise_weights, (b,)),
         }
@@ -86,6 +97,9 @@ class LossConfig:
     ``entropy_coef`` is alpha in ``L - alpha * B`` (§6); ``listwise_clip_coef``
     weights the optional clipped term with ``a_i = w_i - 1/G`` for listwise losses.
     ``max_completion_length`` is required by ``loss_type="dr_grpo"``.
+    ``rollout_correction`` / ``rollout_correction_cap``: the importance weight
+    between the sampler and the trainer's old policy on the per-token policy
+    term (``core/rollout_correction.py``); needs behaviour log-probs.
     """
 
     policy_loss: str = "clipped_surrogate"
@@ -95,6 +109,8 @@ class LossConfig:
     temperature: float = 1.0
     entropy_coef: float = 0.0
     listwise_clip_coef: float = 0.0
+    rollout_correction: str = "none"
+    rollout_correction_cap: float = 3.0
 
     def __post_init__(self) -> None:
         if self.policy_loss not in POLICY_LOSSES:
@@ -111,15 +127,24 @@ class LossConfig:
             raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
         if self.listwise_clip_coef < 0:
             raise ValueError(f"listwise_clip_coef must be >= 0, got {self.listwise_clip_coef}")
+        if self.rollout_correction not in ROLLOUT_CORRECTIONS:
+            raise ValueError(f"rollout_correction must be one of {list(ROLLOUT_CORRECTIONS)}, got {self.rollout_correction!r}")
+        if not self.rollout_correction_cap >= 1:
+            raise ValueError(f"rollout_correction_cap must be >= 1, got {self.rollout_correction_cap}")
 
 
 @dataclass(frozen=True)
 class StepResult:
-    """``loss`` is the step loss summed over ranks; metrics are global token / step values."""
+    """``loss`` is the step loss summed over ranks; metrics are global token / step values.
+
+    ``mismatch``: this process's sampler/trainer mismatch statistics (None
+    without behaviour log-probs); the caller combines them over ranks.
+    """
 
     loss: float
     grad_norm: float
     metrics: dict[str, float]
+    mismatch: MismatchSums | None = None
 
 
 # Order of the per-step sums that are all-reduced together at the end.
@@ -161,6 +186,10 @@ def _check_arguments(micro_batches, num_generations, beta, loss_type, epsilon, e
     if loss_type == "dr_grpo" and cfg.max_completion_length is None:
         raise ValueError("loss_config.max_completion_length is required for loss_type='dr_grpo'")
     for k, mb in enumerate(micro_batches):
+        if cfg.rollout_correction != "none" and mb.behaviour_logps is None:
+            raise ValueError(
+                f"micro_batches[{k}].behaviour_logps is required by rollout_correction={cfg.rollout_correction!r}"
+            )
         if beta > 0 and mb.ref_logps is None:
             raise ValueError(f"micro_batches[{k}].ref_logps is required when beta > 0")
         if cfg.max_completion_length is not None and mb.completion_mask.shape[0] > 0:
@@ -239,6 +268,8 @@ def grpo_step(
     policy_loss = POLICY_LOSSES[cfg.policy_loss]
     vocab_size = model.config.get_text_config().vocab_size
     sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=micro_batches[0].input_ids.device)
+    mismatch: list[MismatchSums] = []
+    ratio_level = "sequence" if cfg.rollout_correction.startswith("sequence") else "token"
 
     optimizer.zero_grad()
     for mb in micro_batches:
@@ -258,7 +289,14 @@ def grpo_step(
             ),
             norm,
         )
-        policy_part = aggregate(term.per_token_loss, mask, loss_type, norm) + term.sequence_loss
+        per_token_policy = term.per_token_loss
+        if mb.behaviour_logps is not None:
+            mismatch.append(rollout_mismatch_sums(old, mb.behaviour_logps, mask, level=ratio_level))
+            if cfg.rollout_correction != "none":
+                per_token_policy = per_token_policy * rollout_correction_weights(
+                    old, mb.behaviour_logps, mask, cfg.rollout_correction, cfg.rollout_correction_cap
+                ).to(per_token_policy.dtype)
+        policy_part = aggregate(per_token_policy, mask, loss_type, norm) + term.sequence_loss
         contribution = policy_part
         kl_sum = logp.new_zeros(())
         if mb.ref_logps is not None:
@@ -297,7 +335,10 @@ def grpo_step(
     metrics = _metrics(dict(zip(_SUMS, sums.tolist())), norm, micro_batches[0].ref_logps is not None, cfg,
                        float(grad_norm))
     metrics["time/optimizer"] = time.perf_counter() - t_opt
-    return StepResult(loss=float(sums[0]), grad_norm=float(grad_norm), metrics=metrics)
+    return StepResult(
+        loss=float(sums[0]), grad_norm=float(grad_norm), metrics=metrics,
+        mismatch=combine_mismatch_sums(mismatch) if mismatch else None,
+    )
 
 
 def _metrics(sums: dict[str, float], norm: StepNormalizer, has_reference: bool, cfg: LossConfig,

@@ -76,6 +76,27 @@ class RewardEntry:
 
 
 @dataclass
+class VllmConfig:
+    """Options of the vLLM backends (``generation.backend: vllm | vllm_server``); docs/VLLM.md."""
+
+    # Colocated engine (backend vllm): share of GPU memory the engine may take; ignored on CPU.
+    gpu_memory_utilization: float = 0.3
+    # Longest prompt + completion the engine plans for (null: prompt budget + max_new_tokens is not
+    # known up front, so vLLM's own default, the model's context length).
+    max_model_len: int | None = None
+    # GPU only: offload the engine's weights and free its KV cache while the trainer runs.
+    enable_sleep_mode: bool = False
+    # Server backend: where `maxent-grpo serve` (vLLM's OpenAI-compatible server) listens.
+    server_url: str = "http://127.0.0.1:8000"
+    # How new weights reach the server: disk (safetensors folder, works anywhere) or
+    # nccl (vLLM's weight-transfer endpoints; GPU only).
+    weight_sync: Literal["disk", "nccl"] = "disk"
+    # Folder the disk sync writes into (null: OUTPUT_DIR/vllm_weights); the server must read it.
+    sync_dir: str | None = None
+    request_timeout_s: float = 600.0
+
+
+@dataclass
 class GenerationConfig:
     num_generations: int = 8
     max_new_tokens: int = 64
@@ -89,6 +110,10 @@ class GenerationConfig:
     # step); null samples from the policy itself; auto: bfloat16 where the device
     # multiplies it natively, else null (training/precision.py).
     dtype: Literal["float32", "bfloat16", "auto"] | None = None
+    # The sampler: hf (transformers generate, in process), vllm (one in-process vLLM
+    # engine per process), vllm_server (a vLLM server, e.g. on other GPUs).
+    backend: Literal["hf", "vllm", "vllm_server"] = "hf"
+    vllm: VllmConfig = field(default_factory=VllmConfig)
 
 
 @dataclass
@@ -110,6 +135,9 @@ class LossSection:
     policy_entropy_bonus_coef: float = 0.0
     dynamic_sampling: bool = False
     max_gen_batches: int = 3
+    # Importance weight between the sampler and the trainer on the policy term (ALGORITHMS.md §9).
+    rollout_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
+    rollout_correction_cap: float = 3.0
 
 
 @dataclass
@@ -413,6 +441,15 @@ def validate(cfg: TrainConfig) -> None:
     _check(0 < g.top_p <= 1, "generation.top_p", f"must be in (0, 1], got {g.top_p}")
     _check(g.top_k >= 0, "generation.top_k", f"must be >= 0, got {g.top_k}")
     _check(g.max_retry_rounds >= 0, "generation.max_retry_rounds", "must be >= 0")
+    v = g.vllm
+    _check(0 < v.gpu_memory_utilization <= 1, "generation.vllm.gpu_memory_utilization", "must be in (0, 1]")
+    _check(v.max_model_len is None or v.max_model_len > g.max_new_tokens, "generation.vllm.max_model_len",
+           f"must exceed generation.max_new_tokens={g.max_new_tokens}")
+    _check(v.request_timeout_s > 0, "generation.vllm.request_timeout_s", "must be > 0")
+    _check(v.server_url.startswith(("http://", "https://")), "generation.vllm.server_url",
+           f"must start with http:// or https://, got {v.server_url!r}")
+    _check(g.backend == "hf" or not cfg.model.lora.enabled, "generation.backend",
+           f"{g.backend} cannot push LoRA adapters to the engine yet; use hf with model.lora.enabled")
     _check(t.max_steps >= 1, "training.max_steps", f"must be >= 1, got {t.max_steps}")
     if t.batch_size is not None:
         _check(
@@ -447,6 +484,7 @@ def validate(cfg: TrainConfig) -> None:
     _check(0 < lo.top_entropy_quantile <= 1, "loss.top_entropy_quantile", "must be in (0, 1]")
     _check(lo.entropy_coef >= 0, "loss.entropy_coef", "must be >= 0")
     _check(lo.max_gen_batches >= 1, "loss.max_gen_batches", "must be >= 1")
+    _check(lo.rollout_correction_cap >= 1, "loss.rollout_correction_cap", f"must be >= 1, got {lo.rollout_correction_cap}")
     m = cfg.maxent
     _check(m.tau >= 0, "maxent.tau", f"must be >= 0, got {m.tau}")
     _check(m.q_temperature > 0, "maxent.q_temperature", "must be > 0")

@@ -7,6 +7,7 @@ resume the lines after the checkpoint's step are dropped before appending.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from maxent_grpo.core.rollout_correction import MismatchSums, combine_mismatch_sums, mismatch_metrics
 from maxent_grpo.core.step import StepResult
 from maxent_grpo.training.distributed import Dist
 from maxent_grpo.training.pipeline import PreparedBatch
@@ -49,6 +51,14 @@ def _gathered_mean_std(dist: Dist, values: torch.Tensor) -> tuple[float, float]:
     return float(allv.mean()), float(allv.std()) if allv.numel() > 1 else 0.0
 
 
+def _gathered_mismatch(dist: Dist, local: MismatchSums) -> MismatchSums:
+    """Every rank's mismatch statistics combined (sums added, extremes taken)."""
+    names = [f.name for f in dataclasses.fields(MismatchSums)]
+    flat = dist.gather_floats([getattr(local, n) for n in names])
+    parts = [MismatchSums(*flat[i : i + len(names)]) for i in range(0, len(flat), len(names))]
+    return combine_mismatch_sums(parts)
+
+
 def build_training_metrics_dict(
     prepared: PreparedBatch,
     result: StepResult,
@@ -77,6 +87,8 @@ def build_training_metrics_dict(
     for key, value in result.metrics.items():
         m[key] = dist.mean(value)
     m["grad_norm"] = result.grad_norm
+    if result.mismatch is not None:
+        m.update(mismatch_metrics(_gathered_mismatch(dist, result.mismatch)))
     m["learning_rate"] = learning_rate
     if prepared.weight_stats is not None:
         m["weight_entropy"] = dist.mean(float(prepared.weight_stats.weight_entropy))

@@ -131,6 +131,7 @@ class PreparedBatch:
                     row_weights=rows(self.row_weights, sl),
                     listwise_weights=rows(lw, sl),
                     listwise_active=rows(self.listwise_active, slice(s // g, e // g)),
+                    behaviour_logps=rows(p.behaviour_logps, sl),
                 )
             )
         return out

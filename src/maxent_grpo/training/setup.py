@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import random
@@ -20,7 +21,7 @@ from maxent_grpo.rewards.registry import build_reward_spec
 from maxent_grpo.rollout.backend import SamplingParams
 from maxent_grpo.rollout.hf import HFGenerationBackend
 from maxent_grpo.training.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
-from maxent_grpo.training.config import TrainConfig, save_config, to_dict
+from maxent_grpo.training.config import ConfigError, TrainConfig, save_config, to_dict
 from maxent_grpo.training.data import PromptSampler, load_prompt_dataset, split_train_eval
 from maxent_grpo.training.distributed import DataParallelPolicy, Dist
 from maxent_grpo.training.methods import method_spec
@@ -107,6 +108,51 @@ def _reference_scorer(cfg: TrainConfig, model, name_or_path: str):
     return score
 
 
+def _check_backend_available(cfg: TrainConfig) -> None:
+    """Fail before the model loads when the chosen generation backend cannot run here."""
+    g = cfg.generation
+    if g.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "generation.backend: vllm needs the vllm package: pip install 'maxent-grpo[vllm]' on a GPU machine, "
+            "or bash scripts/setup_vllm.sh for vLLM's CPU build"
+        )
+    if g.backend == "vllm_server" and g.vllm.weight_sync == "nccl":
+        raise ConfigError(
+            "generation.vllm.weight_sync: nccl is not implemented in this version (docs/VLLM.md); use disk"
+        )
+    if g.backend == "vllm_server":
+        from maxent_grpo.rollout.vllm_server import served_model
+
+        served_model(g.vllm.server_url, timeout_s=g.vllm.request_timeout_s)  # reachable, one model
+
+
+def _generation_backend(cfg: TrainConfig, model, tokenizer, model_path: str, output_dir: Path, dist: Dist):
+    g = cfg.generation
+    sample_dtype = None if g.dtype is None else parse_dtype(g.dtype)
+    if g.backend == "hf":
+        return HFGenerationBackend(
+            model, tokenizer, batch_size=g.batch_size, dtype=sample_dtype, share_prompts=cfg.training.share_prompts,
+        )
+    if g.backend == "vllm":
+        from maxent_grpo.rollout.vllm_colocate import VLLMColocateBackend
+
+        return VLLMColocateBackend(
+            model_path, tokenizer, model_dtype=model.dtype, sample_dtype=sample_dtype,
+            gpu_memory_utilization=g.vllm.gpu_memory_utilization, max_model_len=g.vllm.max_model_len,
+            enable_sleep_mode=g.vllm.enable_sleep_mode, world_size=dist.world_size, seed=cfg.training.seed,
+        )
+    from maxent_grpo.rollout.vllm_server import VLLMServerBackend
+
+    backend = VLLMServerBackend(
+        g.vllm.server_url, tokenizer,
+        sync_dir=g.vllm.sync_dir if g.vllm.sync_dir is not None else output_dir / "vllm_weights",
+        is_main=dist.is_main, barrier=dist.barrier, timeout_s=g.vllm.request_timeout_s,
+    )
+    # The server may still hold another run's weights: start it from this policy.
+    backend.sync_weights(model)
+    return backend
+
+
 def build_run(cfg: TrainConfig, *, resume: str | bool | None = None) -> Run:
     dist = Dist.init()
     cfg = resolve_precision(cfg, bf16_is_fast(dist.device))
@@ -125,6 +171,7 @@ def build_run(cfg: TrainConfig, *, resume: str | bool | None = None) -> Run:
     if cfg.data.eval_size > 0:
         train_ds, eval_ds = split_train_eval(dataset, cfg.data.eval_size, cfg.training.seed)
     reward_spec = build_reward_spec(cfg.rewards)
+    _check_backend_available(cfg)
     model_path = resolve_model_path(cfg.model.name_or_path)
     if dist.is_main:
         save_config(cfg, output_dir / "config.yaml")
@@ -162,10 +209,7 @@ def build_run(cfg: TrainConfig, *, resume: str | bool | None = None) -> Run:
     )
     ctx = PipelineContext(
         cfg=cfg, method=method, model=model, tokenizer=tokenizer,
-        backend=HFGenerationBackend(
-            model, tokenizer, batch_size=g.batch_size, dtype=None if g.dtype is None else parse_dtype(g.dtype),
-            share_prompts=cfg.training.share_prompts,
-        ),
+        backend=_generation_backend(cfg, model, tokenizer, model_path, output_dir, dist),
         sampling=sampling, reward_spec=reward_spec, weighting=weighting_from_config(cfg), dist=dist,
         reference_logps=reference,
     )
@@ -173,6 +217,7 @@ def build_run(cfg: TrainConfig, *, resume: str | bool | None = None) -> Run:
         policy_loss=method.policy_loss, kl_estimator=cfg.loss.kl_estimator, dual_clip=cfg.loss.dual_clip,
         max_completion_length=g.max_new_tokens, temperature=g.temperature,
         entropy_coef=cfg.loss.entropy_coef, listwise_clip_coef=cfg.maxent.listwise_clip_coef,
+        rollout_correction=cfg.loss.rollout_correction, rollout_correction_cap=cfg.loss.rollout_correction_cap,
     )
     run = Run(
         cfg=cfg, output_dir=output_dir, ctx=ctx, train_model=train_model, optimizer=optimizer,

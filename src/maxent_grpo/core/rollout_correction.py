@@ -1,0 +1,170 @@
+"""Sampler/trainer mismatch: metrics and the truncated or masked importance correction (ALGORITHMS.md §9).
+
+The generator (a vLLM engine, a bf16 sampling copy) is not exactly the policy
+being trained, so the completions are drawn from ``pi_gen`` while the loss is
+written for ``pi_old``, the trainer's policy at rollout time. Per completion
+token, with ``d[i,t] = logp_old[i,t] - logp_gen[i,t]``:
+
+* token ratio ``rho[i,t] = exp(d[i,t])``; sequence ratio ``rho_i = exp(sum_t m*d)``
+  (the product of the token ratios, as in TRL);
+* ``*_truncate``: weight ``min(rho, C)`` (truncated IS, TRL's default, cap 3);
+  ``*_mask``: weight ``1`` where ``rho <= C`` and ``0`` above, so an outlier
+  token or sequence is dropped from the policy term rather than down-weighted
+  (TRL's ``token_mask`` / ``sequence_mask``; only the upper side is bounded).
+
+The weights are detached and multiply the per-token *policy* term only (the KL
+and entropy terms are not importance-weighted), as TRL and verl do.
+
+Metric definitions follow their sources: TRL's
+``sampling/sampling_logp_difference/{mean,max}`` = token mean / max of ``|d|``
+and ``sampling/importance_sampling_ratio/{min,mean,max}`` of the raw ratio at
+the correction's level (token ratios when correction is off); NeMo-RL's
+``token_mult_prob_error`` = token mean of ``exp(|d|)``, ``gen_kl_error`` =
+token mean of the k3 estimate ``exp(d) - d - 1`` of ``KL(pi_gen || pi_old)``
+(samples come from ``pi_gen``), and per sequence ``exp(mean_t |d|)``
+(``seq_mult_prob_error/{mean,max}``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def _check(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor) -> None:
+    if old_logp.dim() != 2:
+        raise ValueError(f"old_logp must be [B, T], got shape {tuple(old_logp.shape)}")
+    if behaviour_logp.shape != old_logp.shape or mask.shape != old_logp.shape:
+        raise ValueError(
+            f"behaviour_logp {tuple(behaviour_logp.shape)} and mask {tuple(mask.shape)} "
+            f"must match old_logp {tuple(old_logp.shape)}"
+        )
+
+
+def _sequence_log_ratio(d: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (d * mask).sum(-1)
+
+
+def rollout_correction_weights(
+    old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, mode: str, cap: float
+) -> torch.Tensor:
+    """Detached importance weights ``[B, T]`` for the policy term (1 everywhere for ``mode="none"``).
+
+    old_logp, behaviour_logp, mask: ``[B, T]``; padding positions get weight 1
+    (the aggregators multiply by the mask anyway).
+    """
+    if mode not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"mode must be one of {list(ROLLOUT_CORRECTIONS)}, got {mode!r}")
+    if not cap >= 1:
+        raise ValueError(f"cap must be >= 1, got {cap}")
+    _check(old_logp, behaviour_logp, mask)
+    if mode == "none":
+        return torch.ones_like(old_logp)
+    m = mask.to(old_logp.dtype)
+    d = (old_logp.detach() - behaviour_logp.to(old_logp.dtype)) * m
+    level, kind = mode.split("_")
+    log_ratio = d if level == "token" else _sequence_log_ratio(d, m)[:, None].expand_as(d)
+    # Compare in log space: exp of a long sequence's log-ratio can overflow to inf.
+    over = log_ratio > torch.log(torch.tensor(cap, dtype=log_ratio.dtype, device=log_ratio.device))
+    if kind == "truncate":
+        weight = torch.where(over, torch.full_like(d, cap), torch.exp(log_ratio))
+    else:
+        weight = torch.where(over, torch.zeros_like(d), torch.ones_like(d))
+    return torch.where(m > 0, weight, torch.ones_like(weight)).detach()
+
+
+@dataclass(frozen=True)
+class MismatchSums:
+    """Additive and extreme statistics of one process's mismatch; combined over ranks before dividing.
+
+    ``ratio_*`` describe the raw ratio at ``level`` (token: over tokens;
+    sequence: over sequences with at least one token).
+    """
+
+    tokens: float
+    sequences: float
+    abs_diff_sum: float
+    abs_diff_max: float
+    mult_prob_error_sum: float
+    gen_kl_sum: float
+    seq_mult_prob_error_sum: float
+    seq_mult_prob_error_max: float
+    ratio_count: float
+    ratio_sum: float
+    ratio_min: float
+    ratio_max: float
+
+
+def rollout_mismatch_sums(
+    old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, *, level: str = "token"
+) -> MismatchSums:
+    """Mismatch statistics of ``[B, T]`` log-probs (module notes), as sums and extremes over this batch."""
+    if level not in ("token", "sequence"):
+        raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
+    _check(old_logp, behaviour_logp, mask)
+    m = mask.detach().to(torch.float64)
+    on = m > 0
+    d = (old_logp.detach().to(torch.float64) - behaviour_logp.detach().to(torch.float64)) * m
+    ad = d.abs()
+    lengths = m.sum(-1)
+    rows = lengths > 0
+    seq_err = torch.exp(ad.sum(-1)[rows] / lengths[rows])
+    if level == "token":
+        ratio = torch.exp(d[on])
+    else:
+        ratio = torch.exp(_sequence_log_ratio(d, m)[rows])
+
+    def ext(t: torch.Tensor, fn, empty: float) -> float:
+        return float(fn(t)) if t.numel() else empty
+
+    return MismatchSums(
+        tokens=float(m.sum()),
+        sequences=float(rows.sum()),
+        abs_diff_sum=float(ad.sum()),
+        abs_diff_max=ext(ad[on], torch.max, 0.0),  # |d| >= 0
+        mult_prob_error_sum=float(torch.exp(ad[on]).sum()),
+        gen_kl_sum=float((torch.expm1(d[on]) - d[on]).sum()),
+        seq_mult_prob_error_sum=float(seq_err.sum()),
+        seq_mult_prob_error_max=ext(seq_err, torch.max, 1.0),  # exp(|.|) >= 1
+        ratio_count=float(ratio.numel()),
+        ratio_sum=float(ratio.sum()),
+        ratio_min=ext(ratio, torch.min, math.inf),
+        ratio_max=ext(ratio, torch.max, 0.0),  # ratios are > 0
+    )
+
+
+# How each field of MismatchSums combines; the empty batch's values are these operations' identities.
+_MAX_FIELDS = ("abs_diff_max", "seq_mult_prob_error_max", "ratio_max")
+_MIN_FIELDS = ("ratio_min",)
+
+
+def combine_mismatch_sums(parts: list[MismatchSums]) -> MismatchSums:
+    """Sum the additive fields and take the extremes over ``parts`` (micro-batches or ranks)."""
+    if not parts:
+        raise ValueError("parts must not be empty")
+    out = {}
+    for f in dataclasses.fields(MismatchSums):
+        values = [getattr(p, f.name) for p in parts]
+        out[f.name] = max(values) if f.name in _MAX_FIELDS else min(values) if f.name in _MIN_FIELDS else sum(values)
+    return MismatchSums(**out)
+
+
+def mismatch_metrics(s: MismatchSums) -> dict[str, float]:
+    """The logged names (TRL's and NeMo-RL's) from combined sums."""
+    tokens, seqs, ratios = max(s.tokens, 1.0), max(s.sequences, 1.0), max(s.ratio_count, 1.0)
+    return {
+        "sampling/sampling_logp_difference/mean": s.abs_diff_sum / tokens,
+        "sampling/sampling_logp_difference/max": s.abs_diff_max,
+        "sampling/importance_sampling_ratio/min": s.ratio_min if s.ratio_count else 1.0,
+        "sampling/importance_sampling_ratio/mean": s.ratio_sum / ratios if s.ratio_count else 1.0,
+        "sampling/importance_sampling_ratio/max": s.ratio_max if s.ratio_count else 1.0,
+        "token_mult_prob_error": s.mult_prob_error_sum / tokens if s.tokens else 1.0,
+        "gen_kl_error": s.gen_kl_sum / tokens,
+        "seq_mult_prob_error/mean": s.seq_mult_prob_error_sum / seqs if s.sequences else 1.0,
+        "seq_mult_prob_error/max": s.seq_mult_prob_error_max,
+    }

@@ -1,0 +1,168 @@
+"""Generation by a vLLM server (``generation.backend: vllm_server``): a thin client of vLLM's own API.
+
+The server is vLLM's OpenAI-compatible server, started by ``maxent-grpo serve``
+(``python -m vllm.entrypoints.openai.api_server`` with the flags this client
+relies on: ``--logprobs-mode processed_logprobs`` and ``VLLM_SERVER_DEV_MODE=1``
+for the ``/collective_rpc`` and ``/reset_prefix_cache`` endpoints). We write no
+server of our own.
+
+Requests: one ``/v1/completions`` call per prompt (token-id prompt, ``n``,
+its own ``seed``, ``logprobs: 0``, ``return_tokens_as_token_ids``), sent
+concurrently. Weight sync after each optimizer step:
+
+* ``disk`` (anywhere): the main process writes the weights as safetensors into
+  a fresh folder (renamed into place when complete, so the server never reads
+  half a file), asks the server to ``reload_weights`` from it through
+  ``/collective_rpc``, then ``/reset_prefix_cache``; the previous folder is
+  removed. The folder must be readable by the server (same machine or shared
+  file system).
+* ``nccl`` (GPU only): vLLM's weight-transfer endpoints over NCCL; not
+  available in this build (docs/VLLM.md says why it was not tested).
+
+Every process sends its own prompts; only the main process pushes weights,
+and ``barrier`` keeps the others from sampling before the push has finished.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import save_file
+
+from maxent_grpo.rollout.backend import PromptGroup, SamplingParams
+from maxent_grpo.rollout.vllm_common import full_state_items, request_seeds, sampling_kwargs, to_completion
+
+log = logging.getLogger("maxent_grpo")
+
+
+def server_command(
+    model_path: str, *, host: str = "127.0.0.1", port: int = 8000, dtype: str = "auto", extra: list[str] = (),
+    python: str = sys.executable,
+) -> tuple[list[str], dict[str, str]]:
+    """The command and environment that start vLLM's server the way this client expects it.
+
+    ``python -m vllm.entrypoints.openai.api_server`` rather than the ``vllm``
+    command, which fails on vLLM's CPU build (a package-metadata lookup);
+    ``VLLM_SERVER_DEV_MODE=1`` turns on ``/collective_rpc`` and ``/reset_prefix_cache``.
+    """
+    cmd = [
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
+        "--host", host, "--port", str(port), "--dtype", dtype, "--logprobs-mode", "processed_logprobs",
+        *extra,
+    ]
+    return cmd, {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+
+
+class VLLMServerError(RuntimeError):
+    """The server could not be reached or answered with an error; the message has its URL and reply."""
+
+
+def _request(base_url: str, method: str, path: str, body: dict | None, timeout_s: float) -> dict:
+    url = base_url.rstrip("/") + path
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            raw = resp.read()
+    except urllib.error.HTTPError as err:
+        raise VLLMServerError(f"{method} {url}: HTTP {err.code}: {err.read().decode(errors='replace')[:500]}") from None
+    except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
+        raise VLLMServerError(f"{method} {url}: {err} (is `maxent-grpo serve` running there?)") from None
+    return json.loads(raw) if raw.strip() else {}
+
+
+def served_model(base_url: str, *, timeout_s: float = 30.0) -> str:
+    """The name of the one model the server at ``base_url`` serves (an error if none or several)."""
+    models = _request(base_url, "GET", "/v1/models", None, timeout_s)["data"]
+    if len(models) != 1:
+        raise VLLMServerError(f"{base_url} serves {len(models)} models; this client needs exactly one")
+    return models[0]["id"]
+
+
+class VLLMServerBackend:
+    def __init__(
+        self, base_url: str, tokenizer, *, sync_dir: str | Path, is_main: bool = True,
+        barrier: Callable[[], None] | None = None, timeout_s: float = 600.0, max_concurrency: int = 64,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.tokenizer = tokenizer
+        self.sync_dir = Path(sync_dir)
+        self.is_main = is_main
+        self.barrier = barrier
+        self.timeout_s = timeout_s
+        self.max_concurrency = max_concurrency
+        self._pushes = 0
+        self.model_name = served_model(self.base_url, timeout_s=timeout_s)
+
+    def _request(self, method: str, path: str, body: dict | None = None) -> dict:
+        return _request(self.base_url, method, path, body, self.timeout_s)
+
+    # ------------------------------------------------------------ generation
+
+    def generate(self, prompts: list[str], num_generations: int, params: SamplingParams) -> list[PromptGroup]:
+        if not prompts or not all(isinstance(p, str) and p for p in prompts):
+            raise ValueError("prompts must be a non-empty list of non-empty strings")
+        prompt_ids = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+        seeds = request_seeds(len(prompts), num_generations)
+        bodies = [
+            {
+                "model": self.model_name,
+                "prompt": list(ids),
+                "return_tokens_as_token_ids": True,
+                **sampling_kwargs(params, num_generations, seed),
+            }
+            for ids, seed in zip(prompt_ids, seeds)
+        ]
+        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(bodies))) as pool:
+            replies = list(pool.map(lambda b: self._request("POST", "/v1/completions", b), bodies))
+        return [
+            PromptGroup(prompt=prompt, prompt_ids=list(ids), completions=self._completions(reply))
+            for prompt, ids, reply in zip(prompts, prompt_ids, replies)
+        ]
+
+    def _completions(self, reply: dict):
+        choices = sorted(reply["choices"], key=lambda c: c["index"])
+        out = []
+        for c in choices:
+            lp = c["logprobs"]
+            # return_tokens_as_token_ids spells each token "token_id:<id>".
+            ids = [int(tok.rsplit(":", 1)[1]) for tok in lp["tokens"]]
+            out.append(to_completion(self.tokenizer, ids, [float(x) for x in lp["token_logprobs"]], c["finish_reason"]))
+        return out
+
+    # ------------------------------------------------------------ weights
+
+    def sync_weights(self, policy: torch.nn.Module) -> None:
+        items = list(full_state_items(policy))  # every rank takes part in gathering sharded weights
+        if self.is_main:
+            folder = self._write(items)
+            self._request("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
+            self._request("POST", "/reset_prefix_cache")
+            for old in self.sync_dir.glob("weights-*"):
+                if old != folder:
+                    shutil.rmtree(old)
+        if self.barrier is not None:
+            self.barrier()
+
+    def _write(self, items) -> Path:
+        self._pushes += 1
+        final = self.sync_dir / f"weights-{self._pushes:06d}"
+        tmp = self.sync_dir / f".tmp-weights-{self._pushes:06d}"
+        for stale in (tmp, final):  # left by an earlier run in this folder
+            if stale.exists():
+                shutil.rmtree(stale)
+        tmp.mkdir(parents=True)
+        # safetensors refuses tensors sharing storage (a tied head): save a copy of each.
+        save_file({name: t.contiguous().clone().cpu() for name, t in items}, str(tmp / "model.safetensors"))
+        tmp.replace(final)
+        return final

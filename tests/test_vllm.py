@@ -1,0 +1,293 @@
+"""The vLLM generation backends, on vLLM's CPU build (``.venv-vllm``; ``scripts/test.sh`` runs them).
+
+Real engines on a tiny model whose head size vLLM's CPU attention supports:
+log-prob parity with the trainer, weight pushes (tied head, prefix cache),
+seeds, stop strings, the bf16 mismatch, the server with disk sync, two
+colocated processes, and a short training run that learns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/test.sh runs these tests in .venv-vllm")
+
+from maxent_grpo.cli import main  # noqa: E402
+from maxent_grpo.core.logprobs import get_per_token_logps  # noqa: E402
+from maxent_grpo.core.rollout_correction import mismatch_metrics, rollout_mismatch_sums  # noqa: E402
+from maxent_grpo.rollout.backend import SamplingParams, build_rollout_batch, pack_rollout  # noqa: E402
+from maxent_grpo.rollout.vllm_common import full_state_items  # noqa: E402
+from maxent_grpo.rollout.vllm_colocate import VLLMColocateBackend  # noqa: E402
+from maxent_grpo.rollout.vllm_server import VLLMServerBackend, server_command  # noqa: E402
+from maxent_grpo.training.metrics import read_metrics  # noqa: E402
+from tiny_runs import tiny_overrides  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+TEMPERATURE = 0.7
+
+
+@pytest.fixture(scope="module")
+def vllm_model_dir(tmp_path_factory):
+    from maxent_grpo.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-vllm"), hidden_size=128, num_heads=2)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(vllm_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(vllm_model_dir)
+
+
+def _policy(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_model_dir, tokenizer):
+    return VLLMColocateBackend(vllm_model_dir, tokenizer, model_dtype=torch.float32)
+
+
+def _prompt(tokenizer, text="What is 3 + 4?"):
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+
+
+def _trainer_vs_sampler(model, groups, g, pad_id):
+    """(trainer log-probs, sampler log-probs, mask) of the sampled completions."""
+    packed = pack_rollout(build_rollout_batch(groups, g), pad_id)
+    with torch.no_grad():
+        lp = get_per_token_logps(model, packed.input_ids, packed.attention_mask, packed.prompt_length,
+                                 temperature=TEMPERATURE)
+    return lp, packed.behaviour_logps, packed.completion_mask
+
+
+def _max_diff(model, groups, g, pad_id) -> float:
+    lp, behaviour, mask = _trainer_vs_sampler(model, groups, g, pad_id)
+    assert mask.sum() > 0
+    return float(((lp - behaviour).abs() * mask).max())
+
+
+SAMPLING = SamplingParams(max_new_tokens=12, temperature=TEMPERATURE)
+
+
+def test_fp32_logprobs_match_the_trainer(engine, vllm_model_dir, tokenizer):
+    """processed_logprobs: the sampler's log-probs are the trainer's at temperature != 1."""
+    model = _policy(vllm_model_dir)
+    groups = engine.generate([_prompt(tokenizer), _prompt(tokenizer, "What is 10 + 2?")], 4, SAMPLING)
+    assert [len(g.completions) for g in groups] == [4, 4]
+    assert _max_diff(model, groups, 4, tokenizer.pad_token_id) < 1e-5
+
+
+def test_weight_push_then_generation_follows_the_new_weights(engine, vllm_model_dir, tokenizer):
+    """Perturb every weight (the tied embedding / head included), push, and sample from the new model."""
+    model = _policy(vllm_model_dir)
+    assert "lm_head.weight" in dict(full_state_items(model))  # the tied head is pushed explicitly
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    try:
+        engine.sync_weights(model)
+        groups = engine.generate([_prompt(tokenizer)], 4, SAMPLING)
+        assert _max_diff(model, groups, 4, tokenizer.pad_token_id) < 1e-5
+        # and not the old weights
+        assert _max_diff(_policy(vllm_model_dir), groups, 4, tokenizer.pad_token_id) > 1e-2
+    finally:
+        engine.sync_weights(_policy(vllm_model_dir))
+
+
+def test_head_only_change_reaches_the_engine(engine, vllm_model_dir, tokenizer):
+    """A change to the tied embedding alone must reach the output head (a named_parameters() push misses it)."""
+    model = _policy(vllm_model_dir)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(3.0)
+    try:
+        engine.sync_weights(model)
+        groups = engine.generate([_prompt(tokenizer)], 4, SAMPLING)
+        assert _max_diff(model, groups, 4, tokenizer.pad_token_id) < 1e-5
+    finally:
+        engine.sync_weights(_policy(vllm_model_dir))
+
+
+def test_long_prompt_is_not_served_from_a_stale_prefix_cache(engine, vllm_model_dir, tokenizer):
+    """Prompts over two KV blocks (256+ tokens on CPU) are cached; a push must drop them."""
+    long_prompt = _prompt(tokenizer, " ".join(f"{i} + {i % 7} = {i + i % 7}." for i in range(60)))
+    assert len(tokenizer(long_prompt, add_special_tokens=False)["input_ids"]) > 300
+    engine.generate([long_prompt], 2, SAMPLING)  # fills the prefix cache under the old weights
+    model = _policy(vllm_model_dir)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    try:
+        engine.sync_weights(model)
+        groups = engine.generate([long_prompt], 2, SAMPLING)
+        assert _max_diff(model, groups, 2, tokenizer.pad_token_id) < 1e-5
+    finally:
+        engine.sync_weights(_policy(vllm_model_dir))
+
+
+def test_seeds_come_from_torch_rng(engine, tokenizer):
+    """Same torch seed, same samples (a resumed step repeats itself); another seed, other samples."""
+    prompts = [_prompt(tokenizer)]
+
+    def sample(seed):
+        torch.manual_seed(seed)
+        return [c.token_ids for c in engine.generate(prompts, 4, SAMPLING)[0].completions]
+
+    first, again, other = sample(3), sample(3), sample(4)
+    assert first == again
+    assert first != other
+    assert len({tuple(t) for t in first}) > 1  # the n samples of a request differ
+
+
+def test_stop_string_is_kept_and_ends_the_completion(engine, tokenizer):
+    params = SamplingParams(max_new_tokens=24, temperature=TEMPERATURE, stop=("1",))
+    torch.manual_seed(0)
+    comps = [c for g in engine.generate([_prompt(tokenizer)] * 4, 4, params) for c in g.completions]
+    stopped = [c for c in comps if c.finish_reason == "stop"]
+    assert stopped, "no sample produced the stop string"
+    for c in stopped:
+        assert "1" in c.text
+        # the last token completed the stop string: without it the text has none
+        prefix = tokenizer.decode(c.token_ids[:-1], skip_special_tokens=True)
+        assert "1" not in prefix or c.token_ids[-1] == tokenizer.eos_token_id
+
+
+def test_bf16_sampler_shows_a_mismatch_and_fp32_none(engine, vllm_model_dir, tokenizer):
+    model = _policy(vllm_model_dir)
+    prompts = [_prompt(tokenizer), _prompt(tokenizer, "What is 10 + 2?")]
+    fp32 = mismatch_metrics(rollout_mismatch_sums(*_trainer_vs_sampler(
+        model, engine.generate(prompts, 4, SAMPLING), 4, tokenizer.pad_token_id)))
+    bf16_engine = VLLMColocateBackend(vllm_model_dir, tokenizer, model_dtype=torch.float32, sample_dtype=torch.bfloat16)
+    bf16 = mismatch_metrics(rollout_mismatch_sums(*_trainer_vs_sampler(
+        model, bf16_engine.generate(prompts, 4, SAMPLING), 4, tokenizer.pad_token_id)))
+    del bf16_engine
+    assert fp32["sampling/sampling_logp_difference/max"] < 1e-5
+    assert abs(fp32["token_mult_prob_error"] - 1) < 1e-5
+    assert bf16["sampling/sampling_logp_difference/max"] > 1e-3
+    assert bf16["token_mult_prob_error"] > 1 + 1e-4
+    assert bf16["gen_kl_error"] > 0
+
+
+# ------------------------------------------------------------------ server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(vllm_model_dir, tmp_path_factory):
+    port = _free_port()
+    cmd, env = server_command(vllm_model_dir, port=port, dtype="float32")
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"vLLM server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=2) as resp:
+                if json.loads(resp.read())["data"]:
+                    break
+        except OSError:
+            time.sleep(1)
+    else:
+        proc.kill()
+        pytest.fail(f"vLLM server did not start in 300 s:\n{log.read_text()[-3000:]}")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+def test_server_generates_and_takes_weights_from_disk(server, vllm_model_dir, tokenizer, tmp_path):
+    backend = VLLMServerBackend(server, tokenizer, sync_dir=tmp_path / "sync")
+    model = _policy(vllm_model_dir)
+    groups = backend.generate([_prompt(tokenizer), _prompt(tokenizer, "What is 10 + 2?")], 4, SAMPLING)
+    assert [len(g.completions) for g in groups] == [4, 4]
+    assert _max_diff(model, groups, 4, tokenizer.pad_token_id) < 1e-5
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    backend.sync_weights(model)
+    assert [p.name for p in (tmp_path / "sync").iterdir()] == ["weights-000001"]  # written whole, one kept
+    groups = backend.generate([_prompt(tokenizer)], 4, SAMPLING)
+    assert _max_diff(model, groups, 4, tokenizer.pad_token_id) < 1e-5
+    backend.sync_weights(_policy(vllm_model_dir))
+    assert [p.name for p in (tmp_path / "sync").iterdir()] == ["weights-000002"]
+
+
+def test_unreachable_server_is_one_line(vllm_model_dir, tmp_path, capsys):
+    args = tiny_overrides(vllm_model_dir, tmp_path / "run", rewards="[{name: boxed_accuracy}]", extra=[
+        "generation.backend=vllm_server", f"generation.vllm.server_url=http://127.0.0.1:{_free_port()}",
+        "generation.vllm.request_timeout_s=5",
+    ])
+    assert main(["train", *args]) == 1
+    err = capsys.readouterr().err
+    ours = [line for line in err.splitlines() if line.startswith("maxent-grpo:")]
+    assert len(ours) == 1 and "127.0.0.1" in ours[0] and "Traceback" not in err, err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# ------------------------------------------------------------------ training
+
+
+def test_training_with_vllm_learns(vllm_model_dir, tmp_path):
+    """The learnable task of test_train, sampled by an in-process engine: the reward rises."""
+    out = tmp_path / "run"
+    args = tiny_overrides(vllm_model_dir, out, rewards="[{name: 'learnable_rewards:shortness'}]", steps=16, extra=[
+        "method=grpo",
+        "generation.backend=vllm",
+        "generation.max_new_tokens=16",
+        "generation.num_generations=8",
+        "training.prompts_per_step=4",
+        "training.micro_batch_size=8",
+        "training.learning_rate=0.01",
+        "loss.rollout_correction=token_truncate",
+    ])
+    assert main(["train", *args]) == 0
+    rows = read_metrics(out / "metrics.jsonl")
+    rewards = [r["reward"] for r in rows]
+    assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.3, rewards
+    # fp32 engine and trainer: the sampler is the policy, step after step (weights pushed every step)
+    assert max(r["sampling/sampling_logp_difference/max"] for r in rows) < 1e-4
+
+
+def test_two_colocated_processes(vllm_model_dir, tmp_path):
+    """torchrun, two ranks, one engine each (external_launcher): both engines sample and take weight pushes."""
+    out = tmp_path / "run"
+    args = tiny_overrides(vllm_model_dir, out, rewards="[{name: 'learnable_rewards:shortness'}]", steps=2, extra=[
+        "generation.backend=vllm", "logging.log_completions_every=1",
+    ])
+    env = {**os.environ, "MAXENT_GRPO_LOG": "WARNING", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "maxent_grpo.cli", "train", *args],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in rows)
+    assert json.loads((out / "run_info.json").read_text())["world_size"] == 2

@@ -9,7 +9,9 @@ builds the backend (model load, and for vLLM the engine start), generates
 times (the first is warm-up), and pushes the fp32 policy's weights into the
 sampler ``reps`` times (vLLM: ``reload_weights`` + prefix-cache reset; HF bf16:
 the copy's ``load_state_dict``; HF fp32 samples from the policy itself, nothing
-to push). Printed: start seconds, completion tokens per second (median over the
+to push). ``vllm_eager`` is the engine with ``enforce_eager`` (no compilation).
+``--variants hf:float32,vllm:float32`` picks a subset (bf16 is very slow on a
+CPU without native bf16). Printed: start seconds, completion tokens per second (median over the
 timed calls), push seconds (median), peak RSS.
 """
 
@@ -27,7 +29,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-VARIANTS = (("hf", "float32"), ("hf", "bfloat16"), ("vllm", "float32"), ("vllm", "bfloat16"))
+# vllm_eager: the engine without graph compilation (generation.vllm.enforce_eager).
+VARIANTS = (("hf", "float32"), ("vllm", "float32"), ("vllm_eager", "float32"),
+            ("hf", "bfloat16"), ("vllm", "bfloat16"))
 
 
 def _prompts(tokenizer, n: int) -> list[str]:
@@ -56,7 +60,8 @@ def child(args) -> dict:
     else:
         from maxent_grpo.rollout.vllm_colocate import VLLMColocateBackend
 
-        backend = VLLMColocateBackend(path, tokenizer, model_dtype=policy.dtype, sample_dtype=sample_dtype)
+        backend = VLLMColocateBackend(path, tokenizer, model_dtype=policy.dtype, sample_dtype=sample_dtype,
+                                      enforce_eager=args.backend == "vllm_eager")
     start_s = time.perf_counter() - t0
     prompts = _prompts(tokenizer, args.prompts)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0)

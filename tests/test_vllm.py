@@ -46,9 +46,13 @@ def vllm_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokenizer(vllm_model_dir):
+    return tokenizer_of(vllm_model_dir)
+
+
+def tokenizer_of(model_dir):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(vllm_model_dir)
+    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def _policy(model_dir):
@@ -57,9 +61,19 @@ def _policy(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
 
+def _perturbed_policy(model_dir, seed):
+    """The policy with every weight (the tied embedding / head included) moved a little."""
+    model = _policy(model_dir)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
 @pytest.fixture(scope="module")
 def engine(vllm_model_dir, tokenizer):
-    return VLLMColocateBackend(vllm_model_dir, tokenizer, model_dtype=torch.float32)
+    return VLLMColocateBackend(vllm_model_dir, tokenizer, model_dtype=torch.float32, enforce_eager=True)
 
 
 def _prompt(tokenizer, text="What is 3 + 4?"):
@@ -94,12 +108,8 @@ def test_fp32_logprobs_match_the_trainer(engine, vllm_model_dir, tokenizer):
 
 def test_weight_push_then_generation_follows_the_new_weights(engine, vllm_model_dir, tokenizer):
     """Perturb every weight (the tied embedding / head included), push, and sample from the new model."""
-    model = _policy(vllm_model_dir)
+    model = _perturbed_policy(vllm_model_dir, 0)
     assert "lm_head.weight" in dict(full_state_items(model))  # the tied head is pushed explicitly
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
     try:
         engine.sync_weights(model)
         groups = engine.generate([_prompt(tokenizer)], 4, SAMPLING)
@@ -128,11 +138,7 @@ def test_long_prompt_is_not_served_from_a_stale_prefix_cache(engine, vllm_model_
     long_prompt = _prompt(tokenizer, " ".join(f"{i} + {i % 7} = {i + i % 7}." for i in range(60)))
     assert len(tokenizer(long_prompt, add_special_tokens=False)["input_ids"]) > 300
     engine.generate([long_prompt], 2, SAMPLING)  # fills the prefix cache under the old weights
-    model = _policy(vllm_model_dir)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    model = _perturbed_policy(vllm_model_dir, 1)
     try:
         engine.sync_weights(model)
         groups = engine.generate([long_prompt], 2, SAMPLING)
@@ -173,7 +179,8 @@ def test_bf16_sampler_shows_a_mismatch_and_fp32_none(engine, vllm_model_dir, tok
     prompts = [_prompt(tokenizer), _prompt(tokenizer, "What is 10 + 2?")]
     fp32 = mismatch_metrics(rollout_mismatch_sums(*_trainer_vs_sampler(
         model, engine.generate(prompts, 4, SAMPLING), 4, tokenizer.pad_token_id)))
-    bf16_engine = VLLMColocateBackend(vllm_model_dir, tokenizer, model_dtype=torch.float32, sample_dtype=torch.bfloat16)
+    bf16_engine = VLLMColocateBackend(vllm_model_dir, tokenizer, model_dtype=torch.float32,
+                                      sample_dtype=torch.bfloat16, enforce_eager=True)
     bf16 = mismatch_metrics(rollout_mismatch_sums(*_trainer_vs_sampler(
         model, bf16_engine.generate(prompts, 4, SAMPLING), 4, tokenizer.pad_token_id)))
     del bf16_engine
@@ -196,7 +203,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server(vllm_model_dir, tmp_path_factory):
     port = _free_port()
-    cmd, env = server_command(vllm_model_dir, port=port, dtype="float32")
+    cmd, env = server_command(vllm_model_dir, port=port, dtype="float32", extra=["--enforce-eager"])
     log = tmp_path_factory.mktemp("server") / "server.log"
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
@@ -225,10 +232,7 @@ def test_server_generates_and_takes_weights_from_disk(server, vllm_model_dir, to
     groups = backend.generate([_prompt(tokenizer), _prompt(tokenizer, "What is 10 + 2?")], 4, SAMPLING)
     assert [len(g.completions) for g in groups] == [4, 4]
     assert _max_diff(model, groups, 4, tokenizer.pad_token_id) < 1e-5
-    torch.manual_seed(2)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    model = _perturbed_policy(vllm_model_dir, 2)
     backend.sync_weights(model)
     assert [p.name for p in (tmp_path / "sync").iterdir()] == ["weights-000001"]  # written whole, one kept
     groups = backend.generate([_prompt(tokenizer)], 4, SAMPLING)
@@ -258,6 +262,7 @@ def test_training_with_vllm_learns(vllm_model_dir, tmp_path):
     args = tiny_overrides(vllm_model_dir, out, rewards="[{name: 'learnable_rewards:shortness'}]", steps=16, extra=[
         "method=grpo",
         "generation.backend=vllm",
+        "generation.vllm.enforce_eager=true",
         "generation.max_new_tokens=16",
         "generation.num_generations=8",
         "training.prompts_per_step=4",
@@ -271,13 +276,22 @@ def test_training_with_vllm_learns(vllm_model_dir, tmp_path):
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.3, rewards
     # fp32 engine and trainer: the sampler is the policy, step after step (weights pushed every step)
     assert max(r["sampling/sampling_logp_difference/max"] for r in rows) < 1e-4
+    # The trained model ends early: completions that stopped end with the EOS token, scored like the rest.
+    final = out / "checkpoints" / "step-16"
+    engine = VLLMColocateBackend(final, tokenizer_of(final), model_dtype=torch.float32, enforce_eager=True)
+    tok = tokenizer_of(final)
+    groups = engine.generate([_prompt(tok)] * 2, 8, SamplingParams(max_new_tokens=16, temperature=TEMPERATURE))
+    stopped = [c for g in groups for c in g.completions if c.finish_reason == "stop"]
+    assert stopped
+    assert all(c.token_ids[-1] == tok.eos_token_id for c in stopped)
+    assert _max_diff(_policy(final), groups, 8, tok.pad_token_id) < 1e-5
 
 
 def test_two_colocated_processes(vllm_model_dir, tmp_path):
     """torchrun, two ranks, one engine each (external_launcher): both engines sample and take weight pushes."""
     out = tmp_path / "run"
     args = tiny_overrides(vllm_model_dir, out, rewards="[{name: 'learnable_rewards:shortness'}]", steps=2, extra=[
-        "generation.backend=vllm", "logging.log_completions_every=1",
+        "generation.backend=vllm", "generation.vllm.enforce_eager=true",
     ])
     env = {**os.environ, "MAXENT_GRPO_LOG": "WARNING", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}

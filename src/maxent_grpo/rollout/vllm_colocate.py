@@ -40,7 +40,7 @@ class VLLMColocateBackend:
     def __init__(
         self, model_path: str, tokenizer, *, model_dtype: torch.dtype, sample_dtype: torch.dtype | None = None,
         gpu_memory_utilization: float = 0.3, max_model_len: int | None = None, enable_sleep_mode: bool = False,
-        world_size: int = 1, seed: int = 0,
+        enforce_eager: bool = False, world_size: int = 1, seed: int = 0,
     ):
         # The engine core and its worker must live in this process: the weight push hands
         # them a generator of tensors that cannot cross a process boundary (and copying
@@ -61,6 +61,7 @@ class VLLMColocateBackend:
             gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len,
             enable_sleep_mode=enable_sleep_mode,
+            enforce_eager=enforce_eager,
             logprobs_mode="processed_logprobs",
             distributed_executor_backend="external_launcher" if world_size > 1 else None,
             tensor_parallel_size=1,

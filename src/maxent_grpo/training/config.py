@@ -86,6 +86,8 @@ class VllmConfig:
     max_model_len: int | None = None
     # GPU only: offload the engine's weights and free its KV cache while the trainer runs.
     enable_sleep_mode: bool = False
+    # Skip graph compilation (torch.compile, CUDA graphs): a fast engine start, slower sampling.
+    enforce_eager: bool = False
     # Server backend: where `maxent-grpo serve` (vLLM's OpenAI-compatible server) listens.
     server_url: str = "http://127.0.0.1:8000"
     # How new weights reach the server: disk (safetensors folder, works anywhere) or

@@ -44,6 +44,7 @@ HELP: dict[str, str] = {
     "generation.vllm.gpu_memory_utilization": "vllm: share of GPU memory the colocated engine may take",
     "generation.vllm.max_model_len": "vllm: longest prompt + completion the engine plans for (null = the model's)",
     "generation.vllm.enable_sleep_mode": "vllm, GPU only: free the engine's memory while the trainer runs",
+    "generation.vllm.enforce_eager": "vllm: no graph compilation (starts in seconds instead of minutes on CPU; samples slower)",
     "generation.vllm.server_url": "vllm_server: base URL of the server (maxent-grpo serve)",
     "generation.vllm.weight_sync": "vllm_server: disk (safetensors folder the server reads) or nccl (GPU only)",
     "generation.vllm.sync_dir": "vllm_server disk sync: folder for the weights (null = OUTPUT_DIR/vllm_weights)",

@@ -139,7 +139,8 @@ def _generation_backend(cfg: TrainConfig, model, tokenizer, model_path: str, out
         return VLLMColocateBackend(
             model_path, tokenizer, model_dtype=model.dtype, sample_dtype=sample_dtype,
             gpu_memory_utilization=g.vllm.gpu_memory_utilization, max_model_len=g.vllm.max_model_len,
-            enable_sleep_mode=g.vllm.enable_sleep_mode, world_size=dist.world_size, seed=cfg.training.seed,
+            enable_sleep_mode=g.vllm.enable_sleep_mode, enforce_eager=g.vllm.enforce_eager,
+            world_size=dist.world_size, seed=cfg.training.seed,
         )
     from maxent_grpo.rollout.vllm_server import VLLMServerBackend
 

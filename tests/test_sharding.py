@@ -4,6 +4,7 @@ config combinations it refuses."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -12,13 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from maxent_grpo.training.config import ConfigError, load_config
+from maxent_grpo.training.config import ConfigError, GenerationConfig, load_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ddp_step_worker import build_rows, micro_batches  # noqa: E402
 from fsdp2_step_worker import load_model  # noqa: E402
 from test_resume import _args, _comparable, _rank_errors, _torchrun  # noqa: E402
 
+REPO = Path(__file__).resolve().parents[1]
 # The same micro-batches as the two ranks together: rank 0 has rows 0-3, rank 1 rows 4-7.
 RANK_MICRO_BATCHES = [(0, 2), (2, 4), (4, 6), (6, 8)]
 
@@ -107,6 +109,15 @@ def test_fsdp2_accepts_sampling_from_the_policy_and_unknown_strategies_are_refus
     assert load_config(None, ["training.strategy=fsdp2", "generation.dtype=auto"]).training.strategy == "fsdp2"
     with pytest.raises(ConfigError, match="^training.strategy: 'fsdp' is not one of ddp, fsdp2"):
         load_config(None, ["training.strategy=fsdp"])
+
+
+@pytest.mark.skipif("backend" not in {f.name for f in dataclasses.fields(GenerationConfig)},
+                    reason="the recipe samples with generation.backend: vllm (issue 10's backends)")
+def test_the_gpu_recipe_is_a_valid_fsdp2_config():
+    cfg = load_config(REPO / "recipes" / "qwen2.5-1.5b-gsm8k-fsdp2.yaml")
+    assert cfg.training.strategy == "fsdp2" and cfg.generation.backend == "vllm"
+    completions = cfg.training.prompts_per_step * cfg.generation.num_generations
+    assert completions % cfg.training.micro_batch_size == 0
 
 
 def test_fsdp2_with_one_process_fails_before_loading_a_model(tmp_path, capsys):

@@ -48,6 +48,51 @@ def _distinct_prompt_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -
     return first, inverse
 
 
+def _forwards(model, input_ids, attention_mask, prompt_length, share_prompts, with_logits):
+    """Run the model over prompt+completion; return its outputs and, for the shared-prompt
+    pair of forwards (prompt rows once, then the completions through the KV cache), each
+    row's distinct prompt (``None`` for the one plain forward).
+
+    ``with_logits``: the LM head only where a completion token is predicted; otherwise
+    nowhere (``logits_to_keep`` an empty index tensor).
+    """
+    positions = position_ids(attention_mask)
+    completion_length = input_ids.shape[1] - prompt_length
+    no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)
+    if share_prompts and completion_length > 0:
+        first, inverse = _distinct_prompt_rows(input_ids[:, :prompt_length], attention_mask[:, :prompt_length])
+        if first.numel() < input_ids.shape[0]:
+            prompt_mask = attention_mask[first, :prompt_length]
+            prompt = _unwrapped(model)(
+                input_ids=input_ids[first, :prompt_length],
+                attention_mask=prompt_mask,
+                position_ids=position_ids(prompt_mask),
+                logits_to_keep=1 if with_logits else no_logits,
+                use_cache=True,
+            )
+            cache = prompt.past_key_values
+            cache.batch_select_indices(inverse)
+            rest = model(
+                input_ids=input_ids[:, prompt_length:],
+                attention_mask=attention_mask,
+                position_ids=positions[:, prompt_length:],
+                past_key_values=cache,
+                use_cache=True,
+                **({} if with_logits else {"logits_to_keep": no_logits}),
+            )
+            return [prompt, rest], inverse
+    # logits_to_keep skips the LM head over the prompt (T+1 keeps the position
+    # that predicts the first completion token).
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        logits_to_keep=completion_length + 1 if with_logits else no_logits,
+        use_cache=False,
+    )
+    return [out], None
+
+
 def completion_logits(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -62,39 +107,11 @@ def completion_logits(
     ``prompt_length``. The plain path runs one forward (LM head only where needed);
     ``share_prompts`` runs each distinct prompt row once when some row repeats.
     """
-    positions = position_ids(attention_mask)
-    completion_length = input_ids.shape[1] - prompt_length
-    if share_prompts and completion_length > 0:
-        first, inverse = _distinct_prompt_rows(input_ids[:, :prompt_length], attention_mask[:, :prompt_length])
-        if first.numel() < input_ids.shape[0]:
-            prompt_mask = attention_mask[first, :prompt_length]
-            prompt = _unwrapped(model)(
-                input_ids=input_ids[first, :prompt_length],
-                attention_mask=prompt_mask,
-                position_ids=position_ids(prompt_mask),
-                logits_to_keep=1,
-                use_cache=True,
-            )
-            cache = prompt.past_key_values
-            cache.batch_select_indices(inverse)
-            rest = model(
-                input_ids=input_ids[:, prompt_length:],
-                attention_mask=attention_mask,
-                position_ids=positions[:, prompt_length:],
-                past_key_values=cache,
-                use_cache=True,
-            )
-            return torch.cat([prompt.logits[inverse], rest.logits[:, :-1]], dim=1)
-    # logits_to_keep skips the LM head over the prompt (T+1 keeps the position
-    # that predicts the first completion token).
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=positions,
-        logits_to_keep=completion_length + 1,
-        use_cache=False,
-    )
-    return out.logits[:, :-1]
+    outs, inverse = _forwards(model, input_ids, attention_mask, prompt_length, share_prompts, with_logits=True)
+    if inverse is not None:
+        prompt, rest = outs
+        return torch.cat([prompt.logits[inverse], rest.logits[:, :-1]], dim=1)
+    return outs[0].logits[:, :-1]
 
 
 # Model families whose CausalLM computes ``logits = lm_head(decoder(...).last_hidden_state)``
@@ -142,40 +159,11 @@ def completion_hidden_states(
     The same forwards as :func:`completion_logits` with no LM head applied: the
     logits at those positions are ``model.get_output_embeddings()(hidden)``.
     """
-    positions = position_ids(attention_mask)
-    completion_length = input_ids.shape[1] - prompt_length
-    no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)
     captured: list[torch.Tensor] = []
     with _last_hidden_states(model, captured):
-        if share_prompts and completion_length > 0:
-            first, inverse = _distinct_prompt_rows(input_ids[:, :prompt_length], attention_mask[:, :prompt_length])
-            if first.numel() < input_ids.shape[0]:
-                prompt_mask = attention_mask[first, :prompt_length]
-                prompt = _unwrapped(model)(
-                    input_ids=input_ids[first, :prompt_length],
-                    attention_mask=prompt_mask,
-                    position_ids=position_ids(prompt_mask),
-                    logits_to_keep=no_logits,
-                    use_cache=True,
-                )
-                cache = prompt.past_key_values
-                cache.batch_select_indices(inverse)
-                model(
-                    input_ids=input_ids[:, prompt_length:],
-                    attention_mask=attention_mask,
-                    position_ids=positions[:, prompt_length:],
-                    past_key_values=cache,
-                    use_cache=True,
-                    logits_to_keep=no_logits,
-                )
-                prompt_hidden, rest_hidden = captured
-                return torch.cat([prompt_hidden[inverse, -1:], rest_hidden[:, :-1]], dim=1)
-        model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=positions,
-            logits_to_keep=no_logits,
-            use_cache=False,
-        )
+        _, inverse = _forwards(model, input_ids, attention_mask, prompt_length, share_prompts, with_logits=False)
+    if inverse is not None:
+        prompt_hidden, rest_hidden = captured
+        return torch.cat([prompt_hidden[inverse, -1:], rest_hidden[:, :-1]], dim=1)
     (hidden,) = captured
     return hidden[:, prompt_length - 1 : -1]

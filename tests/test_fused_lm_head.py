@@ -5,12 +5,18 @@ float64 autograd through that reference."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from maxent_grpo.core.completion_logits import supports_fused_head
 from maxent_grpo.core.fused_lm_head import lm_head_logps
 from maxent_grpo.core.logprobs import get_per_token_logps_and_entropies
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_logprobs import _grouped_batch, _tiny_model, values_and_grads  # noqa: E402
 
 
 def reference(hidden, weight, bias, targets, temperature):
@@ -132,46 +138,19 @@ def test_bad_arguments_raise():
 # ---------------------------------------------------------------- with a model
 
 
-def _tiny_model(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).double()
-
-
-def _batch(vocab, pad_id):
-    """Six rows: two left-padded prompts (2 and 5 tokens) taking turns, completions of 1..4 tokens."""
-    g = torch.Generator().manual_seed(21)
-    prompts = [torch.randint(3, vocab, (n,), generator=g) for n in (2, 5)]
-    ids = torch.full((6, 9), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate((4, 1, 3, 4, 2, 3)):
-        p = prompts[i % 2]
-        ids[i, 5 - len(p) : 5] = p
-        ids[i, 5 : 5 + n] = torch.randint(3, vocab, (n,), generator=g)
-        mask[i, 5 - len(p) : 5 + n] = 1
-    return ids, mask, 5
-
-
 @pytest.mark.parametrize("share_prompts", [False, True])
 def test_model_fused_head_equals_the_models_own_logits(tiny_model_dir, share_prompts):
     """Same values and the same gradient for every parameter (the tied embedding included)
     as the path through the model's logits, in float64."""
     model = _tiny_model(tiny_model_dir)
     assert supports_fused_head(model) and model.config.tie_word_embeddings
-    ids, mask, p_len = _batch(model.config.vocab_size, model.config.pad_token_id)
-    cmask = mask[:, p_len:].double()
+    ids, mask, p_len = _grouped_batch(model.config.vocab_size, model.config.pad_token_id)
     g = torch.Generator().manual_seed(22)
-    a, b = (torch.randn(cmask.shape, generator=g, dtype=torch.float64) for _ in range(2))
-
-    def run(fused):
-        model.zero_grad()
-        lp, h = get_per_token_logps_and_entropies(
-            model, ids, mask, p_len, temperature=0.7, chunk_rows=4, share_prompts=share_prompts, fused_head=fused,
-        )
-        (cmask * (a * lp + b * h)).sum().backward()
-        return lp.detach() * cmask, h.detach() * cmask, [p.grad.clone() for p in model.parameters()]
-
-    fused, plain = run(True), run(False)
+    a, b = (torch.randn(ids.shape[0], ids.shape[1] - p_len, generator=g, dtype=torch.float64) for _ in range(2))
+    fused, plain = (
+        values_and_grads(model, ids, mask, p_len, a, b, chunk_rows=4, share_prompts=share_prompts, fused_head=on)
+        for on in (True, False)
+    )
     torch.testing.assert_close(fused[0], plain[0], atol=1e-10, rtol=0)
     torch.testing.assert_close(fused[1], plain[1], atol=1e-10, rtol=0)
     assert all(float(t.abs().max()) > 0 for t in plain[2])

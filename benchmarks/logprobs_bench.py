@@ -15,6 +15,12 @@ Variants:
   chunked fwd+bwd  the same with grad, then backward of a random combination
   naive fwd        log_softmax over the full tensor, gather, entropy from it
   naive fwd+bwd    the same with grad and backward
+  head+chunked-fwd+bwd  from hidden states [B, T, H] and an LM head [V, H]: the logits
+                   (F.linear), then chunked fwd+bwd; the gradient reaches hidden and head
+  fused-fwd+bwd    the same through fused_lm_head.lm_head_logps (no [B, T, V] logits)
+
+For the two head variants the inputs are the hidden states and the head weight,
+so their peak includes the logits the first one builds.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import time
 from pathlib import Path
 
 VARIANTS = ("chunked-fwd", "naive-fwd", "chunked-fwd+bwd", "naive-fwd+bwd")
+HEAD_VARIANTS = ("head+chunked-fwd+bwd", "fused-fwd+bwd")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
@@ -60,6 +67,8 @@ def _measure(args: argparse.Namespace, dtype_name: str, variant: str) -> dict:
     torch.manual_seed(0)
     dtype = getattr(torch, DTYPES[dtype_name])
     b, t, v = args.batch, args.seq, args.vocab
+    if variant in HEAD_VARIANTS:
+        return _measure_head(args, dtype, variant)
     # Fill row by row so no full-size float32 temporary raises the high-water mark.
     logits = torch.empty((b, t, v), dtype=dtype)
     for i in range(b):
@@ -92,6 +101,36 @@ def _measure(args: argparse.Namespace, dtype_name: str, variant: str) -> dict:
             with torch.no_grad():
                 fn(logits)
 
+    return _time_and_peak(args, call, logits.numel() * logits.element_size() / 2**20)
+
+
+def _measure_head(args: argparse.Namespace, dtype, variant: str) -> dict:
+    import torch
+
+    from maxent_grpo.core.fused_lm_head import lm_head_logps
+    from maxent_grpo.core.logprobs import selective_logps
+
+    b, t, v, h = args.batch, args.seq, args.vocab, args.hidden
+    hidden = (torch.randn(b, t, h) * 2.0).to(dtype).requires_grad_()
+    weight = (torch.randn(v, h) / h**0.5).to(dtype).requires_grad_()
+    targets = torch.randint(0, v, (b, t))
+    coef_lp, coef_h = torch.randn(b, t), torch.randn(b, t)
+
+    def call() -> None:
+        if variant == "fused-fwd+bwd":
+            lp, ent = lm_head_logps(hidden, weight, None, targets, temperature=args.temperature,
+                                    with_entropy=True, chunk_rows=args.chunk_rows)
+        else:
+            logits = torch.nn.functional.linear(hidden, weight)
+            lp, ent = selective_logps(logits, targets, temperature=args.temperature, with_entropy=True,
+                                      chunk_rows=args.chunk_rows)
+        (lp * coef_lp + ent * coef_h).sum().backward()
+        hidden.grad = weight.grad = None
+
+    return _time_and_peak(args, call, (hidden.numel() + weight.numel()) * hidden.element_size() / 2**20)
+
+
+def _time_and_peak(args: argparse.Namespace, call, inputs_mib: float) -> dict:
     baseline = _status_kib("VmRSS")
     reset = _reset_peak()
     call()
@@ -101,10 +140,7 @@ def _measure(args: argparse.Namespace, dtype_name: str, variant: str) -> dict:
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)
-    return {
-        "peak_mib": peak / 1024, "time_s": statistics.median(times),
-        "inputs_mib": logits.numel() * logits.element_size() / 2**20, "peak_reset": reset,
-    }
+    return {"peak_mib": peak / 1024, "time_s": statistics.median(times), "inputs_mib": inputs_mib, "peak_reset": reset}
 
 
 def _run_variant(args: argparse.Namespace, dtype: str, variant: str) -> dict:
@@ -114,6 +150,7 @@ def _run_variant(args: argparse.Namespace, dtype: str, variant: str) -> dict:
         sys.executable, __file__, "--worker", variant, "--dtype", dtype,
         "--batch", str(args.batch), "--seq", str(args.seq), "--vocab", str(args.vocab),
         "--reps", str(args.reps), "--chunk-rows", str(args.chunk_rows), "--temperature", str(args.temperature),
+        "--hidden", str(args.hidden),
     ]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -134,20 +171,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--hidden", type=int, default=576, help="hidden size of the head variants (SmolLM2's 576)")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "both"], default="both")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ", ".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated subset of " + ", ".join(VARIANTS + HEAD_VARIANTS))
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--chunk-rows", type=int, default=DEFAULT_CHUNK_ROWS)
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=VARIANTS + HEAD_VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
         print(json.dumps(_measure(args, args.dtype, args.worker)))
         return
     if args.small:
-        args.batch, args.seq, args.vocab, args.reps, args.in_process = 2, 16, 512, 1, True
+        args.batch, args.seq, args.vocab, args.hidden, args.reps, args.in_process = 2, 16, 512, 32, 1, True
     variants = args.variants.split(",")
-    unknown = sorted(set(variants) - set(VARIANTS))
+    unknown = sorted(set(variants) - set(VARIANTS + HEAD_VARIANTS))
     if unknown:
         parser.error(f"--variants: unknown {unknown}")
     dtypes = ["fp32", "bf16"] if args.dtype == "both" else [args.dtype]
@@ -155,13 +194,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"B={args.batch} T={args.seq} V={args.vocab} chunk_rows={args.chunk_rows} "
           f"temperature={args.temperature} reps={args.reps} (median time; peak RSS above inputs)")
     print(f"load average at start: {_load()} (timings on a shared machine move with it)")
-    print(f"{'dtype':<6}{'variant':<17}{'time [s]':>10}{'peak [MiB]':>12}{'inputs [MiB]':>14}")
+    print(f"{'dtype':<6}{'variant':<22}{'time [s]':>10}{'peak [MiB]':>12}{'inputs [MiB]':>14}")
     results = {}
     for dtype in dtypes:
         for variant in variants:
             r = _run_variant(args, dtype, variant)
             results[dtype, variant] = r
-            print(f"{dtype:<6}{variant:<17}{r['time_s']:>10.3f}{r['peak_mib']:>12.1f}{r['inputs_mib']:>14.1f}", flush=True)
+            print(f"{dtype:<6}{variant:<22}{r['time_s']:>10.3f}{r['peak_mib']:>12.1f}{r['inputs_mib']:>14.1f}", flush=True)
             if not r["peak_reset"]:
                 print("  (could not reset VmHWM: peak includes everything since start-up)")
     print(f"load average at end: {_load()}")
@@ -173,6 +212,10 @@ def main(argv: list[str] | None = None) -> None:
             mem = c["peak_mib"] / n["peak_mib"] if n["peak_mib"] > 0 else float("nan")
             print(f"{dtype} {mode}: chunked/naive memory {mem:.3f}, time {c['time_s'] / n['time_s']:.3f}"
                   "  (targets: memory <= 0.25, time <= 1)")
+        f, c = results.get((dtype, "fused-fwd+bwd")), results.get((dtype, "head+chunked-fwd+bwd"))
+        if f is not None and c is not None:
+            print(f"{dtype} from hidden states: fused/head+chunked memory {f['peak_mib'] / c['peak_mib']:.3f}, "
+                  f"time {f['time_s'] / c['time_s']:.3f}")
 
 
 if __name__ == "__main__":

@@ -350,6 +350,16 @@ def _grouped_batch(vocab, pad_id):
     return ids, mask, p_len
 
 
+def values_and_grads(model, ids, mask, p_len, a, b, **kwargs):
+    """Masked completion log-probs and entropies at temperature 0.7, and every parameter's
+    gradient of ``sum(mask * (a * logp + b * H))``."""
+    comp_mask = mask[:, p_len:].double()
+    model.zero_grad()
+    lp, h = get_per_token_logps_and_entropies(model, ids, mask, p_len, temperature=0.7, **kwargs)
+    (comp_mask * (a * lp + b * h)).sum().backward()
+    return lp.detach() * comp_mask, h.detach() * comp_mask, [p.grad.clone() for p in model.parameters()]
+
+
 def test_shared_prompt_forward_matches_plain_forward_values_and_gradients(tiny_model_dir):
     model = _tiny_model(tiny_model_dir)
     ids, mask, p_len = _grouped_batch(model.config.vocab_size, model.config.pad_token_id)
@@ -357,13 +367,7 @@ def test_shared_prompt_forward_matches_plain_forward_values_and_gradients(tiny_m
     g = torch.Generator().manual_seed(22)
     a, b = (torch.randn(comp_mask.shape, generator=g, dtype=torch.float64) for _ in range(2))
 
-    def run(share):
-        model.zero_grad()
-        lp, h = get_per_token_logps_and_entropies(model, ids, mask, p_len, temperature=0.7, share_prompts=share)
-        (comp_mask * (a * lp + b * h)).sum().backward()
-        return lp.detach() * comp_mask, h.detach() * comp_mask, [p.grad.clone() for p in model.parameters()]
-
-    shared, plain = run(True), run(False)
+    shared, plain = (values_and_grads(model, ids, mask, p_len, a, b, share_prompts=share) for share in (True, False))
     torch.testing.assert_close(shared[0], plain[0], atol=1e-10, rtol=0)
     torch.testing.assert_close(shared[1], plain[1], atol=1e-10, rtol=0)
     # HF's RMSNorm computes in float32 even in a float64 model, so gradients summed

@@ -1,4 +1,4 @@
-"""The model's logits at the positions that predict each completion token.
+"""The model's logits (or its last hidden states) at the positions that predict each completion token.
 
 A GRPO batch holds ``G`` completions per prompt, so a plain forward over
 ``[prompt + completion]`` rows runs every prompt ``G`` times. When prompts are
@@ -10,9 +10,17 @@ With ``share_prompts`` each distinct prompt row runs once: its keys and values
 completions attend to them through the KV cache. The gradient of the shared
 prompt work is the sum over the rows that used it, exactly as in the plain
 forward; only the order of floating-point sums differs.
+
+``completion_hidden_states`` runs the same forwards but asks the model for no
+logits at all (``logits_to_keep`` an empty index tensor) and takes the final,
+normed hidden states from its decoder, for ``fused_lm_head``. The forward still
+goes through the model's own ``forward`` (not the decoder's), so that a DDP or
+FSDP2 wrapper sees the call it needs to synchronise gradients or gather weights.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -40,6 +48,51 @@ def _distinct_prompt_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -
     return first, inverse
 
 
+def _forwards(model, input_ids, attention_mask, prompt_length, share_prompts, with_logits):
+    """Run the model over prompt+completion; return its outputs and, for the shared-prompt
+    pair of forwards (prompt rows once, then the completions through the KV cache), each
+    row's distinct prompt (``None`` for the one plain forward).
+
+    ``with_logits``: the LM head only where a completion token is predicted; otherwise
+    nowhere (``logits_to_keep`` an empty index tensor).
+    """
+    positions = position_ids(attention_mask)
+    completion_length = input_ids.shape[1] - prompt_length
+    no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)
+    if share_prompts and completion_length > 0:
+        first, inverse = _distinct_prompt_rows(input_ids[:, :prompt_length], attention_mask[:, :prompt_length])
+        if first.numel() < input_ids.shape[0]:
+            prompt_mask = attention_mask[first, :prompt_length]
+            prompt = _unwrapped(model)(
+                input_ids=input_ids[first, :prompt_length],
+                attention_mask=prompt_mask,
+                position_ids=position_ids(prompt_mask),
+                logits_to_keep=1 if with_logits else no_logits,
+                use_cache=True,
+            )
+            cache = prompt.past_key_values
+            cache.batch_select_indices(inverse)
+            rest = model(
+                input_ids=input_ids[:, prompt_length:],
+                attention_mask=attention_mask,
+                position_ids=positions[:, prompt_length:],
+                past_key_values=cache,
+                use_cache=True,
+                **({} if with_logits else {"logits_to_keep": no_logits}),
+            )
+            return [prompt, rest], inverse
+    # logits_to_keep skips the LM head over the prompt (T+1 keeps the position
+    # that predicts the first completion token).
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        logits_to_keep=completion_length + 1 if with_logits else no_logits,
+        use_cache=False,
+    )
+    return [out], None
+
+
 def completion_logits(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -54,36 +107,63 @@ def completion_logits(
     ``prompt_length``. The plain path runs one forward (LM head only where needed);
     ``share_prompts`` runs each distinct prompt row once when some row repeats.
     """
-    positions = position_ids(attention_mask)
-    completion_length = input_ids.shape[1] - prompt_length
-    if share_prompts and completion_length > 0:
-        first, inverse = _distinct_prompt_rows(input_ids[:, :prompt_length], attention_mask[:, :prompt_length])
-        if first.numel() < input_ids.shape[0]:
-            prompt_mask = attention_mask[first, :prompt_length]
-            prompt = _unwrapped(model)(
-                input_ids=input_ids[first, :prompt_length],
-                attention_mask=prompt_mask,
-                position_ids=position_ids(prompt_mask),
-                logits_to_keep=1,
-                use_cache=True,
-            )
-            cache = prompt.past_key_values
-            cache.batch_select_indices(inverse)
-            rest = model(
-                input_ids=input_ids[:, prompt_length:],
-                attention_mask=attention_mask,
-                position_ids=positions[:, prompt_length:],
-                past_key_values=cache,
-                use_cache=True,
-            )
-            return torch.cat([prompt.logits[inverse], rest.logits[:, :-1]], dim=1)
-    # logits_to_keep skips the LM head over the prompt (T+1 keeps the position
-    # that predicts the first completion token).
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=positions,
-        logits_to_keep=completion_length + 1,
-        use_cache=False,
+    outs, inverse = _forwards(model, input_ids, attention_mask, prompt_length, share_prompts, with_logits=True)
+    if inverse is not None:
+        prompt, rest = outs
+        return torch.cat([prompt.logits[inverse], rest.logits[:, :-1]], dim=1)
+    return outs[0].logits[:, :-1]
+
+
+# Model families whose CausalLM computes ``logits = lm_head(decoder(...).last_hidden_state)``
+# with nothing after the head (no soft-capping, no logit scale; read from their modeling
+# files): only for these is the fused LM head the same function as the model.
+FUSED_HEAD_MODEL_TYPES = frozenset({
+    "llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "olmo2", "smollm3",
+})
+
+
+def supports_fused_head(model: torch.nn.Module) -> bool:
+    """Whether ``completion_hidden_states`` + the LM head compute exactly the model's logits."""
+    return (
+        _unwrapped(model).config.get_text_config().model_type in FUSED_HEAD_MODEL_TYPES
+        and isinstance(lm_head(model), torch.nn.Linear)
     )
-    return out.logits[:, :-1]
+
+
+def lm_head(model: torch.nn.Module) -> torch.nn.Linear:
+    """The model's LM head. Read its weight after the forward: FSDP2 swaps the gathered
+    (unsharded) weight in for the forward and keeps it there until the backward has used it."""
+    return _unwrapped(model).get_output_embeddings()
+
+
+@contextlib.contextmanager
+def _last_hidden_states(model: torch.nn.Module, into: list):
+    """Append the decoder's output hidden states ``[B, L, H]`` to ``into`` on every model forward."""
+    handle = _unwrapped(model).get_decoder().register_forward_hook(lambda _m, _i, out: into.append(out[0]))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def completion_hidden_states(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_length: int,
+    *,
+    share_prompts: bool = True,
+) -> torch.Tensor:
+    """Final hidden states ``[B, L - prompt_length, H]``; position ``t`` predicts ``input_ids[:, prompt_length + t]``.
+
+    The same forwards as :func:`completion_logits` with no LM head applied: the
+    logits at those positions are ``model.get_output_embeddings()(hidden)``.
+    """
+    captured: list[torch.Tensor] = []
+    with _last_hidden_states(model, captured):
+        _, inverse = _forwards(model, input_ids, attention_mask, prompt_length, share_prompts, with_logits=False)
+    if inverse is not None:
+        prompt_hidden, rest_hidden = captured
+        return torch.cat([prompt_hidden[inverse, -1:], rest_hidden[:, :-1]], dim=1)
+    (hidden,) = captured
+    return hidden[:, prompt_length - 1 : -1]

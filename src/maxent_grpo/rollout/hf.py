@@ -86,11 +86,13 @@ class HFGenerationBackend:
     global torch RNG is used (deterministic under ``torch.manual_seed``).
     In multi-process runs give each rank a different seed.
     ``share_prompts``: prefill each distinct prompt once per call (see the module notes).
+    ``synced_gpus``: every rank keeps running forwards until the longest row of any rank
+    has finished (``generate``'s option; needed when the model is sharded with FSDP2).
     """
 
     def __init__(
         self, model, tokenizer, *, batch_size: int | None = None, seed: int | None = None,
-        dtype: torch.dtype | None = None, share_prompts: bool = True,
+        dtype: torch.dtype | None = None, share_prompts: bool = True, synced_gpus: bool = False,
     ):
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
@@ -122,6 +124,7 @@ class HFGenerationBackend:
         self.seed = seed
         self.eos_ids = sorted(eos_ids)
         self.share_prompts = share_prompts
+        self.synced_gpus = synced_gpus
         self._calls = 0
 
     def sync_weights(self, policy) -> None:
@@ -209,6 +212,7 @@ class HFGenerationBackend:
             past_key_values=cache,
             generation_config=self._generation_config(params),
             stopping_criteria=StoppingCriteriaList([stop]) if stop is not None else None,
+            synced_gpus=self.synced_gpus,
         )
         generated = out.sequences[:, lp:]
         steps = generated.shape[1]

@@ -1,7 +1,9 @@
 """Checkpoints that a crash cannot corrupt: save, verify, find the latest good one, resume.
 
 Layout: ``OUTPUT_DIR/checkpoints/step-N/`` holds the model (Hugging Face format; only
-the adapter for a peft model), the tokenizer, ``optimizer.pt``, ``scheduler.pt``,
+the adapter for a peft model), the tokenizer, ``optimizer.pt`` (or, for an FSDP2
+run, ``optimizer/``: the sharded state in ``torch.distributed.checkpoint``'s
+format, see ``sharded_checkpoint.py``), ``scheduler.pt``,
 ``rng_state.pt``, ``trainer_state.json`` and, written last, ``manifest.json`` with the
 size and sha256 of every other file.
 
@@ -40,6 +42,8 @@ CHECKPOINTS_DIRNAME = "checkpoints"
 MANIFEST_NAME = "manifest.json"
 TRAINER_STATE_NAME = "trainer_state.json"
 OPTIMIZER_NAME = "optimizer.pt"
+SHARDED_OPTIMIZER_DIR = "optimizer"
+SHARDED_OPTIMIZER_METADATA = "optimizer/.metadata"
 SCHEDULER_NAME = "scheduler.pt"
 RNG_STATE_NAME = "rng_state.pt"
 PEFT_ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -59,10 +63,12 @@ def save_checkpoint(
     *,
     model: Any,
     tokenizer: Any | None,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     lr_scheduler: Any | None,
     trainer_state: dict,
     keep_last: int | None,
+    model_state_dict: dict[str, torch.Tensor] | None = None,
+    sharded_optimizer: Path | None = None,
 ) -> Path:
     """Write ``OUTPUT_DIR/checkpoints/step-{step}`` atomically and prune old checkpoints.
 
@@ -70,7 +76,13 @@ def save_checkpoint(
     ``trainer_state`` must be JSON-serialisable. ``keep_last`` keeps that many
     checkpoints (the newest by step, always including this one); ``None`` keeps all.
     Call it on one process only. Returns the checkpoint folder.
+
+    For a sharded model, ``model_state_dict`` holds its gathered full weights and
+    ``sharded_optimizer`` (instead of ``optimizer``) a folder the ranks have written
+    their optimizer shards to; it is moved into the checkpoint as ``optimizer/``.
     """
+    if (optimizer is None) == (sharded_optimizer is None):
+        raise ValueError("give exactly one of optimizer and sharded_optimizer")
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
@@ -91,7 +103,8 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        _write_contents(tmp, step, model, tokenizer, optimizer, lr_scheduler, state_text)
+        _write_contents(tmp, step, model, tokenizer, optimizer, lr_scheduler, state_text,
+                        model_state_dict, sharded_optimizer)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed save (disk full...) leaves no debris
         raise
@@ -113,12 +126,19 @@ def save_checkpoint(
     return final
 
 
-def _write_contents(tmp: Path, step: int, model, tokenizer, optimizer, lr_scheduler, state_text: str) -> None:
+def _write_contents(tmp: Path, step: int, model, tokenizer, optimizer, lr_scheduler, state_text: str,
+                    model_state_dict, sharded_optimizer) -> None:
     model_format = "peft" if _is_peft_model(model) else "full"
-    model.save_pretrained(tmp)
+    if model_state_dict is None:
+        model.save_pretrained(tmp)
+    else:
+        model.save_pretrained(tmp, state_dict=model_state_dict)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
-    torch.save(optimizer.state_dict(), tmp / OPTIMIZER_NAME)
+    if sharded_optimizer is not None:
+        os.rename(sharded_optimizer, tmp / SHARDED_OPTIMIZER_DIR)
+    else:
+        torch.save(optimizer.state_dict(), tmp / OPTIMIZER_NAME)
     if lr_scheduler is not None:
         torch.save(lr_scheduler.state_dict(), tmp / SCHEDULER_NAME)
     torch.save(_capture_rng_state(), tmp / RNG_STATE_NAME)
@@ -260,9 +280,11 @@ def _verification_problem(path: Path) -> str | None:
     ):
         return f"{MANIFEST_NAME} has an unknown format"
     files = manifest["files"]
-    for required in (TRAINER_STATE_NAME, OPTIMIZER_NAME, RNG_STATE_NAME):
+    for required in (TRAINER_STATE_NAME, RNG_STATE_NAME):
         if required not in files:
             return f"{MANIFEST_NAME} does not list {required}"
+    if OPTIMIZER_NAME not in files and SHARDED_OPTIMIZER_METADATA not in files:
+        return f"{MANIFEST_NAME} lists no optimizer state"
     for name, expected in files.items():
         file = path / name
         if not file.is_file():
@@ -354,7 +376,15 @@ def load_checkpoint(
         _load_full_weights(path, model)
 
     if optimizer is not None:
+        if not (path / OPTIMIZER_NAME).is_file():
+            raise ValueError(f"checkpoint {path} holds a sharded optimizer state (an FSDP2 run): "
+                             "resume it with training.strategy=fsdp2")
         optimizer.load_state_dict(torch.load(path / OPTIMIZER_NAME, map_location="cpu", weights_only=True))
+    return restore_run_state(path, lr_scheduler)
+
+
+def restore_run_state(path: Path, lr_scheduler: Any | None) -> dict:
+    """Restore the scheduler and RNG states of checkpoint ``path``; return its trainer_state."""
     has_scheduler = (path / SCHEDULER_NAME).is_file()
     if lr_scheduler is not None:
         if not has_scheduler:
@@ -364,7 +394,8 @@ def load_checkpoint(
     return json.loads((path / TRAINER_STATE_NAME).read_text())
 
 
-def _load_full_weights(path: Path, model: torch.nn.Module) -> None:
+def read_full_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The Hugging Face weights of checkpoint ``path`` (every ``model*.safetensors``), on the CPU."""
     from safetensors.torch import load_file
 
     shards = sorted(path.glob("model*.safetensors"))
@@ -373,6 +404,11 @@ def _load_full_weights(path: Path, model: torch.nn.Module) -> None:
     state: dict[str, torch.Tensor] = {}
     for shard in shards:
         state.update(load_file(shard, device="cpu"))
+    return state
+
+
+def _load_full_weights(path: Path, model: torch.nn.Module) -> None:
+    state = read_full_weights(path)
     result = model.load_state_dict(state, strict=False)
     if result.unexpected_keys:
         raise ValueError(f"checkpoint {path} has weights the model does not: {result.unexpected_keys[:5]}")

@@ -200,6 +200,9 @@ class TrainingConfig:
     # Forward each distinct prompt once per micro-batch and let its G completions
     # attend to the shared keys/values (same gradient up to float rounding).
     share_prompts: bool = True
+    # How several processes share the work: ddp (each holds the whole model) or fsdp2
+    # (each holds 1/world_size of the weights, gradients and optimizer state; training/sharding.py).
+    strategy: Literal["ddp", "fsdp2"] = "ddp"
 
 
 @dataclass
@@ -505,6 +508,8 @@ def validate(cfg: TrainConfig) -> None:
         "generation.dtype",
         "a separate generation copy is not supported with model.lora.enabled; set it to null",
     )
+    if t.strategy == "fsdp2":
+        _check_fsdp2(cfg)
     _check(
         cfg.eval.every_steps == 0 or cfg.data.eval_size > 0,
         "eval.every_steps",
@@ -513,6 +518,25 @@ def validate(cfg: TrainConfig) -> None:
     known = {"tensorboard", "wandb", "mlflow", "trackio", "none", "all"}
     for i, name in enumerate(cfg.logging.report_to):
         _check(name in known, f"logging.report_to[{i}]", f"unknown tracker {name!r}{_suggest(name, known)}")
+
+
+def _check_fsdp2(cfg: TrainConfig) -> None:
+    """What FSDP2 cannot do here (docs/SCALING.md): every forward of a sharded model is a
+    collective, so every rank must run the same number of them when HF generate samples."""
+    why = "with training.strategy=fsdp2"
+    _check(not cfg.model.lora.enabled, "model.lora.enabled", f"LoRA is not supported {why}; use training.strategy=ddp")
+    if cfg.generation.backend != "hf":
+        return  # a vLLM engine holds its own weights and samples without collectives
+    _check(
+        cfg.generation.dtype in (None, "auto", cfg.model.dtype),
+        "generation.dtype",
+        f"a separate generation copy (a full model on every rank) is not supported {why}; set it to null",
+    )
+    _check(
+        not cfg.loss.dynamic_sampling,
+        "loss.dynamic_sampling",
+        f"is not supported {why} (ranks would run different numbers of generate calls); set it to false",
+    )
 
 
 def save_config(cfg: TrainConfig, path: str | Path) -> None:

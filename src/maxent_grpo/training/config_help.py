@@ -107,6 +107,7 @@ HELP: dict[str, str] = {
     "training.seed": "random seed",
     "training.autocast_bf16": "bfloat16 matmuls (torch.autocast) over float32 weights (auto = where the device runs bf16 natively)",
     "training.share_prompts": "generation prefill and policy/reference forwards run each distinct prompt once (false: once per row)",
+    "training.strategy": "several processes: ddp (whole model on each) or fsdp2 (weights, grads, optimizer sharded; docs/SCALING.md)",
     "logging.output_dir": "run folder: config, metrics.jsonl, completions, checkpoints",
     "logging.report_to": "trackers: tensorboard, wandb, mlflow, trackio, all, none",
     "logging.log_completions_every": "write a completion table every N steps (0 = never)",

@@ -31,8 +31,9 @@ def bf16_is_fast(device: torch.device) -> bool:
 def resolve_precision(cfg: TrainConfig, fast_bf16: bool) -> TrainConfig:
     """``cfg`` with every ``auto`` precision replaced: bf16 when ``fast_bf16``, else float32."""
     g, t = cfg.generation, cfg.training
-    # A LoRA policy samples from itself (config.validate): no copy to make.
-    auto_dtype = "bfloat16" if fast_bf16 and not cfg.model.lora.enabled else None
+    # A LoRA or FSDP2 policy samples from itself (config.validate): no copy to make.
+    own = cfg.model.lora.enabled or t.strategy == "fsdp2"
+    auto_dtype = "bfloat16" if fast_bf16 and not own else None
     dtype = auto_dtype if g.dtype == "auto" else g.dtype
     autocast = fast_bf16 if t.autocast_bf16 == "auto" else t.autocast_bf16
     if (dtype, autocast) == (g.dtype, t.autocast_bf16):

@@ -27,6 +27,8 @@ from maxent_grpo.training.distributed import DataParallelPolicy, Dist
 from maxent_grpo.training.methods import method_spec
 from maxent_grpo.training.pipeline import PipelineContext
 from maxent_grpo.training.precision import bf16_is_fast, resolve_precision
+from maxent_grpo.training.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
+from maxent_grpo.training.sharding import shard_model
 from maxent_grpo.training.trackers import make_trackers
 from maxent_grpo.training.weighting_config import weighting_from_config
 
@@ -49,7 +51,7 @@ class Run:
     cfg: TrainConfig
     output_dir: Path
     ctx: PipelineContext
-    train_model: torch.nn.Module  # DDP-wrapped with several processes
+    train_model: torch.nn.Module  # DDP-wrapped with several processes (FSDP2: the sharded model itself)
     optimizer: torch.optim.Optimizer
     lr_scheduler: object
     sampler: ShardedSampler
@@ -69,6 +71,13 @@ class Run:
 
     def save(self, step: int) -> None:
         if step == 0:
+            return
+        if self.cfg.training.strategy == "fsdp2":
+            save_sharded_checkpoint(
+                self.output_dir, step, model=self.ctx.model, tokenizer=self.ctx.tokenizer,
+                optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+                trainer_state=self.trainer_state(step), keep_last=self.cfg.checkpoint.keep_last,
+            )
             return
         if self.ctx.dist.is_main:
             save_checkpoint(
@@ -102,6 +111,8 @@ def _reference_scorer(cfg: TrainConfig, model, name_or_path: str):
                 return get_per_token_logps(model, ids, mask, plen, temperature=temp, share_prompts=share)
         return score
     ref = load_reference_model(name_or_path, dtype=cfg.model.dtype, device=model.device)
+    if cfg.training.strategy == "fsdp2":
+        shard_model(ref)
 
     def score(ids, mask, plen):
         return get_per_token_logps(ref, ids, mask, plen, temperature=temp, share_prompts=share)
@@ -126,12 +137,17 @@ def _check_backend_available(cfg: TrainConfig) -> None:
         served_model(g.vllm.server_url, timeout_s=g.vllm.request_timeout_s)  # reachable, one model
 
 
-def _generation_backend(cfg: TrainConfig, model, tokenizer, model_path: str, output_dir: Path, dist: Dist):
+def _generation_backend(
+    cfg: TrainConfig, model, tokenizer, model_path: str, output_dir: Path, dist: Dist, *, fsdp2: bool
+):
     g = cfg.generation
     sample_dtype = None if g.dtype is None else parse_dtype(g.dtype)
     if g.backend == "hf":
         return HFGenerationBackend(
             model, tokenizer, batch_size=g.batch_size, dtype=sample_dtype, share_prompts=cfg.training.share_prompts,
+            # Sharded: every forward gathers weights with the other ranks, so every rank
+            # runs generate to the longest row of any rank.
+            synced_gpus=fsdp2,
         )
     if g.backend == "vllm":
         from maxent_grpo.rollout.vllm_colocate import VLLMColocateBackend
@@ -156,6 +172,10 @@ def _generation_backend(cfg: TrainConfig, model, tokenizer, model_path: str, out
 
 def build_run(cfg: TrainConfig, *, resume: str | bool | None = None) -> Run:
     dist = Dist.init()
+    fsdp2 = cfg.training.strategy == "fsdp2"
+    if fsdp2 and dist.world_size == 1:
+        raise ConfigError("training.strategy: fsdp2 needs several processes (torchrun --nproc_per_node N); "
+                          "with one process use ddp")
     cfg = resolve_precision(cfg, bf16_is_fast(dist.device))
     output_dir = Path(cfg.logging.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -185,6 +205,9 @@ def build_run(cfg: TrainConfig, *, resume: str | bool | None = None) -> Run:
     if cfg.model.lora.enabled:
         lc = cfg.model.lora
         model = apply_lora(model, r=lc.r, alpha=lc.alpha, dropout=lc.dropout, target_modules=lc.target_modules)
+    if fsdp2:
+        # Before the optimizer exists: it must hold the sharded parameters.
+        shard_model(model, mixed_precision=dist.device.type == "cuda" and cfg.training.autocast_bf16)
     reference = _reference_scorer(cfg, model, model_path) if method.needs_reference else None
 
     optimizer = torch.optim.AdamW(
@@ -197,7 +220,7 @@ def build_run(cfg: TrainConfig, *, resume: str | bool | None = None) -> Run:
         optimizer, num_warmup_steps=cfg.training.warmup_steps, num_training_steps=total_updates,
     )
     train_model = model
-    if dist.world_size > 1:
+    if dist.world_size > 1 and not fsdp2:
         train_model = DataParallelPolicy(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
 
     g = cfg.generation
@@ -210,7 +233,7 @@ def build_run(cfg: TrainConfig, *, resume: str | bool | None = None) -> Run:
     )
     ctx = PipelineContext(
         cfg=cfg, method=method, model=model, tokenizer=tokenizer,
-        backend=_generation_backend(cfg, model, tokenizer, model_path, output_dir, dist),
+        backend=_generation_backend(cfg, model, tokenizer, model_path, output_dir, dist, fsdp2=fsdp2),
         sampling=sampling, reward_spec=reward_spec, weighting=weighting_from_config(cfg), dist=dist,
         reference_logps=reference,
     )
@@ -236,7 +259,8 @@ def _resume(run: Run, path: Path | None) -> None:
     if ckpt is None:
         log.warning("--resume: no complete checkpoint under %s; starting from step 0", run.output_dir)
         return
-    state = load_checkpoint(ckpt, model=run.ctx.model, optimizer=run.optimizer, lr_scheduler=run.lr_scheduler)
+    load = load_sharded_checkpoint if run.cfg.training.strategy == "fsdp2" else load_checkpoint
+    state = load(ckpt, model=run.ctx.model, optimizer=run.optimizer, lr_scheduler=run.lr_scheduler)
     run.ctx.backend.sync_weights(run.ctx.model)
     run.sampler.sampler.load_state_dict(state["sampler"])
     restore_controller_state(run.ctx.weighting, state["controller"])

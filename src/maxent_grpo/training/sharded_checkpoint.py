@@ -1,0 +1,98 @@
+"""Checkpoints of an FSDP2 run: the folder of ``checkpoint.py``, written by every rank.
+
+The model is gathered to rank 0 and saved in Hugging Face format, so
+``from_pretrained`` and ``maxent-grpo eval`` read it without torch.distributed.
+The optimizer state stays sharded: every rank writes its part with
+``torch.distributed.checkpoint`` (DCP) into a staging folder that rank 0 then
+moves into the checkpoint as ``optimizer/`` before writing the manifest, so the
+checkpoint is still published by one atomic rename. The folder must be on a
+file system every rank sees (one machine, or a shared one across nodes).
+
+Both functions are collectives: every rank calls them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+from maxent_grpo.training.checkpoint import (
+    CHECKPOINTS_DIRNAME,
+    SHARDED_OPTIMIZER_DIR,
+    read_full_weights,
+    restore_run_state,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from maxent_grpo.training.sharding import full_state_dict, load_full_state_dict
+
+
+def save_sharded_checkpoint(
+    output_dir: str | Path,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    tokenizer: Any | None,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: Any | None,
+    trainer_state: dict,
+    keep_last: int | None,
+) -> None:
+    """Write ``OUTPUT_DIR/checkpoints/step-{step}`` from a sharded model (see the module notes)."""
+    weights = full_state_dict(model)
+    for name in _tied_copies(model):
+        # save_pretrained drops these for an unsharded model; the gathered dict holds them as copies
+        weights.pop(name, None)
+    optim_state = get_optimizer_state_dict(model, optimizer)
+    # Rank 0 names the staging folder (its pid marks it as its own, as for checkpoint.py's
+    # .tmp folders, so an interrupted save is cleaned up the same way).
+    name = [str(Path(output_dir) / CHECKPOINTS_DIRNAME / f".tmp-optimizer-step-{step}-{os.getpid()}")]
+    dist.broadcast_object_list(name, src=0)
+    staging = Path(name[0])
+    dcp.save(optim_state, checkpoint_id=staging)
+    if dist.get_rank() == 0:
+        save_checkpoint(
+            output_dir, step, model=model, tokenizer=tokenizer, optimizer=None, lr_scheduler=lr_scheduler,
+            trainer_state=trainer_state, keep_last=keep_last, model_state_dict=weights, sharded_optimizer=staging,
+        )
+    dist.barrier()
+
+
+def _tied_copies(model: torch.nn.Module) -> list[str]:
+    """Names under which an already-named parameter appears again (a tied ``lm_head.weight``)."""
+    first: dict[int, str] = {}
+    copies = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            copies.append(name)
+        first.setdefault(id(param), name)
+    return copies
+
+
+def load_sharded_checkpoint(
+    path: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any | None,
+) -> dict:
+    """Restore a checkpoint of an FSDP2 run into the sharded ``model`` and ``optimizer``; return trainer_state.
+
+    Each rank reads the full weights and keeps its shard; DCP reads each rank's
+    optimizer shard (it reshards when the number of processes has changed).
+    """
+    path = Path(path)
+    if not verify_checkpoint(path):
+        raise ValueError(f"path {path} is not a valid checkpoint")
+    if not (path / SHARDED_OPTIMIZER_DIR).is_dir():
+        raise ValueError(f"checkpoint {path} holds an unsharded optimizer state (a DDP run): "
+                         "resume it with training.strategy=ddp")
+    load_full_state_dict(model, read_full_weights(path))
+    # A template with this rank's shard shapes (DCP fills it in place); on a fresh
+    # optimizer this creates its zero state first.
+    optim_state = get_optimizer_state_dict(model, optimizer)
+    dcp.load(optim_state, checkpoint_id=path / SHARDED_OPTIMIZER_DIR)
+    set_optimizer_state_dict(model, optimizer, optim_state)
+    return restore_run_state(path, lr_scheduler)

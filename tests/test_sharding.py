@@ -1,0 +1,129 @@
+"""FSDP2 (``training.strategy: fsdp2``) on 2 gloo processes: the single-process gradient,
+the gathered weights, exact resume and a checkpoint ``from_pretrained`` loads; and the
+config combinations it refuses."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from maxent_grpo.training.config import ConfigError, GenerationConfig, load_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ddp_step_worker import build_rows, micro_batches  # noqa: E402
+from fsdp2_step_worker import load_model  # noqa: E402
+from test_resume import _args, _comparable, _rank_errors, _torchrun  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+# The same micro-batches as the two ranks together: rank 0 has rows 0-3, rank 1 rows 4-7.
+RANK_MICRO_BATCHES = [(0, 2), (2, 4), (4, 6), (6, 8)]
+
+
+@pytest.mark.slow
+def test_two_fsdp2_processes_give_the_single_process_gradient_and_the_full_weights(tiny_model_dir, tmp_path):
+    from maxent_grpo.core.step import grpo_step
+
+    out = tmp_path / "rank0.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(Path(__file__).with_name("fsdp2_step_worker.py")), str(tiny_model_dir), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sharded = torch.load(out)
+
+    # Gathered from the shards: every entry of the loaded model, bit for bit, the tied head included.
+    loaded = sharded["loaded"]
+    assert "lm_head.weight" in loaded
+    for got in (sharded["gathered"], sharded["streamed"]):
+        assert got.keys() == loaded.keys()
+        assert all(torch.equal(got[k], loaded[k]) for k in loaded)
+
+    model = load_model(str(tiny_model_dir))
+    rows = build_rows(model)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    single = grpo_step(model, torch.optim.SGD(model.parameters(), lr=1.0), micro_batches(rows, RANK_MICRO_BATCHES),
+                       num_generations=4, beta=0.05, loss_type="dapo")
+    grads = {k: before[k] - v for k, v in model.state_dict().items()}
+    assert max(float(g.abs().max()) for g in grads.values()) > 1e-3
+    assert max(float((sharded["grads"][k] - grads[k]).abs().max()) for k in grads) < 1e-6
+    assert sharded["loss"] == pytest.approx(single.loss, rel=1e-5)
+    assert sharded["metrics"]["grad_norm"] == pytest.approx(single.metrics["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_fsdp2_run_trains_resumes_exactly_and_saves_a_hugging_face_model(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from maxent_grpo.training.metrics import read_metrics
+
+    fsdp2 = ("training.strategy=fsdp2",)
+    full, part = tmp_path / "full", tmp_path / "part"
+    proc = _torchrun(_args(tiny_model_dir, full, 3, *fsdp2))
+    assert proc.returncode == 0, _rank_errors(proc)
+    # A run stopped after step 2: the same folder without the last checkpoint (one launch fewer).
+    shutil.copytree(full, part)
+    shutil.rmtree(part / "checkpoints" / "step-3")
+    proc = _torchrun([*_args(tiny_model_dir, part, 3, *fsdp2), "--resume"])
+    assert proc.returncode == 0, _rank_errors(proc)
+
+    expected = _comparable(read_metrics(full / "metrics.jsonl"))
+    assert [r["step"] for r in expected] == [1, 2, 3]
+    assert all(r["grad_norm"] > 0 for r in expected)
+    assert _comparable(read_metrics(part / "metrics.jsonl")) == expected
+
+    ckpt = full / "checkpoints" / "step-3"
+    assert (ckpt / "optimizer" / ".metadata").is_file() and not (ckpt / "optimizer.pt").exists()
+    # The tied head is saved once, as save_pretrained does for an unsharded model.
+    assert "lm_head.weight" not in load_file(ckpt / "model.safetensors")
+    trained = AutoModelForCausalLM.from_pretrained(ckpt)
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert trained.lm_head.weight is trained.model.embed_tokens.weight
+    with torch.no_grad():
+        moved = max(float((p - q).abs().max()) for p, q in zip(trained.parameters(), start.parameters()))
+    assert moved > 1e-3
+    # The resumed run ends on the same weights.
+    resumed = AutoModelForCausalLM.from_pretrained(part / "checkpoints" / "step-3")
+    assert all(torch.equal(p, q) for p, q in zip(trained.parameters(), resumed.parameters()))
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("model.lora.enabled=true", "model.lora.enabled"),
+        ("generation.dtype=bfloat16", "generation.dtype"),
+        ("loss.dynamic_sampling=true", "loss.dynamic_sampling"),
+    ],
+)
+def test_fsdp2_refuses_what_it_cannot_do_naming_the_key(override, key):
+    with pytest.raises(ConfigError, match=rf"^{key}: .*training.strategy=fsdp2"):
+        load_config(None, ["training.strategy=fsdp2", override])
+
+
+def test_fsdp2_accepts_sampling_from_the_policy_and_unknown_strategies_are_refused():
+    assert load_config(None, ["training.strategy=fsdp2", "generation.dtype=auto"]).training.strategy == "fsdp2"
+    with pytest.raises(ConfigError, match="^training.strategy: 'fsdp' is not one of ddp, fsdp2"):
+        load_config(None, ["training.strategy=fsdp"])
+
+
+@pytest.mark.skipif("backend" not in {f.name for f in dataclasses.fields(GenerationConfig)},
+                    reason="the recipe samples with generation.backend: vllm (issue 10's backends)")
+def test_the_gpu_recipe_is_a_valid_fsdp2_config():
+    cfg = load_config(REPO / "recipes" / "qwen2.5-1.5b-gsm8k-fsdp2.yaml")
+    assert cfg.training.strategy == "fsdp2" and cfg.generation.backend == "vllm"
+    completions = cfg.training.prompts_per_step * cfg.generation.num_generations
+    assert completions % cfg.training.micro_batch_size == 0
+
+
+def test_fsdp2_with_one_process_fails_before_loading_a_model(tmp_path, capsys):
+    from maxent_grpo.cli import main
+
+    code = main(["train", "--output-dir", str(tmp_path / "run"), "--set", "training.strategy=fsdp2",
+                 "--set", "model.name_or_path=/nonexistent"])
+    assert code != 0
+    assert "training.strategy: fsdp2 needs several processes" in capsys.readouterr().err

@@ -2,7 +2,7 @@
 
 ``python -m torch.distributed.run --standalone --nproc_per_node 2 fsdp2_step_worker.py MODEL_DIR OUT``
 loads the tiny model in float32, shards it (``training.sharding``), checks that
-the gathered state dict and the streamed ``full_state_dict_items`` equal the
+the gathered state dict and the streamed ``full_state_items`` (the vLLM weight push) equal the
 loaded weights, runs one ``grpo_step`` (SGD, lr=1, rows split over the ranks,
 two micro-batches each, shared prompts and the fused LM head on: the training
 defaults) and writes rank 0's full parameter update (= minus the gradient) to ``OUT``.
@@ -29,7 +29,8 @@ def main(model_dir: str, out_path: str) -> None:
     import torch.distributed as dist
 
     from maxent_grpo.core.step import grpo_step
-    from maxent_grpo.training.sharding import full_state_dict, full_state_dict_items, shard_model
+    from maxent_grpo.rollout.vllm_common import full_state_items
+    from maxent_grpo.training.sharding import full_state_dict, shard_model
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -38,7 +39,7 @@ def main(model_dir: str, out_path: str) -> None:
     rows = build_rows(model)
     shard_model(model)
     before = full_state_dict(model)
-    streamed = dict(full_state_dict_items(model))
+    streamed = {k: v.cpu() for k, v in full_state_items(model)}  # what a weight push streams
     half = len(LENGTHS) // world
     lo = rank * half
     mine = micro_batches(rows, [(lo, lo + half // 2), (lo + half // 2, lo + half)])

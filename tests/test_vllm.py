@@ -287,11 +287,13 @@ def test_training_with_vllm_learns(vllm_model_dir, tmp_path):
     assert _max_diff(_policy(final), groups, 8, tok.pad_token_id) < 1e-5
 
 
-def test_two_colocated_processes(vllm_model_dir, tmp_path):
-    """torchrun, two ranks, one engine each (external_launcher): both engines sample and take weight pushes."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_colocated_processes(vllm_model_dir, tmp_path, strategy):
+    """torchrun, two ranks, one engine each (external_launcher): both engines sample and take weight pushes,
+    from a whole model (DDP) or gathered from shards (FSDP2, DTensor.full_tensor per weight)."""
     out = tmp_path / "run"
     args = tiny_overrides(vllm_model_dir, out, rewards="[{name: 'learnable_rewards:shortness'}]", steps=2, extra=[
-        "generation.backend=vllm", "generation.vllm.enforce_eager=true",
+        "generation.backend=vllm", "generation.vllm.enforce_eager=true", f"training.strategy={strategy}",
     ])
     env = {**os.environ, "MAXENT_GRPO_LOG": "WARNING", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}

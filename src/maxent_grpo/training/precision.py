@@ -31,8 +31,9 @@ def bf16_is_fast(device: torch.device) -> bool:
 def resolve_precision(cfg: TrainConfig, fast_bf16: bool) -> TrainConfig:
     """``cfg`` with every ``auto`` precision replaced: bf16 when ``fast_bf16``, else float32."""
     g, t = cfg.generation, cfg.training
-    # A LoRA or FSDP2 policy samples from itself (config.validate): no copy to make.
-    own = cfg.model.lora.enabled or t.strategy == "fsdp2"
+    # A LoRA policy, or an FSDP2 policy sampled by HF generate, samples from itself
+    # (config.validate): no copy to make. A vLLM engine always holds its own weights.
+    own = cfg.model.lora.enabled or (t.strategy == "fsdp2" and g.backend == "hf")
     auto_dtype = "bfloat16" if fast_bf16 and not own else None
     dtype = auto_dtype if g.dtype == "auto" else g.dtype
     autocast = fast_bf16 if t.autocast_bf16 == "auto" else t.autocast_bf16

@@ -14,7 +14,6 @@ it, in the same order.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -70,16 +69,3 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def load_full_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load full (unsharded) tensors, given on every rank, into the sharded ``model``."""
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
-
-
-def full_state_dict_items(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, full CPU tensor)`` for every entry of ``model.state_dict()``, one tensor at a time.
-
-    For pushing weights to a generator without holding a second full copy: every
-    rank must run the iterator to its end (each DTensor is all-gathered). Names are
-    the Hugging Face names; a tied ``lm_head.weight`` is yielded too (vLLM needs it
-    pushed explicitly). Works unsharded as well (plain tensors are passed through).
-    """
-    for name, tensor in model.state_dict().items():
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        yield name, full.detach().cpu()

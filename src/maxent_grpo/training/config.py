@@ -1,4 +1,4 @@
-"""The run configuration: typed sections, YAML loading, overrides, validation.
+"""The run configuration: YAML loading, overrides, method presets, validation.
 
 One YAML file maps onto :class:`TrainConfig`. Every problem (unknown key, wrong
 type, out-of-range value) raises :class:`ConfigError` with a one-line message
@@ -11,238 +11,44 @@ import dataclasses
 import difflib
 import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+# The sections live in config_schema.py; imported here so that ``training.config``
+# stays the one import for the whole configuration.
+from maxent_grpo.training.config_schema import (
+    CheckpointConfig,
+    DataConfig,
+    EvalConfig,
+    FewShotExample,
+    GenerationConfig,
+    LoggingConfig,
+    LoraConfig,
+    LossSection,
+    MaxEntConfig,
+    Method,
+    ModelConfig,
+    RewardEntry,
+    SeedGrpoConfig,
+    TrainConfig,
+    TrainingConfig,
+    VllmConfig,
+    XdrConfig,
+)
 
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the offending key."""
 
 
-Method = Literal[
-    "grpo", "dr_grpo", "dapo", "gspo", "seed_grpo", "maxent_entropy", "maxent_listwise", "xdr"
+__all__ = [
+    "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig", "FewShotExample", "GenerationConfig",
+    "LoggingConfig", "LoraConfig", "LossSection", "MaxEntConfig", "Method", "ModelConfig", "RewardEntry",
+    "SeedGrpoConfig", "TrainConfig", "TrainingConfig", "VllmConfig", "XdrConfig",
+    "load_config", "parse_override", "save_config", "to_dict", "validate",
 ]
-
-
-@dataclass
-class LoraConfig:
-    enabled: bool = False
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.05
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-
-
-@dataclass
-class ModelConfig:
-    name_or_path: str = "smollm2-135m-instruct"
-    dtype: Literal["float32", "bfloat16", "float64"] = "float32"
-    lora: LoraConfig = field(default_factory=LoraConfig)
-
-
-@dataclass
-class FewShotExample:
-    """One demonstration: a user turn and the assistant's reply, placed before every prompt."""
-
-    prompt: str
-    completion: str
-
-
-@dataclass
-class DataConfig:
-    source: str = "reasoning_gym:chain_sum"
-    split: str = "train"
-    size: int | None = 1000
-    # reasoning_gym sources: options of the task's generator, and the line appended to each question.
-    task_kwargs: dict[str, Any] = field(default_factory=dict)
-    instruction: str | None = "Put your final answer within \\boxed{}."
-    prompt_column: str = "prompt"
-    answer_column: str = "answer"
-    system_prompt: str | None = None
-    few_shot: list[FewShotExample] = field(default_factory=list)
-    eval_size: int = 0
-    num_epochs: int | None = None
-    shuffle: bool = True
-
-
-@dataclass
-class RewardEntry:
-    name: str
-    weight: float = 1.0
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class VllmConfig:
-    """Options of the vLLM backends (``generation.backend: vllm | vllm_server``); docs/VLLM.md."""
-
-    # Colocated engine (backend vllm): share of GPU memory the engine may take; ignored on CPU.
-    gpu_memory_utilization: float = 0.3
-    # Longest prompt + completion the engine plans for (null: prompt budget + max_new_tokens is not
-    # known up front, so vLLM's own default, the model's context length).
-    max_model_len: int | None = None
-    # GPU only: offload the engine's weights and free its KV cache while the trainer runs.
-    enable_sleep_mode: bool = False
-    # Skip graph compilation (torch.compile, CUDA graphs): a fast engine start, slower sampling.
-    enforce_eager: bool = False
-    # Server backend: where `maxent-grpo serve` (vLLM's OpenAI-compatible server) listens.
-    server_url: str = "http://127.0.0.1:8000"
-    # How new weights reach the server: disk (safetensors folder, works anywhere) or
-    # nccl (vLLM's weight-transfer endpoints; GPU only).
-    weight_sync: Literal["disk", "nccl"] = "disk"
-    # Folder the disk sync writes into (null: OUTPUT_DIR/vllm_weights); the server must read it.
-    sync_dir: str | None = None
-    request_timeout_s: float = 600.0
-
-
-@dataclass
-class GenerationConfig:
-    num_generations: int = 8
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop: list[str] = field(default_factory=list)
-    max_retry_rounds: int = 2
-    batch_size: int | None = None
-    # Sample from a copy of the policy in this dtype (refreshed after every optimizer
-    # step); null samples from the policy itself; auto: bfloat16 where the device
-    # multiplies it natively, else null (training/precision.py).
-    dtype: Literal["float32", "bfloat16", "auto"] | None = None
-    # The sampler: hf (transformers generate, in process), vllm (one in-process vLLM
-    # engine per process), vllm_server (a vLLM server, e.g. on other GPUs).
-    backend: Literal["hf", "vllm", "vllm_server"] = "hf"
-    vllm: VllmConfig = field(default_factory=VllmConfig)
-
-
-@dataclass
-class LossSection:
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    delta: float | None = None
-    dual_clip: float | None = None
-    importance_sampling_level: Literal["token", "sequence"] = "token"
-    beta: float = 0.0
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    top_entropy_quantile: float = 1.0
-    advantage_estimator: Literal["grpo", "rloo"] = "grpo"
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    mask_truncated_completions: bool = False
-    zero_truncated_completion_rewards: bool = False
-    entropy_coef: float = 0.0
-    policy_entropy_bonus_coef: float = 0.0
-    dynamic_sampling: bool = False
-    max_gen_batches: int = 3
-    # Importance weight between the sampler and the trainer on the policy term (ALGORITHMS.md §9).
-    rollout_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
-    rollout_correction_cap: float = 3.0
-
-
-@dataclass
-class MaxEntConfig:
-    tau: float = 0.5
-    q_temperature: float = 1.0
-    q_epsilon: float = 1e-6
-    length_normalize_ref: bool = True
-    listwise_loss: Literal["cross_entropy", "weighted_mle"] = "cross_entropy"
-    keep_zero_variance_groups: bool = False
-    listwise_clip_coef: float = 0.0
-    tau_target_entropy: float | None = None
-    tau_target_final: float | None = None
-    tau_target_horizon: int = 0
-    tau_lr: float = 0.0
-    tau_min: float = 0.0
-    tau_max: float = 0.0
-    tau_warmup_steps: int = 0
-    kl_target: float = 0.0
-    kl_horizon: int = 0
-    kl_step_size: float = 0.0
-
-
-@dataclass
-class XdrConfig:
-    tau: float = 1.0
-    lam: float = 0.0
-    mode_adaptive: bool = False
-
-
-@dataclass
-class SeedGrpoConfig:
-    alpha: float = 0.0417
-    normalize_by_max_entropy: bool = True
-    length_normalize_logprobs: bool = True
-
-
-@dataclass
-class TrainingConfig:
-    max_steps: int = 30
-    prompts_per_step: int = 4
-    # Completions per optimizer step (TRL's convention); when set it must be a
-    # multiple of num_generations and replaces prompts_per_step.
-    batch_size: int | None = None
-    micro_batch_size: int = 8
-    learning_rate: float = 1e-5
-    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.99
-    max_grad_norm: float | None = 1.0
-    num_iterations: int = 1
-    seed: int = 0
-    # Run forward/backward matmuls in bfloat16 (torch.autocast) over float32 weights;
-    # auto: where the device multiplies bf16 natively.
-    autocast_bf16: Literal[True, False, "auto"] = False
-    # Forward each distinct prompt once per micro-batch and let its G completions
-    # attend to the shared keys/values (same gradient up to float rounding).
-    share_prompts: bool = True
-    # How several processes share the work: ddp (each holds the whole model) or fsdp2
-    # (each holds 1/world_size of the weights, gradients and optimizer state; training/sharding.py).
-    strategy: Literal["ddp", "fsdp2"] = "ddp"
-
-
-@dataclass
-class LoggingConfig:
-    output_dir: str = "outputs/run"
-    report_to: list[str] = field(default_factory=list)
-    log_completions_every: int = 1
-    progress_bar: bool = True
-
-
-@dataclass
-class CheckpointConfig:
-    save_steps: int = 0
-    keep_last: int | None = 2
-
-
-@dataclass
-class EvalConfig:
-    every_steps: int = 0
-    num_prompts: int = 32
-    k: int = 4
-
-
-@dataclass
-class TrainConfig:
-    method: Method = "maxent_listwise"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    rewards: list[RewardEntry] = field(
-        default_factory=lambda: [RewardEntry("boxed_accuracy", 1.0), RewardEntry("format", 0.5)]
-    )
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
-    loss: LossSection = field(default_factory=LossSection)
-    maxent: MaxEntConfig = field(default_factory=MaxEntConfig)
-    xdr: XdrConfig = field(default_factory=XdrConfig)
-    seed_grpo: SeedGrpoConfig = field(default_factory=SeedGrpoConfig)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 # ---------------------------------------------------------------- conversion

@@ -143,8 +143,11 @@ class VLLMServerBackend:
     # ------------------------------------------------------------ weights
 
     def sync_weights(self, policy: torch.nn.Module) -> None:
-        items = list(full_state_items(policy))  # every rank takes part in gathering sharded weights
-        if self.is_main:
+        items = full_state_items(policy)
+        if not self.is_main:
+            for _ in items:  # sharded weights are gathered by every rank; only the main one keeps them
+                pass
+        else:
             folder = self._write(items)
             self._request("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
             self._request("POST", "/reset_prefix_cache")

@@ -25,3 +25,30 @@ def returns_nan(prompts, completions, **kwargs):
 
 def raises(prompts, completions, **kwargs):
     raise RuntimeError("scorer crashed")
+
+
+def fails_after(calls: int):
+    """A factory: the reward works for ``calls`` calls (steps), then raises every time."""
+    seen = [0]
+
+    def reward(prompts, completions, completion_ids, **kwargs):
+        seen[0] += 1
+        if seen[0] > calls:
+            raise RuntimeError(f"judge unreachable (call {seen[0]})")
+        return [len(c) / 100.0 for c in completions]
+
+    return reward
+
+
+def always_one(prompts, completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+def always_none(prompts, completions, **kwargs):
+    return [None] * len(completions)
+
+
+def hangs(prompts, completions, **kwargs):
+    import threading
+
+    threading.Event().wait()  # never returns

@@ -36,7 +36,9 @@ def one_line_error(excinfo) -> str:
 def test_jsonl_renames_columns_casts_answers_and_keeps_the_rest(tmp_path):
     rows = [{"question": f"q{i}", "solution": i * 10, "level": i % 2} for i in range(5)]
     ds = load_prompt_dataset(write_jsonl(tmp_path / "d.jsonl", rows), prompt_column="question", answer_column="solution")
-    assert ds.column_names == ["prompt", "answer", "level"]
+    # The answer column keeps its own name too: a TRL reward reads kwargs["solution"].
+    assert sorted(ds.column_names) == ["answer", "level", "prompt", "solution"]
+    assert ds["solution"][:] == [i * 10 for i in range(5)]
     assert ds["prompt"][:] == [f"q{i}" for i in range(5)]
     assert ds["answer"][:] == [str(i * 10) for i in range(5)]
     assert ds["level"][:] == [0, 1, 0, 1, 0]
@@ -96,7 +98,7 @@ def test_size_split_and_rename_conflicts(tmp_path):
     assert len(load_prompt_dataset(path, size=5)) == 1  # size is an upper bound for files
     with pytest.raises(DataError, match="only the split 'train', got split='test'"):
         load_prompt_dataset(path, split="test")
-    with pytest.raises(DataError, match="cannot rename column 'q' to 'prompt'"):
+    with pytest.raises(DataError, match="cannot use column 'q' as 'prompt': a column 'prompt' exists already"):
         load_prompt_dataset(path, prompt_column="q")
     with pytest.raises(DataError, match="size must be a positive int"):
         load_prompt_dataset(path, size=0)

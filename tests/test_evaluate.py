@@ -275,7 +275,7 @@ def test_eval_cli_on_the_tiny_model(tiny_model_dir, digits_data, tmp_path, capsy
 
 @pytest.mark.parametrize("flag, value", [("-k", "0"), ("--num-prompts", "0")])
 def test_eval_cli_rejects_bad_counts(flag, value, tiny_model_dir, digits_data, tmp_path, capsys):
-    assert main(_eval_args(tiny_model_dir, tmp_path / "o", digits_data, flag, value)) == 1
+    assert main(_eval_args(tiny_model_dir, tmp_path / "o", digits_data, flag, value)) == 2  # a usage error, like a bad config key
     err = capsys.readouterr().err
     assert flag in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()

@@ -19,7 +19,7 @@ from maxent_grpo.training.metrics import read_metrics
 from tiny_runs import read_jsonl, wandb_history
 from tiny_runs import tiny_overrides as tiny_run_args
 
-COLUMNS = ["prompt", "completion", "rewards", "reward", "advantage", "weight", "length", "finish_reason"]
+COLUMNS = ["prompt", "completion", "rewards", "reward", "advantage", "weight", "length", "finish_reason", "rank"]
 REWARD_WEIGHTS = {"boxed_accuracy": 1.0, "length": 0.5}
 G, PROMPTS, MAX_NEW = 4, 2, 8
 HAS_WANDB = importlib.util.find_spec("wandb") is not None
@@ -92,7 +92,7 @@ def test_tensorboard_holds_every_metric_of_every_step_and_the_tables(grpo_run):
         for line, row in zip(lines[2:], completions):
             cells = line.split(" | ")
             # The numbers at the end of each line are the table's own columns, in order.
-            assert cells[-4:] == [str(row["advantage"]), str(row["weight"]), str(row["length"]), row["finish_reason"] + " |"]
+            assert cells[-5:] == [str(row["advantage"]), str(row["weight"]), str(row["length"]), row["finish_reason"], "0 |"]
     assert "config/text_summary" in events.Tags()["tensors"]
 
 

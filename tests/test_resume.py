@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -145,6 +146,12 @@ def test_two_process_run_resumes_exactly(tiny_model_dir, tmp_path):
     assert [r["step"] for r in expected] == [1, 2, 3, 4]
     assert _comparable(read_metrics(part / "metrics.jsonl")) == expected
     assert '"world_size": 2' in (full / "run_info.json").read_text()
+    # Every process's completions reach the table (2 prompts x 4 completions each); the end
+    # of the run is announced once.
+    for step in (1, 4):
+        rows = [json.loads(line) for line in (full / "completions" / f"step-{step}.jsonl").read_text().splitlines()]
+        assert [r["rank"] for r in rows] == [0] * 8 + [1] * 8
+    assert proc.stdout.count("done: 4 steps") == 1
 
 
 def test_reference_run_actually_trains(reference_run):

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from maxent_grpo.errors import UserError
 from maxent_grpo.training.config import ConfigError
 from maxent_grpo.training.config_help import field_help
 
@@ -54,6 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", nargs="?", const=True, default=None, metavar="PATH",
         help="continue from a checkpoint: PATH, or the latest complete one in the output dir",
     )
+    train.add_argument(
+        "--overwrite", action="store_true",
+        help="delete a previous run in the output dir first (without it such a folder is refused)",
+    )
+    train.add_argument(
+        "--allow-config-change", action="store_true",
+        help="with --resume: accept changed settings such as the learning rate (recorded in config.yaml)",
+    )
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
 
     ev = sub.add_parser(
@@ -65,9 +74,11 @@ greedy_pass@1, num_prompts, model, deciding_reward) and DIR/completions.jsonl.
 A completion is correct when the FIRST reward function of the config gives >= 1.0
 (list an accuracy reward first); the other rewards are recorded but never decide, and
 None counts as wrong. distinct@K counts distinct correct final answers (last \\boxed{}
-or <answer>, canonicalised). Prompts: the run's held-out split when data.eval_size > 0,
-else the first N rows of data.source. With --config RUN/config.yaml and MODEL =
-RUN/checkpoints/step-N it reproduces RUN/eval/step-N exactly.""",
+or <answer>, canonicalised). Prompts: the run's held-out split when data.eval_size > 0;
+else, for reasoning_gym sources, problems generated from another seed that the run did
+not train on; else the first N rows of data.source, with a warning that the run trained
+on them. With --config RUN/config.yaml and MODEL = RUN/checkpoints/step-N it reproduces
+RUN/eval/step-N exactly.""",
     )
     ev.add_argument("model", help="model name or path, or a checkpoint folder")
     ev.add_argument("--config", metavar="FILE", help="recipe whose data, rewards and generation settings to use")
@@ -104,17 +115,54 @@ def _train(args) -> int:
         overrides.append(f"training.max_steps={args.max_steps}")
     if args.seed is not None:
         overrides.append(f"training.seed={args.seed}")
+    if args.resume is not None and args.overwrite:
+        raise ConfigError("--resume and --overwrite: choose one (continue the run, or delete it)")
     cfg = load_config(args.config, overrides)
     if args.print_config:
         import yaml
 
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         return 0
+    from maxent_grpo.training.interrupt import RunInterrupted
     from maxent_grpo.training.loop import train
+    from maxent_grpo.training.summary import format_summary
 
-    out = train(cfg, resume=args.resume)
-    print(f"done: metrics in {out / 'metrics.jsonl'}")
+    try:
+        summary = train(cfg, resume=args.resume, overwrite=args.overwrite, allow_config_change=args.allow_config_change)
+    except RunInterrupted as stopped:
+        if _is_main_process():
+            print(f"maxent-grpo: {stopped}", file=sys.stderr)
+            if stopped.checkpoint is not None:
+                print(f"resume with: {_resume_command(args.argv)}", file=sys.stderr)
+        return 130
+    if _is_main_process():
+        print(format_summary(summary, config_path=summary.output_dir / "config.yaml"))
     return 0
+
+
+def _is_main_process() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _resume_command(argv: list[str]) -> str:
+    """The command that was run, with ``--resume`` (and without ``--overwrite``)."""
+    import shlex
+
+    kept, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if arg == "--overwrite" or arg.startswith("--resume="):
+            continue
+        if arg == "--resume":
+            # --resume takes an optional PATH: drop it too when one follows.
+            skip = i + 1 < len(argv) and not argv[i + 1].startswith("-")
+            continue
+        kept.append(arg)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    launcher = f"torchrun --nproc_per_node {world} -m maxent_grpo.cli" if world > 1 else "maxent-grpo"
+    return f"{launcher} {shlex.join(kept + ['--resume'])}"
 
 
 def _eval(args) -> int:
@@ -146,16 +194,6 @@ def _serve(args) -> int:
     os.execvpe(cmd[0], cmd, env)
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """Errors that mean bad input: reported in one line, no traceback."""
-    from maxent_grpo.rewards.registry import RewardFunctionError
-    from maxent_grpo.rollout.vllm_server import VLLMServerError
-    from maxent_grpo.training.data import DataError
-    from maxent_grpo.training.loop import TrainingError
-
-    return (ConfigError, DataError, RewardFunctionError, TrainingError, VLLMServerError, FileNotFoundError, ValueError)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -164,25 +202,37 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if passthrough and args.command != "serve":
         parser.error("arguments after -- are only taken by serve")
-    args.vllm_args = passthrough
+    args.vllm_args, args.argv = passthrough, argv
     if args.command is None:
         parser.print_help()
         return 2
-    logging.basicConfig(level=os.environ.get("MAXENT_GRPO_LOG", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Every process meets the same warnings; the main one speaks for all.
+    level = os.environ.get("MAXENT_GRPO_LOG", "INFO") if _is_main_process() else "ERROR"
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     handler = {"train": _train, "eval": _eval, "report": _report, "serve": _serve}[args.command]
     if os.environ.get("MAXENT_GRPO_DEBUG"):
         return handler(args)  # full tracebacks
+    # Bad input and the machine's refusals (disk full, permissions) get one line; any other
+    # exception is a bug and keeps its traceback.
     try:
         return handler(args)
     except ConfigError as err:
         print(f"maxent-grpo: config error: {err}", file=sys.stderr)
         return 2
-    except _user_errors() as err:
+    except UserError as err:
         print(f"maxent-grpo: error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:
+        print(f"maxent-grpo: error: {_os_error_line(err)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("maxent-grpo: interrupted", file=sys.stderr)
         return 130
+
+
+def _os_error_line(err: OSError) -> str:
+    where = f": {err.filename}" if err.filename else ""
+    return f"{err.strerror or err}{where}"
 
 
 if __name__ == "__main__":

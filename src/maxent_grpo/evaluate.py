@@ -23,6 +23,7 @@ in ``mean@k``.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from collections.abc import Sequence
@@ -36,8 +37,10 @@ from maxent_grpo.core.eval_metrics import PromptSamples, summarize_eval
 from maxent_grpo.rewards.answers import canonical_answer, extract_final_answer
 from maxent_grpo.rewards.registry import RewardSpec, evaluate_rewards, grouped_reward_inputs
 from maxent_grpo.rollout.backend import GenerationBackend, RolloutBatch, SamplingParams, generate_groups
-from maxent_grpo.training.config import FewShotExample
-from maxent_grpo.training.data import format_prompt
+from maxent_grpo.training.config import ConfigError, FewShotExample
+from maxent_grpo.training.data import RG_PREFIX, format_prompt
+
+log = logging.getLogger("maxent_grpo")
 
 __all__ = [
     "CORRECT_THRESHOLD", "eval_seed", "evaluate_prompts", "run_eval_cli", "select_eval_rows", "write_eval_outputs",
@@ -173,6 +176,40 @@ def select_eval_rows(dataset, eval_size: int, num_prompts: int, seed: int) -> li
     return [dict(dataset[i]) for i in range(min(num_prompts, len(dataset)))]
 
 
+# Generated tasks are evaluated on problems drawn with this seed offset, never the run's own.
+FRESH_SEED_OFFSET = 1_000_003
+
+
+def fresh_task_rows(cfg, train_dataset, num_prompts: int) -> list[dict]:
+    """A reasoning-gym run without a held-out split: ``num_prompts`` problems generated from
+    another seed, leaving out any whose prompt the run trained on (small tasks repeat)."""
+    from maxent_grpo.training.data import load_prompt_dataset
+
+    seen = set(train_dataset["prompt"])
+    fresh = load_prompt_dataset(
+        cfg.data.source, size=max(4 * num_prompts, 64), seed=cfg.training.seed + FRESH_SEED_OFFSET,
+        instruction=cfg.data.instruction, task_kwargs=cfg.data.task_kwargs,
+    )
+    rows = [dict(r) for r in fresh if r["prompt"] not in seen][:num_prompts]
+    if not rows:
+        raise ConfigError(f"eval: every problem {cfg.data.source} generates is one the run trained on; "
+                          "set data.eval_size > 0 to hold some out")
+    return rows
+
+
+def warn_training_overlap(rows: list[dict], dataset, eval_size: int, seed: int, source: str) -> None:
+    """Warn when evaluation prompts are among the prompts the run trained on."""
+    from maxent_grpo.training.data import split_train_eval
+
+    train = split_train_eval(dataset, eval_size, seed)[0] if eval_size else dataset
+    seen = set(train["prompt"]) if isinstance(train[0]["prompt"], str) else {json.dumps(p) for p in train["prompt"]}
+    key = (lambda p: p) if isinstance(rows[0]["prompt"], str) else json.dumps
+    overlap = sum(key(r["prompt"]) in seen for r in rows)
+    if overlap:
+        log.warning("eval: %d of %d prompts are training rows of %s; set data.eval_size > 0 (a held-out split) "
+                    "or point data.source at a test set", overlap, len(rows), source)
+
+
 def run_eval_cli(args) -> int:
     """``maxent-grpo eval MODEL --output DIR [--config FILE] [--set K=V] [-k K] [--num-prompts N]``.
 
@@ -191,7 +228,7 @@ def run_eval_cli(args) -> int:
 
     for flag, value in (("-k", args.k), ("--num-prompts", args.num_prompts)):
         if value is not None and value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
     cfg = resolve_precision(load_config(args.config, args.set), bf16_is_fast(torch.device("cpu")))
     k = args.k if args.k is not None else cfg.eval.k
     n = args.num_prompts if args.num_prompts is not None else cfg.eval.num_prompts
@@ -201,6 +238,9 @@ def run_eval_cli(args) -> int:
         instruction=cfg.data.instruction, task_kwargs=cfg.data.task_kwargs,
     )
     rows = select_eval_rows(dataset, cfg.data.eval_size, n, cfg.training.seed)
+    if not cfg.data.eval_size and cfg.data.source.startswith(RG_PREFIX):
+        rows = fresh_task_rows(cfg, dataset, n)
+    warn_training_overlap(rows, dataset, cfg.data.eval_size, cfg.training.seed, cfg.data.source)
     spec = build_reward_spec(cfg.rewards)
     model, tokenizer = load_model_and_tokenizer(resolve_model_path(args.model), dtype=cfg.model.dtype, device="cpu")
     g = cfg.generation

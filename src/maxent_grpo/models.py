@@ -23,6 +23,18 @@ from pathlib import Path
 
 import torch
 
+from safetensors import SafetensorError
+
+from maxent_grpo.errors import UserError
+
+
+class ModelError(UserError, ValueError):
+    """The model named by ``model.name_or_path`` cannot be found or read; the message names the file."""
+
+
+class ModelNotFoundError(ModelError, FileNotFoundError):
+    """``model.name_or_path`` is a path that does not exist."""
+
 logger = logging.getLogger("maxent_grpo")
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
@@ -86,7 +98,7 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> str:
     """
     name = os.path.expanduser(os.fspath(name_or_path))
     if not name:
-        raise ValueError("name_or_path must be a model directory or a model name, got ''")
+        raise ModelError("name_or_path must be a model directory or a model name, got ''")
     if os.path.isdir(name):
         return name
     if name.lower() == SMOLLM2_ALIAS:
@@ -98,13 +110,13 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> str:
         return str(ensure_packaged_smollm2())
     if _looks_like_path(name):
         if os.path.exists(name):
-            raise ValueError(f"name_or_path {name!r} is a file, expected a model directory")
-        raise FileNotFoundError(f"model directory {name!r} does not exist")
+            raise ModelError(f"name_or_path {name!r} is a file, expected a model directory")
+        raise ModelNotFoundError(f"model directory {name!r} does not exist")
     snapshot = _hub_snapshot(name)
     if snapshot is not None:
         return str(snapshot)
     if _hub_offline():
-        raise ValueError(
+        raise ModelError(
             f"model {name!r} is not a local directory and not in the Hugging Face cache, and the hub "
             f"is offline (HF_HUB_OFFLINE); use {SMOLLM2_ALIAS!r} or a local path"
         )
@@ -242,7 +254,11 @@ def load_tokenizer(name_or_path: str | os.PathLike, *, trust_remote_code: bool =
 def _load_model(path: str, dtype: torch.dtype, device: str | torch.device, trust_remote_code: bool):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    except SafetensorError as err:  # a truncated or damaged weights file: name it
+        files = ", ".join(str(p) for p in sorted(Path(path).glob("*.safetensors"))) or path
+        raise ModelError(f"cannot read the weights of {path} ({files}): {err}") from err
     return model.to(device)
 
 

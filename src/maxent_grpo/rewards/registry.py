@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from maxent_grpo.errors import UserError
 from maxent_grpo.rewards import builtin
 from maxent_grpo.rewards.builtin import RewardFunction
+from maxent_grpo.rewards.invoke import call_all
+from maxent_grpo.rewards.user_code import import_reference, split_reference
 
 REWARD_FUNCTIONS: dict[str, Callable[..., RewardFunction]] = {
     "accuracy": builtin.make_accuracy,
@@ -38,7 +41,11 @@ REWARD_FUNCTIONS: dict[str, Callable[..., RewardFunction]] = {
 }
 
 
-class RewardFunctionError(ValueError):
+class RewardConfigError(UserError, ValueError):
+    """A ``rewards`` entry names no usable function; the message names the entry."""
+
+
+class RewardFunctionError(UserError, ValueError):
     """A reward function failed or returned something unusable; the message names it."""
 
     def __init__(self, function_name: str, message: str):
@@ -46,41 +53,24 @@ class RewardFunctionError(ValueError):
         self.function_name = function_name
 
 
-def _import_object(path: str) -> Any:
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"reward function path must look like 'module:function', got {path!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"reward function {path!r}: cannot import module '{module_name}': {exc}") from exc
-    obj: Any = module
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError as exc:
-            raise ValueError(f"reward function {path!r}: '{module_name}' has no attribute '{attr}'") from exc
-    return obj
-
-
 def resolve_reward_function(name_or_path: str, **kwargs: Any) -> RewardFunction:
     """The reward function for a registry name, built by its factory with `kwargs`,
     or the object at `module:function`. For an imported object, `kwargs` mean that
     it is a factory: it is called with them and must return the reward function."""
     if ":" in name_or_path:
-        obj = _import_object(name_or_path)
+        obj = import_reference(name_or_path)
         fn = obj(**kwargs) if kwargs else obj
     elif name_or_path in REWARD_FUNCTIONS:
         fn = REWARD_FUNCTIONS[name_or_path](**kwargs)
     else:
         close = difflib.get_close_matches(name_or_path, list(REWARD_FUNCTIONS), n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""
-        raise ValueError(
+        raise RewardConfigError(
             f"unknown reward function {name_or_path!r}: {hint}"
             f"valid names: {sorted(REWARD_FUNCTIONS)}, or an importable 'module:function'"
         )
     if not callable(fn):
-        raise ValueError(f"reward function {name_or_path!r} resolved to a non-callable {type(fn).__name__}")
+        raise RewardConfigError(f"reward function {name_or_path!r} resolved to a non-callable {type(fn).__name__}")
     return fn
 
 
@@ -91,72 +81,87 @@ class RewardSpec:
     names: tuple[str, ...]
     funcs: tuple[RewardFunction, ...]
     weights: tuple[float, ...]
+    # Seconds each call may take (None: no limit); empty means no limits at all.
+    timeouts: tuple[float | None, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.names:
-            raise ValueError("names: at least one reward function is needed")
+            raise RewardConfigError("names: at least one reward function is needed")
         if not len(self.names) == len(self.funcs) == len(self.weights):
-            raise ValueError(
+            raise RewardConfigError(
                 f"names, funcs and weights must have one entry per function, got "
                 f"{len(self.names)}, {len(self.funcs)} and {len(self.weights)}"
             )
         duplicates = sorted({n for n in self.names if self.names.count(n) > 1})
         if duplicates:
-            raise ValueError(f"names: each reward function may appear once, repeated: {duplicates}")
+            raise RewardConfigError(f"names: each reward function may appear once, repeated: {duplicates}")
         for name, weight in zip(self.names, self.weights):
             if not math.isfinite(weight):
-                raise ValueError(f"weights: reward '{name}' has a non-finite weight {weight}")
+                raise RewardConfigError(f"weights: reward '{name}' has a non-finite weight {weight}")
 
     def weight_tensor(self) -> torch.Tensor:
         """Weights as a float64 tensor [K], aligned with the columns of `evaluate_rewards`."""
         return torch.tensor(self.weights, dtype=torch.float64)
 
 
-_ENTRY_KEYS = {"name", "weight", "kwargs"}
+_ENTRY_KEYS = {"name", "weight", "kwargs", "timeout_s"}
 
 
-def _entry_fields(entry: Any, index: int) -> tuple[str, float, dict[str, Any]]:
+def _entry_fields(entry: Any, index: int) -> tuple[str, float, dict[str, Any], float | None]:
     if isinstance(entry, str):
-        return entry, 1.0, {}
+        return entry, 1.0, {}, None
     if dataclasses.is_dataclass(entry) and not isinstance(entry, type):
         entry = {f.name: getattr(entry, f.name) for f in dataclasses.fields(entry)}
     if isinstance(entry, Mapping):
         unknown = sorted(set(entry) - _ENTRY_KEYS)
         if unknown:
-            raise ValueError(f"rewards[{index}]: unknown keys {unknown}; allowed: {sorted(_ENTRY_KEYS)}")
+            raise RewardConfigError(f"rewards[{index}]: unknown keys {unknown}; allowed: {sorted(_ENTRY_KEYS)}")
         if "name" not in entry:
-            raise ValueError(f"rewards[{index}]: 'name' is required")
+            raise RewardConfigError(f"rewards[{index}]: 'name' is required")
         name, weight, kwargs = entry["name"], entry.get("weight", 1.0), entry.get("kwargs") or {}
+        timeout = entry.get("timeout_s")
     else:
-        raise ValueError(
+        raise RewardConfigError(
             f"rewards[{index}] must be a name, a mapping or a dataclass with {sorted(_ENTRY_KEYS)}, "
             f"got {type(entry).__name__}"
         )
     if not isinstance(name, str) or not name:
-        raise ValueError(f"rewards[{index}].name must be a non-empty str, got {name!r}")
+        raise RewardConfigError(f"rewards[{index}].name must be a non-empty str, got {name!r}")
     if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
-        raise ValueError(f"rewards[{index}].weight must be a number, got {weight!r}")
+        raise RewardConfigError(f"rewards[{index}].weight must be a number, got {weight!r}")
     if not isinstance(kwargs, Mapping):
-        raise ValueError(f"rewards[{index}].kwargs must be a mapping, got {type(kwargs).__name__}")
-    return name, float(weight), dict(kwargs)
+        raise RewardConfigError(f"rewards[{index}].kwargs must be a mapping, got {type(kwargs).__name__}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or timeout <= 0):
+        raise RewardConfigError(f"rewards[{index}].timeout_s must be a positive number of seconds, got {timeout!r}")
+    return name, float(weight), dict(kwargs), None if timeout is None else float(timeout)
 
 
 def build_reward_spec(entries: Sequence[Any]) -> RewardSpec:
     """A RewardSpec from config entries: `{"name": ..., "weight": 1.0, "kwargs": {...}}`
     mappings, dataclasses with those fields (the config's RewardEntry), or bare names (weight 1)."""
     if isinstance(entries, (str, Mapping)) or not isinstance(entries, Sequence):
-        raise ValueError(f"rewards must be a list of entries, got {type(entries).__name__}")
-    names, funcs, weights = [], [], []
+        raise RewardConfigError(f"rewards must be a list of entries, got {type(entries).__name__}")
+    names, funcs, weights, timeouts = [], [], [], []
     for index, entry in enumerate(entries):
-        name, weight, kwargs = _entry_fields(entry, index)
+        name, weight, kwargs, timeout = _entry_fields(entry, index)
         try:
             fn = resolve_reward_function(name, **kwargs)
         except TypeError as exc:  # a factory given an option it does not take
-            raise ValueError(f"rewards[{index}] ({name}): bad kwargs {sorted(kwargs)}: {exc}") from exc
-        names.append(name)
+            raise RewardConfigError(f"rewards[{index}] ({name}): bad kwargs {sorted(kwargs)}: {exc}") from exc
+        names.append(display_name(name))
         funcs.append(fn)
         weights.append(weight)
-    return RewardSpec(tuple(names), tuple(funcs), tuple(weights))
+        timeouts.append(timeout)
+    return RewardSpec(tuple(names), tuple(funcs), tuple(weights), tuple(timeouts))
+
+
+def display_name(name: str) -> str:
+    """The name metrics use: ``file.py:function`` for a file path, else the configured name."""
+    if ":" in name:
+        module, attr = split_reference(name)
+        if module.endswith(".py"):
+            return f"{Path(module).name}:{attr}"
+    return name
 
 
 def _check_output(name: str, values: Any, n: int) -> list[float]:
@@ -212,10 +217,10 @@ def evaluate_rewards(
         if len(values) != n:
             raise ValueError(f"columns['{key}'] has {len(values)} values for {n} completions")
     out = torch.empty((n, len(spec.funcs)), dtype=torch.float64)
-    for k, (name, fn) in enumerate(zip(spec.names, spec.funcs)):
-        try:
-            values = fn(prompts=prompts, completions=completions, **columns)
-        except Exception as exc:  # re-raised with the function's name; nothing is defaulted
-            raise RewardFunctionError(name, f"raised {type(exc).__name__}: {exc}") from exc
-        out[:, k] = torch.tensor(_check_output(name, values, n), dtype=torch.float64)
+    timeouts = spec.timeouts or (None,) * len(spec.funcs)
+    outputs = call_all(spec.funcs, timeouts, dict(prompts=prompts, completions=completions, **columns))
+    for k, (name, result) in enumerate(zip(spec.names, outputs)):
+        if result.error is not None:
+            raise RewardFunctionError(name, result.error) from result.exception
+        out[:, k] = torch.tensor(_check_output(name, result.value, n), dtype=torch.float64)
     return out

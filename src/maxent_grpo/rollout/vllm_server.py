@@ -39,6 +39,7 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
+from maxent_grpo.errors import UserError
 from maxent_grpo.rollout.backend import PromptGroup, SamplingParams
 from maxent_grpo.rollout.vllm_common import full_state_items, request_seeds, sampling_kwargs, to_completion
 
@@ -63,7 +64,7 @@ def server_command(
     return cmd, {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
 
 
-class VLLMServerError(RuntimeError):
+class VLLMServerError(UserError, RuntimeError):
     """The server could not be reached or answered with an error; the message has its URL and reply."""
 
 

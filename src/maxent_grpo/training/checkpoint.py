@@ -29,11 +29,15 @@ from typing import Any
 
 import torch
 
+from maxent_grpo.errors import UserError
+
 __all__ = [
     "CHECKPOINTS_DIRNAME",
+    "CheckpointError",
     "find_latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "read_trainer_state",
     "save_checkpoint",
     "verify_checkpoint",
 ]
@@ -48,6 +52,12 @@ SCHEDULER_NAME = "scheduler.pt"
 RNG_STATE_NAME = "rng_state.pt"
 PEFT_ADAPTER_WEIGHTS = "adapter_model.safetensors"
 MANIFEST_VERSION = 1
+
+
+
+class CheckpointError(UserError, ValueError):
+    """A checkpoint folder given by the user is missing, damaged or of another kind of run."""
+
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_DIR = re.compile(r"^\.tmp-.*-(\d+)$")
@@ -361,26 +371,37 @@ def load_checkpoint(
     caller has just verified the checkpoint (``find_latest_checkpoint`` does).
     """
     path = Path(path)
-    if not path.is_dir():
-        raise ValueError(f"path {path} is not a checkpoint folder")
-    problem = _verification_problem(path) if verify else None
-    if problem is not None:
-        raise ValueError(f"path {path} is not a valid checkpoint: {problem}")
+    _check_checkpoint_dir(path, verify=verify)
     manifest = json.loads((path / MANIFEST_NAME).read_text())
 
     if manifest["model_format"] == "peft":
         _load_peft_weights(path, model)
     else:
         if _is_peft_model(model):
-            raise ValueError(f"model is a PeftModel but checkpoint {path} holds a full model")
+            raise CheckpointError(f"model is a PeftModel but checkpoint {path} holds a full model")
         _load_full_weights(path, model)
 
     if optimizer is not None:
         if not (path / OPTIMIZER_NAME).is_file():
-            raise ValueError(f"checkpoint {path} holds a sharded optimizer state (an FSDP2 run): "
+            raise CheckpointError(f"checkpoint {path} holds a sharded optimizer state (an FSDP2 run): "
                              "resume it with training.strategy=fsdp2")
         optimizer.load_state_dict(torch.load(path / OPTIMIZER_NAME, map_location="cpu", weights_only=True))
     return restore_run_state(path, lr_scheduler)
+
+
+def _check_checkpoint_dir(path: Path, *, verify: bool) -> None:
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a checkpoint folder (expected OUTPUT_DIR/checkpoints/step-N)")
+    problem = _verification_problem(path) if verify else None
+    if problem is not None:
+        raise CheckpointError(f"{path} is not a valid checkpoint: {problem}")
+
+
+def read_trainer_state(path: str | Path) -> dict:
+    """The ``trainer_state.json`` of checkpoint ``path`` (checked to be a complete checkpoint)."""
+    path = Path(path)
+    _check_checkpoint_dir(path, verify=False)
+    return json.loads((path / TRAINER_STATE_NAME).read_text())
 
 
 def restore_run_state(path: Path, lr_scheduler: Any | None) -> dict:
@@ -400,7 +421,7 @@ def read_full_weights(path: Path) -> dict[str, torch.Tensor]:
 
     shards = sorted(path.glob("model*.safetensors"))
     if not shards:
-        raise ValueError(f"checkpoint {path} has no model*.safetensors weights")
+        raise CheckpointError(f"checkpoint {path} has no model*.safetensors weights")
     state: dict[str, torch.Tensor] = {}
     for shard in shards:
         state.update(load_file(shard, device="cpu"))
@@ -411,23 +432,23 @@ def _load_full_weights(path: Path, model: torch.nn.Module) -> None:
     state = read_full_weights(path)
     result = model.load_state_dict(state, strict=False)
     if result.unexpected_keys:
-        raise ValueError(f"checkpoint {path} has weights the model does not: {result.unexpected_keys[:5]}")
+        raise CheckpointError(f"checkpoint {path} has weights the model does not: {result.unexpected_keys[:5]}")
     # save_pretrained drops the copies of tied weights (lm_head = embeddings): a missing
     # key is fine only when its tensor shares storage with a loaded one.
     current = model.state_dict()
     loaded_ptrs = {current[k].data_ptr() for k in state}
     untied_missing = [k for k in result.missing_keys if current[k].data_ptr() not in loaded_ptrs]
     if untied_missing:
-        raise ValueError(f"checkpoint {path} lacks model weights: {untied_missing[:5]}")
+        raise CheckpointError(f"checkpoint {path} lacks model weights: {untied_missing[:5]}")
 
 
 def _load_peft_weights(path: Path, model: Any) -> None:
     if not _is_peft_model(model):
-        raise ValueError(f"checkpoint {path} holds a peft adapter: model must be a PeftModel")
+        raise CheckpointError(f"checkpoint {path} holds a peft adapter: model must be a PeftModel")
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
     state = load_file(path / PEFT_ADAPTER_WEIGHTS, device="cpu")
     result = set_peft_model_state_dict(model, state)
     if result.unexpected_keys:
-        raise ValueError(f"checkpoint {path} has adapter weights the model does not: {result.unexpected_keys[:5]}")
+        raise CheckpointError(f"checkpoint {path} has adapter weights the model does not: {result.unexpected_keys[:5]}")

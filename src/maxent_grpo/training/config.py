@@ -16,9 +16,12 @@ from typing import Any, Literal
 
 import yaml
 
+from maxent_grpo.errors import UserError
+from maxent_grpo.rewards.user_code import resolve_reference
 # The sections live in config_schema.py; imported here so that ``training.config``
 # stays the one import for the whole configuration.
 from maxent_grpo.training.config_schema import (
+    DEFAULT_SOURCE,
     CheckpointConfig,
     DataConfig,
     EvalConfig,
@@ -39,7 +42,7 @@ from maxent_grpo.training.config_schema import (
 )
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration problem; the message names the offending key."""
 
 
@@ -78,6 +81,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     if dataclasses.is_dataclass(hint):
         if isinstance(value, hint):
             return value
+        if hint is RewardEntry and isinstance(value, str):
+            value = {"name": value}  # a bare name is short for {name: NAME}
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__} {value!r}")
         return _build(hint, value, key)
@@ -204,29 +209,36 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "default.yaml"
-
-
 def _read_yaml(p: Path) -> dict:
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
         loaded = yaml.safe_load(p.read_text())
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{p}: not a text file ({err.reason} at byte {err.start})") from None
+    except yaml.MarkedYAMLError as err:
+        # problem_mark is where the parser gave up; problem says why (e.g. "found character '\t'").
+        where = f" line {err.problem_mark.line + 1}" if err.problem_mark is not None else ""
+        raise ConfigError(f"{p}{where}: invalid YAML: {err.problem or err.context}") from None
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)  # only syntax errors carry a position
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{p}{where}: invalid YAML") from None
+        raise ConfigError(f"{p}: invalid YAML: {err}") from None
     if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError(f"{p}: the top level must be a mapping of sections")
     return loaded or {}
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> TrainConfig:
-    """Read YAML (the built-in default recipe when ``path`` is None), apply overrides, validate."""
-    user = _read_yaml(Path(path) if path is not None else DEFAULT_RECIPE)
+    """Read YAML over the built-in default run's values (``path`` None: the default run itself),
+    apply overrides and the method's preset, validate."""
+    user = _read_yaml(Path(path)) if path is not None else {}
     items = overrides.items() if isinstance(overrides, dict) else [parse_override(o) for o in overrides or []]
     for key, value in items:
         _set_dotted(user, key, value)
+    data = user.get("data")
+    if isinstance(data, dict) and data.get("source", DEFAULT_SOURCE) != DEFAULT_SOURCE:
+        # The default task's generator options and solved example mean nothing for another source.
+        data.setdefault("task_kwargs", {})
+        data.setdefault("few_shot", [])
     method = user.get("method", TrainConfig.method)
     if method not in METHOD_PRESETS:
         raise ConfigError(f"method: unknown method {method!r}{_suggest(method, METHOD_PRESETS)}")
@@ -235,7 +247,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict[str,
         _set_dotted(preset, key, value)
     cfg = _build(TrainConfig, _merge(preset, user), "")
     validate(cfg)
+    config_dir = Path(path).resolve().parent if path is not None else None
+    for entry in cfg.rewards:
+        if ":" in entry.name:
+            entry.name = resolve_reference(entry.name, config_dir)
+    cfg.data.source = _resolve_data_file(cfg.data.source, config_dir)
     return cfg
+
+
+def _resolve_data_file(source: str, config_dir: Path | None) -> str:
+    """A relative data file from the current folder, else from the config's folder, made absolute
+    (so the saved config works from anywhere); hub names and task sources stay as they are."""
+    if Path(source).suffix not in (".jsonl", ".json", ".parquet") or Path(source).is_absolute():
+        return source
+    for base in (Path.cwd(), config_dir):
+        if base is not None and (base / source).is_file():
+            return str((base / source).resolve())
+    return source  # the data loader names the missing file
 
 
 def _check(ok: bool, key: str, message: str) -> None:
@@ -304,10 +332,13 @@ def validate(cfg: TrainConfig) -> None:
     _check(cfg.xdr.lam >= 0, "xdr.lam", "must be >= 0")
     _check(cfg.seed_grpo.alpha >= 0, "seed_grpo.alpha", "must be >= 0")
     _check(cfg.checkpoint.save_steps >= 0, "checkpoint.save_steps", "must be >= 0")
+    _check(cfg.checkpoint.save_minutes >= 0, "checkpoint.save_minutes", "must be >= 0")
+    _check(t.max_consecutive_skips >= 1, "training.max_consecutive_skips", f"must be >= 1, got {t.max_consecutive_skips}")
     _check(cfg.checkpoint.keep_last is None or cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
     _check(bool(cfg.rewards), "rewards", "at least one reward function is needed")
     for i, r in enumerate(cfg.rewards):
         _check(bool(r.name), f"rewards[{i}].name", "must not be empty")
+        _check(r.timeout_s is None or r.timeout_s > 0, f"rewards[{i}].timeout_s", f"must be > 0, got {r.timeout_s}")
     _check(cfg.eval.k >= 1, "eval.k", "must be >= 1")
     _check(
         g.dtype in (None, "auto") or not cfg.model.lora.enabled,
@@ -345,9 +376,11 @@ def _check_fsdp2(cfg: TrainConfig) -> None:
     )
 
 
-def save_config(cfg: TrainConfig, path: str | Path) -> None:
-    """Write the resolved config as YAML (atomically: a reader never sees half a file)."""
+def save_config(cfg: TrainConfig, path: str | Path, header: list[str] | None = None) -> None:
+    """Write the resolved config as YAML (atomically: a reader never sees half a file),
+    below ``header``'s comment lines (the run's resume history)."""
     p = Path(path)
     tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    text = "".join(line + "\n" for line in header or []) + yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    tmp.write_text(text)
     tmp.replace(p)

@@ -1,5 +1,12 @@
 """The run configuration's typed sections: one dataclass per YAML section, with its defaults.
 
+The defaults ARE the built-in default run (``maxent-grpo train`` with no
+--config): the real SmolLM2-135M-Instruct on reasoning-gym chain_sum (one-digit
+sums and differences, generated offline) with MaxEnt listwise weights, 5-7
+minutes on 2 CPU cores. A recipe file starts from them and changes what it
+names. ``data.task_kwargs`` and ``data.few_shot`` belong to the default task:
+a config that names another ``data.source`` starts them empty (config.py).
+
 ``training/config.py`` reads YAML onto these records, applies overrides and
 method presets, and checks every bound (``validate``); ``config_help.py``
 holds one line of help per key.
@@ -39,18 +46,30 @@ class FewShotExample:
     completion: str
 
 
+DEFAULT_SOURCE = "reasoning_gym:chain_sum"
+DEFAULT_TASK_KWARGS = {"min_terms": 2, "max_terms": 2, "max_digits": 1}
+# One solved example, given as an earlier chat turn, shows the boxed format: SmolLM2
+# then boxes most answers (~80%) and gets ~10% right, so groups disagree and the
+# accuracy reward has something to learn from. (Without it, under 10% of completions
+# are boxed and 15 steps teach little.)
+DEFAULT_FEW_SHOT = (
+    "State the final answer to the following arithmetic problem: 7 + 1 =\n\nPut your final answer within \\boxed{}.",
+    "7 + 1 = \\boxed{8}",
+)
+
+
 @dataclass
 class DataConfig:
-    source: str = "reasoning_gym:chain_sum"
+    source: str = DEFAULT_SOURCE
     split: str = "train"
     size: int | None = 1000
     # reasoning_gym sources: options of the task's generator, and the line appended to each question.
-    task_kwargs: dict[str, Any] = field(default_factory=dict)
+    task_kwargs: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_TASK_KWARGS))
     instruction: str | None = "Put your final answer within \\boxed{}."
     prompt_column: str = "prompt"
     answer_column: str = "answer"
     system_prompt: str | None = None
-    few_shot: list[FewShotExample] = field(default_factory=list)
+    few_shot: list[FewShotExample] = field(default_factory=lambda: [FewShotExample(*DEFAULT_FEW_SHOT)])
     eval_size: int = 0
     num_epochs: int | None = None
     shuffle: bool = True
@@ -61,6 +80,8 @@ class RewardEntry:
     name: str
     weight: float = 1.0
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # Seconds one call may take; a call that runs longer fails the batch (null: no limit).
+    timeout_s: float | None = None
 
 
 @dataclass
@@ -89,7 +110,7 @@ class VllmConfig:
 @dataclass
 class GenerationConfig:
     num_generations: int = 8
-    max_new_tokens: int = 64
+    max_new_tokens: int = 48
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -99,7 +120,7 @@ class GenerationConfig:
     # Sample from a copy of the policy in this dtype (refreshed after every optimizer
     # step); null samples from the policy itself; auto: bfloat16 where the device
     # multiplies it natively, else null (training/precision.py).
-    dtype: Literal["float32", "bfloat16", "auto"] | None = None
+    dtype: Literal["float32", "bfloat16", "auto"] | None = "auto"
     # The sampler: hf (transformers generate, in process), vllm (one in-process vLLM
     # engine per process), vllm_server (a vLLM server, e.g. on other GPUs).
     backend: Literal["hf", "vllm", "vllm_server"] = "hf"
@@ -136,7 +157,11 @@ class MaxEntConfig:
     q_temperature: float = 1.0
     q_epsilon: float = 1e-6
     length_normalize_ref: bool = True
-    listwise_loss: Literal["cross_entropy", "weighted_mle"] = "cross_entropy"
+    # Weighted MLE on the listwise targets pushes up each completion by its weight and
+    # never down. The cross-entropy also pushes down completions the policy already
+    # prefers more than their target weight; in the default run, at lr 1e-5, that raised
+    # token entropy and one seed of three lost its gains (BENCHMARKS.md §3).
+    listwise_loss: Literal["cross_entropy", "weighted_mle"] = "weighted_mle"
     keep_zero_variance_groups: bool = False
     listwise_clip_coef: float = 0.0
     tau_target_entropy: float | None = None
@@ -167,10 +192,12 @@ class SeedGrpoConfig:
 
 @dataclass
 class TrainingConfig:
-    max_steps: int = 30
+    max_steps: int = 15
+    # Prompts each process draws per optimizer step (the global batch is this times
+    # the number of processes, times num_generations completions).
     prompts_per_step: int = 4
-    # Completions per optimizer step (TRL's convention); when set it must be a
-    # multiple of num_generations and replaces prompts_per_step.
+    # Completions each process samples per optimizer step (TRL's per-device convention);
+    # when set it must be a multiple of num_generations and replaces prompts_per_step.
     batch_size: int | None = None
     micro_batch_size: int = 8
     learning_rate: float = 1e-5
@@ -184,18 +211,21 @@ class TrainingConfig:
     seed: int = 0
     # Run forward/backward matmuls in bfloat16 (torch.autocast) over float32 weights;
     # auto: where the device multiplies bf16 natively.
-    autocast_bf16: Literal[True, False, "auto"] = False
+    autocast_bf16: Literal[True, False, "auto"] = "auto"
     # Forward each distinct prompt once per micro-batch and let its G completions
     # attend to the shared keys/values (same gradient up to float rounding).
     share_prompts: bool = True
     # How several processes share the work: ddp (each holds the whole model) or fsdp2
     # (each holds 1/world_size of the weights, gradients and optimizer state; training/sharding.py).
     strategy: Literal["ddp", "fsdp2"] = "ddp"
+    # Batches in a row that may fail (a stage raised, or no learning signal) before the
+    # run saves a checkpoint and stops with the last error.
+    max_consecutive_skips: int = 5
 
 
 @dataclass
 class LoggingConfig:
-    output_dir: str = "outputs/run"
+    output_dir: str = "outputs/default"
     report_to: list[str] = field(default_factory=list)
     log_completions_every: int = 1
     progress_bar: bool = True
@@ -204,6 +234,8 @@ class LoggingConfig:
 @dataclass
 class CheckpointConfig:
     save_steps: int = 0
+    # Also save when this many minutes have passed since the last save (0: only save_steps).
+    save_minutes: float = 10.0
     keep_last: int | None = 2
 
 

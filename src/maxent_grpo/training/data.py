@@ -17,14 +17,16 @@ from typing import Any
 
 import numpy as np
 
+from maxent_grpo.errors import UserError
 from maxent_grpo.training.config import FewShotExample
 
 DEFAULT_INSTRUCTION = "Put your final answer within \\boxed{}."
 RG_PREFIX = "reasoning_gym:"
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A dataset cannot be used; the one-line message names the file, column or row."""
 
 
@@ -52,6 +54,9 @@ def _load_file(path: Path, split: str, data_files: Any):
         raise DataError(f"data file not found: {path}")
     if path.stat().st_size == 0:
         raise DataError(f"data file is empty: {path}")
+    if path.suffix == ".jsonl":
+        # Before datasets reads it: its error gives a byte position and logs a traceback.
+        _check_jsonl_lines(path)
     try:
         loaded = datasets.load_dataset(_FILE_BUILDERS[path.suffix], data_files=str(path), split="train")
     except Exception as exc:  # re-raised as a one-line DataError, never defaulted
@@ -61,6 +66,20 @@ def _load_file(path: Path, split: str, data_files: Any):
     if split != "train":
         raise DataError(f"a single file holds only the split 'train', got split={split!r} for {path}")
     return loaded
+
+
+def _check_jsonl_lines(path: Path) -> None:
+    """Name the first line of a JSONL file that is not one JSON object."""
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for number, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path} line {number}: invalid JSON ({err.msg} at column {err.colno})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path} line {number}: expected a JSON object, got {type(row).__name__}")
 
 
 def _load_hub(name: str, split: str, data_files: Any):
@@ -116,8 +135,12 @@ def _standardise(ds, source: str, prompt_column: str, answer_column: str):
     for wanted, given in (("prompt", prompt_column), ("answer", answer_column)):
         if given != wanted and given in columns:
             if wanted in columns:
-                raise DataError(f"{source}: cannot rename column {given!r} to {wanted!r}, which exists already")
-            ds = ds.rename_column(given, wanted)
+                raise DataError(f"{source}: cannot use column {given!r} as {wanted!r}: a column {wanted!r} exists already")
+            if wanted == "prompt":
+                ds = ds.rename_column(given, wanted)
+            else:
+                # A copy: the reward functions still get the column under its own name (kwargs["solution"]).
+                ds = ds.add_column(wanted, ds[given])
     if "answer" in ds.column_names:
         feature = ds.features["answer"]
         if not isinstance(feature, Value):
@@ -140,6 +163,9 @@ def _check_prompts(ds, source: str) -> None:
         for message in prompt:
             if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
                 raise DataError(f"{source}: prompt in row {row} has a message without a 'role': {message!r}")
+            if message["role"] not in CHAT_ROLES:
+                raise DataError(f"{source}: prompt in row {row} has a message with role {message['role']!r}; "
+                                f"roles are {', '.join(CHAT_ROLES)}")
             if not isinstance(message.get("content"), str):
                 raise DataError(f"{source}: prompt in row {row} has a message without str 'content': {message!r}")
         if not any(m["content"].strip() for m in prompt):

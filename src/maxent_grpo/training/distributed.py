@@ -70,6 +70,22 @@ class Dist:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t[0] > 0), int(-t[1])
 
+    def broadcast_object(self, value):
+        """The main process's ``value`` on every rank (any picklable object)."""
+        if self.world_size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather_objects(self, values: list) -> list:
+        """Every rank's list of picklable objects, concatenated in rank order."""
+        if self.world_size == 1:
+            return list(values)
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, list(values))
+        return [v for part in out for v in part]
+
     def gather_floats(self, values: list[float]) -> list[float]:
         """Concatenate equal-or-unequal length lists of floats from every rank."""
         if self.world_size == 1:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,27 +16,49 @@ from tqdm.auto import tqdm
 
 from maxent_grpo.core.logprobs import get_per_token_logps
 from maxent_grpo.core.step import grpo_step
+from maxent_grpo.errors import UserError
 from maxent_grpo.rewards.maxent import controller_state_dict, maybe_update_beta, maybe_update_tau
 from maxent_grpo.training.config import TrainConfig
-from maxent_grpo.training.metrics import MetricsLog, build_training_metrics_dict
+from maxent_grpo.training.checkpoint import find_latest_checkpoint
+from maxent_grpo.training.interrupt import RunInterrupted, StopSignals
+from maxent_grpo.training.metrics import MetricsLog, build_training_metrics_dict, read_metrics
 from maxent_grpo.training.pipeline import prepare_training_batch
 from maxent_grpo.training.setup import Run, build_run, seed_step
-from maxent_grpo.training.tables import write_completion_table
+from maxent_grpo.training.tables import gather_completion_rows, write_completion_table
 from maxent_grpo.training.validation import validate
 
 log = logging.getLogger("maxent_grpo")
 
-# A run stops when this many batches in a row fail before any succeeded.
-MAX_INITIAL_FAILURES = 3
+
+class TrainingError(UserError):
+    """The run cannot go on; the message says why and where its last checkpoint is."""
 
 
-class TrainingError(RuntimeError):
-    """The run cannot go on; the message says why."""
+@dataclass(frozen=True)
+class RunSummary:
+    """What a finished run leaves: where, how far, and the checkpoint to use."""
+
+    output_dir: Path
+    steps: int
+    checkpoint: Path | None  # the final one
+    metrics: list[dict]  # every step of the run, resumed parts included (main process)
 
 
-def train(cfg: TrainConfig, *, resume: str | bool | None = None) -> Path:
-    """Train according to ``cfg``; return the output directory."""
-    run = build_run(cfg, resume=resume)
+def train(
+    cfg: TrainConfig, *, resume: str | bool | None = None, overwrite: bool = False, allow_config_change: bool = False,
+) -> RunSummary:
+    """Train according to ``cfg``. Raises :class:`RunInterrupted` on SIGINT/SIGTERM (after
+    saving), :class:`TrainingError` when batches keep failing (after saving)."""
+    run = build_run(cfg, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change)
+    stop = StopSignals.install()
+    try:
+        return _train(run, stop)
+    finally:
+        stop.restore()
+        run.finish()
+
+
+def _train(run: Run, stop: StopSignals) -> RunSummary:
     cfg, ctx = run.cfg, run.ctx
     # Only the main process owns metrics.jsonl: two processes truncating it on resume would race.
     metrics_log = (
@@ -46,82 +69,164 @@ def train(cfg: TrainConfig, *, resume: str | bool | None = None) -> Path:
         total=cfg.training.max_steps, initial=run.start_step, desc=f"{cfg.method}", unit="step",
         disable=not (cfg.logging.progress_bar and ctx.dist.is_main), dynamic_ncols=True,
     )
-    step, consecutive_failures, succeeded = run.start_step, 0, run.start_step > 0
+    step, consecutive_skips, last_save = run.start_step, 0, time.monotonic()
     while step < cfg.training.max_steps:
         t_start, cpu_start = time.perf_counter(), time.process_time()
+        sampler_before = run.sampler.sampler.state_dict()
         # Each step draws from its own seed (run seed, rank, step), so a resumed run or any
         # number of processes samples exactly what an uninterrupted run would.
         seed_step(cfg.training.seed, ctx.dist.rank, step)
         try:
             prepared = prepare_training_batch(ctx, run.sampler.next_batch(), run.sampler.next_batch)
+            if prepared is not None and not ctx.dist.any_rank(prepared.has_signal):
+                _count_no_signal(ctx)
         except StopIteration:
             log.info("data exhausted after %d epochs at step %d", cfg.data.num_epochs, step)
             break
-        if prepared is None:
-            consecutive_failures += 1
-            if not succeeded and consecutive_failures >= MAX_INITIAL_FAILURES:
-                raise TrainingError(f"every batch failed ({consecutive_failures} in a row); last error: {ctx.last_error}")
-            continue
-        consecutive_failures, succeeded = 0, True
-        timings = dict(prepared.timings)
-
-        t_policy = time.perf_counter()
-        old_logps = _old_logps(run, prepared) if cfg.training.num_iterations > 1 else None
-        for _ in range(cfg.training.num_iterations):
-            with autocast(cfg, ctx.dist.device):
-                result = grpo_step(
-                    run.train_model, run.optimizer, prepared.micro_batches(cfg.training.micro_batch_size, old_logps),
-                    num_generations=cfg.generation.num_generations,
-                    beta=ctx.weighting.beta if ctx.method.weighting != "listwise" else 0.0,
-                    loss_type=cfg.loss.loss_type,
-                    epsilon=cfg.loss.epsilon,
-                    epsilon_high=cfg.loss.epsilon_high,
-                    delta=cfg.loss.delta,
-                    importance_sampling_level=cfg.loss.importance_sampling_level,
-                    top_entropy_quantile=cfg.loss.top_entropy_quantile,
-                    loss_config=run.loss_config,
-                    max_grad_norm=cfg.training.max_grad_norm,
-                    lr_scheduler=run.lr_scheduler,
-                    share_prompts=cfg.training.share_prompts,
-                    all_reduce_sum=ctx.dist.all_reduce_sum,
-                    world_size=ctx.dist.world_size,
-                )
-        ctx.backend.sync_weights(ctx.model)
-        timings["time/optimizer"] = result.metrics.pop("time/optimizer")
-        timings["time/policy"] = time.perf_counter() - t_policy - timings["time/optimizer"]
-        step += 1
-
-        # Controllers run once per step on globally averaged inputs (§8).
-        if prepared.weight_stats is not None:
-            maybe_update_tau(ctx.weighting, _global_weight_view(run, prepared), step)
-        if "kl" in result.metrics:
-            maybe_update_beta(ctx.weighting, ctx.dist.mean(result.metrics["kl"]))
-
-        timings["time/total"] = time.perf_counter() - t_start
-        timings["step_cpu_time"] = time.process_time() - cpu_start
-        metrics = build_training_metrics_dict(
-            prepared, result, step=step, learning_rate=run.lr_scheduler.get_last_lr()[0],
-            timings=timings, controller=_controller_metrics(run), dist=ctx.dist,
-            max_completion_length=cfg.generation.max_new_tokens,
-        )
-        metrics.update({f"skipped/{k}": float(v) for k, v in ctx.skips.items()})
-        if run.eval_rows and cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
-            t_eval = time.perf_counter()
-            metrics.update(validate(run, step))
-            metrics["time/eval"] = time.perf_counter() - t_eval
-        if metrics_log is not None:
-            metrics_log.write(metrics)
-            run.trackers.log(metrics, step)
-            if cfg.logging.log_completions_every and step % cfg.logging.log_completions_every == 0:
-                write_completion_table(run.output_dir, step, prepared, run.trackers)
-        bar.update(1)
-        bar.set_postfix(_postfix(metrics), refresh=False)
-        if cfg.checkpoint.save_steps and step % cfg.checkpoint.save_steps == 0 and step < cfg.training.max_steps:
-            run.save(step)
+        except KeyboardInterrupt:
+            with stop.protected():
+                raise _abandoned(run, step, sampler_before) from None
+        # From here to the end of the step a second Ctrl-C finishes the step (and its metrics
+        # line and checkpoint) rather than tearing it; the stop check then saves and exits.
+        with stop.protected():
+            if prepared is None:
+                consecutive_skips += 1
+                if consecutive_skips >= cfg.training.max_consecutive_skips:
+                    raise _too_many_skips(run, step, consecutive_skips)
+            else:
+                consecutive_skips = 0
+                step = _update_and_log(run, prepared, step, t_start, cpu_start, metrics_log)
+                bar.update(1)
+                bar.set_postfix(_postfix(run.last_metrics), refresh=False)
+            if _stop_requested(run, stop):
+                raise _interrupted(run, step)
+            if prepared is not None and step < cfg.training.max_steps and _save_due(run, step, last_save):
+                run.save(step)
+                last_save = time.monotonic()
     bar.close()
-    run.save(step)
-    run.finish()
-    return run.output_dir
+    with stop.protected():
+        final = run.save(step)
+    history = read_metrics(run.output_dir / "metrics.jsonl") if ctx.dist.is_main else []
+    return RunSummary(run.output_dir, step, final, history)
+
+
+def _update_and_log(run: Run, prepared, step: int, t_start: float, cpu_start: float, metrics_log) -> int:
+    """The optimizer step on ``prepared``, the controllers, and the step's metrics; return the new step."""
+    cfg, ctx = run.cfg, run.ctx
+    timings = dict(prepared.timings)
+    t_policy = time.perf_counter()
+    result = _policy_update(run, prepared)
+    ctx.backend.sync_weights(ctx.model)
+    timings["time/optimizer"] = result.metrics.pop("time/optimizer")
+    timings["time/policy"] = time.perf_counter() - t_policy - timings["time/optimizer"]
+    step += 1
+
+    # Controllers run once per step on globally averaged inputs (§8).
+    if prepared.weight_stats is not None:
+        maybe_update_tau(ctx.weighting, _global_weight_view(run, prepared), step)
+    if "kl" in result.metrics:
+        maybe_update_beta(ctx.weighting, ctx.dist.mean(result.metrics["kl"]))
+
+    timings["time/total"] = time.perf_counter() - t_start
+    timings["step_cpu_time"] = time.process_time() - cpu_start
+    metrics = build_training_metrics_dict(
+        prepared, result, step=step, learning_rate=run.lr_scheduler.get_last_lr()[0],
+        timings=timings, controller=_controller_metrics(run), dist=ctx.dist,
+        max_completion_length=cfg.generation.max_new_tokens,
+    )
+    metrics.update({f"skipped/{k}": float(v) for k, v in ctx.skips.items()})
+    if run.eval_rows and cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
+        t_eval = time.perf_counter()
+        metrics.update(validate(run, step))
+        metrics["time/eval"] = time.perf_counter() - t_eval
+    table = gather_completion_rows(prepared, ctx.dist) if _log_completions(cfg, step) else None
+    if metrics_log is not None:
+        metrics_log.write(metrics)
+        run.trackers.log(metrics, step)
+        if table is not None:
+            write_completion_table(run.output_dir, step, table, run.trackers)
+    run.last_metrics = metrics
+    return step
+
+
+def _policy_update(run: Run, prepared):
+    cfg, ctx = run.cfg, run.ctx
+    old_logps = _old_logps(run, prepared) if cfg.training.num_iterations > 1 else None
+    for _ in range(cfg.training.num_iterations):
+        with autocast(cfg, ctx.dist.device):
+            result = grpo_step(
+                run.train_model, run.optimizer, prepared.micro_batches(cfg.training.micro_batch_size, old_logps),
+                num_generations=cfg.generation.num_generations,
+                beta=ctx.weighting.beta if ctx.method.weighting != "listwise" else 0.0,
+                loss_type=cfg.loss.loss_type,
+                epsilon=cfg.loss.epsilon,
+                epsilon_high=cfg.loss.epsilon_high,
+                delta=cfg.loss.delta,
+                importance_sampling_level=cfg.loss.importance_sampling_level,
+                top_entropy_quantile=cfg.loss.top_entropy_quantile,
+                loss_config=run.loss_config,
+                max_grad_norm=cfg.training.max_grad_norm,
+                lr_scheduler=run.lr_scheduler,
+                share_prompts=cfg.training.share_prompts,
+                all_reduce_sum=ctx.dist.all_reduce_sum,
+                world_size=ctx.dist.world_size,
+            )
+    return result
+
+
+def _count_no_signal(ctx) -> None:
+    """No group on any rank has rewards that differ: every advantage is 0, so the policy term is
+    skipped in effect. The step still runs (KL and entropy terms, the optimizer state, as in TRL)
+    and does not count as a failure: a model that has mastered the task gets such batches too."""
+    ctx.skips["no_signal"] += 1
+    n = ctx.skips["no_signal"]
+    if n == 1 or n % 10 == 0:
+        log.warning("no learning signal: every group's completions got the same reward (%d such batches so far; "
+                    "skipped/no_signal in metrics.jsonl)", n)
+
+
+def _log_completions(cfg: TrainConfig, step: int) -> bool:
+    return bool(cfg.logging.log_completions_every) and step % cfg.logging.log_completions_every == 0
+
+
+def _stop_requested(run: Run, stop: StopSignals) -> bool:
+    # Every rank must stop after the same step: one that got the signal later would otherwise
+    # go on to the next step's collectives alone.
+    return run.ctx.dist.any_rank(stop.requested)
+
+
+def _save_due(run: Run, step: int, last_save: float) -> bool:
+    c = run.cfg.checkpoint
+    due = bool(c.save_steps) and step % c.save_steps == 0
+    due = due or (c.save_minutes > 0 and time.monotonic() - last_save >= 60 * c.save_minutes)
+    return run.ctx.dist.any_rank(due)  # clocks differ between processes; one decides for all
+
+
+def _interrupted(run: Run, step: int) -> RunInterrupted:
+    path = run.save(step) if step > run.start_step else find_latest_checkpoint(run.output_dir)
+    where = f"checkpoint {path}" if path is not None else "nothing to resume from (no step had finished)"
+    return RunInterrupted(f"interrupted after step {step}: {where}", path, step)
+
+
+def _abandoned(run: Run, step: int, sampler_before: dict) -> RunInterrupted:
+    """A second signal cut the step short: save the state from before it (one process only:
+    with several, the others may be inside a collective and a save could hang)."""
+    path = None
+    if run.ctx.dist.world_size == 1 and step > run.start_step:
+        path = run.save(step, sampler_state=sampler_before)
+    else:
+        path = find_latest_checkpoint(run.output_dir)
+    where = f"checkpoint {path}" if path is not None else "no checkpoint"
+    return RunInterrupted(f"interrupted during step {step + 1} (abandoned): {where}", path, step)
+
+
+def _too_many_skips(run: Run, step: int, count: int) -> TrainingError:
+    path = run.save(step) if step > run.start_step else find_latest_checkpoint(run.output_dir)
+    where = f"checkpoint {path}" if path is not None else "no checkpoint (no step had finished)"
+    return TrainingError(
+        f"{count} batches in a row failed (training.max_consecutive_skips={run.cfg.training.max_consecutive_skips}) "
+        f"at step {step}; last error: {run.ctx.last_error}; {where}"
+    )
 
 
 def autocast(cfg: TrainConfig, device: torch.device):

@@ -47,7 +47,7 @@ def flush_metric_averages(state: MetricState) -> dict[str, float]:
 def _gathered_mean_std(dist: Dist, values: torch.Tensor) -> tuple[float, float]:
     allv = torch.tensor(dist.gather_floats([float(v) for v in values]), dtype=torch.float64)
     if allv.numel() == 0:
-        return 0.0, 0.0
+        return math.nan, math.nan  # no values: logged as null
     return float(allv.mean()), float(allv.std()) if allv.numel() > 1 else 0.0
 
 
@@ -72,8 +72,8 @@ def build_training_metrics_dict(
 ) -> dict[str, float]:
     """Flat metrics for one optimizer step, reduced over ranks."""
     rc, packed = prepared.reward_comp, prepared.packed
-    total = torch.nan_to_num(rc.total, nan=0.0)
-    reward, reward_std = _gathered_mean_std(dist, total)
+    # A completion no reward function scored (None) has no reward: it is left out, never counted as 0.
+    reward, reward_std = _gathered_mean_std(dist, rc.total[~torch.isnan(rc.total)])
     m: dict[str, float] = {"step": step, "reward": reward, "reward_std": reward_std}
     for k, name in enumerate(rc.reward_names):
         col = rc.per_function[:, k]

@@ -103,6 +103,11 @@ class PreparedBatch:
         return [texts[i : i + g] for i in range(0, len(texts), g)]
 
     @property
+    def has_signal(self) -> bool:
+        """Some group's completions got different rewards (else the policy term is zero)."""
+        return not bool(self.reward_comp.zero_std.all())
+
+    @property
     def total_input_tokens(self) -> int:
         return int(self.packed.attention_mask.sum())
 
@@ -167,9 +172,12 @@ def _reward_matrix(ctx: PipelineContext, rows: list[dict], rollout: RolloutBatch
 def _call_rewards(ctx: PipelineContext, rows: list[dict], rollout: RolloutBatch) -> torch.Tensor:
     inputs = grouped_reward_inputs(rows, rollout.completion_texts, rollout.completion_ids, rollout.num_generations)
     try:
-        return evaluate_rewards(ctx.reward_spec, *inputs)
+        rewards = evaluate_rewards(ctx.reward_spec, *inputs)
     except RewardFunctionError as err:
         raise SkipBatch("reward", str(err)) from err
+    if torch.isnan(rewards).all():
+        raise SkipBatch("reward", f"every reward function returned None for all {rewards.shape[0]} completions")
+    return rewards
 
 
 def _rollout_and_rewards(ctx: PipelineContext, rows: list[dict], more_rows: Callable[[], list[dict]] | None, timings: dict):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from transformers import get_scheduler
 
 from maxent_grpo.core.logprobs import get_per_token_logps
@@ -20,13 +21,16 @@ from maxent_grpo.rewards.maxent import controller_state_dict, restore_controller
 from maxent_grpo.rewards.registry import build_reward_spec
 from maxent_grpo.rollout.backend import SamplingParams
 from maxent_grpo.rollout.hf import HFGenerationBackend
-from maxent_grpo.training.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
+from maxent_grpo.training.checkpoint import CheckpointError, find_latest_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
 from maxent_grpo.training.config import ConfigError, TrainConfig, save_config, to_dict
 from maxent_grpo.training.data import PromptSampler, load_prompt_dataset, split_train_eval
 from maxent_grpo.training.distributed import DataParallelPolicy, Dist
 from maxent_grpo.training.methods import method_spec
 from maxent_grpo.training.pipeline import PipelineContext
 from maxent_grpo.training.precision import bf16_is_fast, resolve_precision
+from maxent_grpo.training.run_dir import (
+    RunDirError, RunLock, claim_output_dir, config_history, history_line, resume_changes,
+)
 from maxent_grpo.training.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 from maxent_grpo.training.sharding import shard_model
 from maxent_grpo.training.trackers import make_trackers
@@ -60,36 +64,54 @@ class Run:
     eval_rows: list[dict] = field(default_factory=list)
     start_step: int = 0
     resumed: bool = False
+    lock: RunLock | None = None  # held by the main process until finish()
+    last_metrics: dict = field(default_factory=dict)  # the latest step's, for the progress bar
 
-    def trainer_state(self, step: int) -> dict:
+    def trainer_state(self, step: int, sampler_state: dict | None = None) -> dict:
         return {
             "step": step,
-            "sampler": self.sampler.sampler.state_dict(),
+            # The state before the step's batches were drawn when a step is abandoned half-way.
+            "sampler": self.sampler.sampler.state_dict() if sampler_state is None else sampler_state,
             "controller": controller_state_dict(self.ctx.weighting),
             "skips": dict(self.ctx.skips),
+            "config": to_dict(self.cfg),
         }
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, sampler_state: dict | None = None) -> Path | None:
+        """Write the checkpoint of ``step`` (none for step 0); return its folder."""
         if step == 0:
-            return
+            return None
+        state = self.trainer_state(step, sampler_state)
         if self.cfg.training.strategy == "fsdp2":
-            save_sharded_checkpoint(
+            return save_sharded_checkpoint(
                 self.output_dir, step, model=self.ctx.model, tokenizer=self.ctx.tokenizer,
                 optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
-                trainer_state=self.trainer_state(step), keep_last=self.cfg.checkpoint.keep_last,
+                trainer_state=state, keep_last=self.cfg.checkpoint.keep_last,
             )
-            return
+        path, failure = None, None
         if self.ctx.dist.is_main:
-            save_checkpoint(
-                self.output_dir, step, model=self.ctx.model, tokenizer=self.ctx.tokenizer,
-                optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
-                trainer_state=self.trainer_state(step), keep_last=self.cfg.checkpoint.keep_last,
-            )
-        if self.ctx.dist.world_size > 1:
-            torch.distributed.barrier()
+            try:
+                path = save_checkpoint(
+                    self.output_dir, step, model=self.ctx.model, tokenizer=self.ctx.tokenizer,
+                    optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+                    trainer_state=state, keep_last=self.cfg.checkpoint.keep_last,
+                )
+            except OSError as err:  # disk full, permissions: the earlier checkpoints are untouched
+                failure = f"{err.strerror or err} ({err.filename or self.output_dir})"
+            except SafetensorError as err:  # safetensors reports the same I/O errors as its own
+                failure = f"{str(err).removeprefix('Error while serializing: ')} ({self.output_dir})"
+        # Also the barrier: every rank learns whether the save worked.
+        failure = self.ctx.dist.broadcast_object(failure)
+        if failure is not None:
+            latest = find_latest_checkpoint(self.output_dir)
+            kept = f"the latest complete checkpoint is {latest}" if latest else "there is no earlier checkpoint"
+            raise CheckpointError(f"could not save the checkpoint of step {step}: {failure}; {kept}")
+        return path
 
     def finish(self) -> None:
         self.trackers.close()
+        if self.lock is not None:
+            self.lock.release()
 
 
 def _seed_everything(seed: int) -> None:
@@ -170,7 +192,11 @@ def _generation_backend(
     return backend
 
 
-def build_run(cfg: TrainConfig, *, resume: str | bool | None = None) -> Run:
+def build_run(
+    cfg: TrainConfig, *, resume: str | bool | None = None, overwrite: bool = False, allow_config_change: bool = False,
+) -> Run:
+    """Everything a run needs, checked in the order of their cost: the output folder,
+    the resume checkpoint's config, data, rewards, the generation backend, then the model."""
     dist = Dist.init()
     fsdp2 = cfg.training.strategy == "fsdp2"
     if fsdp2 and dist.world_size == 1:
@@ -178,7 +204,15 @@ def build_run(cfg: TrainConfig, *, resume: str | bool | None = None) -> Run:
                           "with one process use ddp")
     cfg = resolve_precision(cfg, bf16_is_fast(dist.device))
     output_dir = Path(cfg.logging.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    lock = _claim(output_dir, dist, resume=bool(resume), overwrite=overwrite)
+    ckpt = _resume_checkpoint(output_dir, resume)
+    history = config_history(output_dir / "config.yaml")
+    if ckpt is not None:
+        saved = read_trainer_state(ckpt)
+        changes = resume_changes(
+            saved.get("config") or _saved_config(output_dir), to_dict(cfg), allow_change=allow_config_change,
+        )
+        history.append(history_line(int(saved["step"]), changes))
     method = method_spec(cfg)
     _seed_everything(cfg.training.seed + dist.rank)
 
@@ -191,11 +225,17 @@ def build_run(cfg: TrainConfig, *, resume: str | bool | None = None) -> Run:
     train_ds, eval_ds = dataset, None
     if cfg.data.eval_size > 0:
         train_ds, eval_ds = split_train_eval(dataset, cfg.data.eval_size, cfg.training.seed)
+    per_step = cfg.training.prompts_per_step * dist.world_size
+    if per_step > len(train_ds):
+        raise ConfigError(
+            f"training.prompts_per_step: {cfg.training.prompts_per_step} prompts x {dist.world_size} process(es) per "
+            f"step is more than the {len(train_ds)} training rows of {cfg.data.source}"
+        )
     reward_spec = build_reward_spec(cfg.rewards)
     _check_backend_available(cfg)
     model_path = resolve_model_path(cfg.model.name_or_path)
     if dist.is_main:
-        save_config(cfg, output_dir / "config.yaml")
+        save_config(cfg, output_dir / "config.yaml", header=history)
         (output_dir / "run_info.json").write_text(json.dumps(
             {"method": cfg.method, **method.identity(), "model": model_path, "world_size": dist.world_size}, indent=2
         ))
@@ -247,18 +287,50 @@ def build_run(cfg: TrainConfig, *, resume: str | bool | None = None) -> Run:
         cfg=cfg, output_dir=output_dir, ctx=ctx, train_model=train_model, optimizer=optimizer,
         lr_scheduler=lr_scheduler, sampler=ShardedSampler(sampler, dist),
         trackers=make_trackers(cfg.logging.report_to if dist.is_main else [], output_dir, config=to_dict(cfg)),
-        loss_config=loss_config, eval_rows=list(eval_ds) if eval_ds is not None else [],
+        loss_config=loss_config, eval_rows=list(eval_ds) if eval_ds is not None else [], lock=lock,
     )
-    if resume:
-        _resume(run, None if resume is True else Path(resume))
+    if ckpt is not None:
+        _resume(run, ckpt)
     return run
 
 
-def _resume(run: Run, path: Path | None) -> None:
-    ckpt = path if path is not None else find_latest_checkpoint(run.output_dir)
+def _claim(output_dir: Path, dist: Dist, *, resume: bool, overwrite: bool) -> RunLock | None:
+    """Lock the output folder on the main process; every rank raises its refusal."""
+    lock, refusal = None, None
+    if dist.is_main:
+        try:
+            lock = claim_output_dir(output_dir, resume=resume, overwrite=overwrite)
+        except RunDirError as err:
+            refusal = str(err)
+    refusal = dist.broadcast_object(refusal)
+    if refusal is not None:
+        raise RunDirError(refusal)
+    return lock
+
+
+def _resume_checkpoint(output_dir: Path, resume: str | bool | None) -> Path | None:
+    if not resume:
+        return None
+    if resume is not True:
+        return Path(resume)
+    ckpt = find_latest_checkpoint(output_dir)
     if ckpt is None:
-        log.warning("--resume: no complete checkpoint under %s; starting from step 0", run.output_dir)
-        return
+        log.warning("--resume: no complete checkpoint under %s; starting from step 0", output_dir)
+    return ckpt
+
+
+def _saved_config(output_dir: Path) -> dict:
+    """The config of a run saved before checkpoints held their config: its config.yaml."""
+    import yaml
+
+    path = output_dir / "config.yaml"
+    if not path.is_file():
+        raise CheckpointError(f"--resume: the checkpoint holds no config and {path} is missing; cannot check the "
+                              "new config against the run's")
+    return yaml.safe_load(path.read_text())
+
+
+def _resume(run: Run, ckpt: Path) -> None:
     load = load_sharded_checkpoint if run.cfg.training.strategy == "fsdp2" else load_checkpoint
     state = load(ckpt, model=run.ctx.model, optimizer=run.optimizer, lr_scheduler=run.lr_scheduler)
     run.ctx.backend.sync_weights(run.ctx.model)

@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from maxent_grpo.training.checkpoint import (
+    CheckpointError,
     CHECKPOINTS_DIRNAME,
     SHARDED_OPTIMIZER_DIR,
     read_full_weights,
@@ -43,8 +44,9 @@ def save_sharded_checkpoint(
     lr_scheduler: Any | None,
     trainer_state: dict,
     keep_last: int | None,
-) -> None:
-    """Write ``OUTPUT_DIR/checkpoints/step-{step}`` from a sharded model (see the module notes)."""
+) -> Path | None:
+    """Write ``OUTPUT_DIR/checkpoints/step-{step}`` from a sharded model (see the module notes);
+    return the folder on rank 0, None elsewhere."""
     weights = full_state_dict(model)
     for name in _tied_copies(model):
         # save_pretrained drops these for an unsharded model; the gathered dict holds them as copies
@@ -56,12 +58,14 @@ def save_sharded_checkpoint(
     dist.broadcast_object_list(name, src=0)
     staging = Path(name[0])
     dcp.save(optim_state, checkpoint_id=staging)
+    path = None
     if dist.get_rank() == 0:
-        save_checkpoint(
+        path = save_checkpoint(
             output_dir, step, model=model, tokenizer=tokenizer, optimizer=None, lr_scheduler=lr_scheduler,
             trainer_state=trainer_state, keep_last=keep_last, model_state_dict=weights, sharded_optimizer=staging,
         )
     dist.barrier()
+    return path
 
 
 def _tied_copies(model: torch.nn.Module) -> list[str]:
@@ -85,9 +89,9 @@ def load_sharded_checkpoint(
     """
     path = Path(path)
     if not verify_checkpoint(path):
-        raise ValueError(f"path {path} is not a valid checkpoint")
+        raise CheckpointError(f"{path} is not a valid checkpoint")
     if not (path / SHARDED_OPTIMIZER_DIR).is_dir():
-        raise ValueError(f"checkpoint {path} holds an unsharded optimizer state (a DDP run): "
+        raise CheckpointError(f"checkpoint {path} holds an unsharded optimizer state (a DDP run): "
                          "resume it with training.strategy=ddp")
     load_full_state_dict(model, read_full_weights(path))
     # A template with this rank's shard shapes (DCP fills it in place); on a fresh

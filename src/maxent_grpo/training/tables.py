@@ -7,9 +7,10 @@ import math
 import os
 from pathlib import Path
 
+from maxent_grpo.training.distributed import Dist
 from maxent_grpo.training.pipeline import PreparedBatch
 
-COLUMNS = ["prompt", "completion", "rewards", "reward", "advantage", "weight", "length", "finish_reason"]
+COLUMNS = ["prompt", "completion", "rewards", "reward", "advantage", "weight", "length", "finish_reason", "rank"]
 
 
 def completion_rows(prepared: PreparedBatch) -> list[dict]:
@@ -37,8 +38,12 @@ def completion_rows(prepared: PreparedBatch) -> list[dict]:
     return rows
 
 
-def write_completion_table(output_dir: Path, step: int, prepared: PreparedBatch, trackers) -> None:
-    rows = completion_rows(prepared)
+def gather_completion_rows(prepared: PreparedBatch, dist: Dist) -> list[dict]:
+    """Every process's completion rows, rank by rank, each tagged with its ``rank``."""
+    return dist.gather_objects([{**row, "rank": dist.rank} for row in completion_rows(prepared)])
+
+
+def write_completion_table(output_dir: Path, step: int, rows: list[dict], trackers) -> None:
     folder = Path(output_dir) / "completions"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step-{step}.jsonl"

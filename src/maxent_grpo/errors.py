@@ -1,0 +1,14 @@
+"""The project's user-error base class.
+
+A :class:`UserError` means bad input (a config key, a file, a dataset row, an
+unreachable server, an output folder in use): the command line prints its
+message on one line and exits non-zero. Every other exception is a bug and
+keeps its traceback. Each layer defines its own subclasses (``ConfigError``,
+``DataError``, ...) next to the code that raises them.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """Bad input; the message names the key, file, line or row and says what to do."""

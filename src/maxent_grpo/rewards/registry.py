@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from maxent_grpo.rewards import builtin
+from maxent_grpo.rewards import builtin, code
 from maxent_grpo.rewards.builtin import RewardFunction
 
 REWARD_FUNCTIONS: dict[str, Callable[..., RewardFunction]] = {
@@ -35,6 +35,8 @@ REWARD_FUNCTIONS: dict[str, Callable[..., RewardFunction]] = {
     "length": builtin.make_length,
     "repetition_penalty": builtin.make_repetition_penalty,
     "reasoning_gym": builtin.make_reasoning_gym,
+    "code_unit_tests": code.make_code_unit_tests,
+    "code_check": code.make_code_check,
 }
 
 

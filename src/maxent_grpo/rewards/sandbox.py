@@ -254,8 +254,13 @@ def detect_isolation() -> Isolation:
     candidates = [Isolation(True, True, root), Isolation(True, False, root), Isolation(False, False, root)]
     if shutil.which("unshare") is None:
         candidates = candidates[2:]
+    if root:
+        # A fresh uid cannot read an interpreter installed below /root without the filesystem
+        # layer; the last resort (require_namespaces=False only) keeps the caller's uid.
+        candidates.append(Isolation(False, False, False))
     for isolation in candidates:
-        result = _launch("print('sandbox-ok')", probe, isolation)
+        # Modules loaded from disk (not built in) show that the interpreter is readable.
+        result = _launch("import decimal, json, socket\nprint('sandbox-ok')", probe, isolation)
         if result.passed and result.stdout.strip() == "sandbox-ok":
             return isolation
     raise SandboxUnavailable(f"no sandbox configuration runs Python here; last error: {result.stderr.strip()[-500:]}")

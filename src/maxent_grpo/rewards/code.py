@@ -35,25 +35,27 @@ _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTA
 _HARNESS = '''
 def _harness(token, solution, tests):
     import os, sys
+    # Bound before the solution runs: patching builtins (exec = a no-op) cannot fake a pass.
+    run, build, write, count, stderr = exec, compile, os.write, enumerate, sys.stderr
     report_fd = os.dup(1)
     os.dup2(2, 1)  # the solution's prints go to stderr; stdout carries only the reports
-    sys.stdout = sys.stderr
+    sys.stdout = stderr
 
     def report(line):
-        os.write(report_fd, ("\\n" + token + " " + line + "\\n").encode())
+        write(report_fd, ("\\n" + token + " " + line + "\\n").encode())
 
     namespace = {"__name__": "__solution__"}
     try:
-        exec(compile(solution, "<solution>", "exec"), namespace)
+        run(build(solution, "<solution>", "exec"), namespace)
     except BaseException:  # the untrusted code's failure is the result, SystemExit included
         report("solution-error")
         raise
-    for index, test in enumerate(tests):
+    for index, test in count(tests):
         try:
-            exec(compile(test, "<test {}>".format(index), "exec"), namespace)
+            run(build(test, "<test {}>".format(index), "exec"), namespace)
         except BaseException as exc:
             report("fail {}".format(index))
-            print("test {} failed: {}: {}".format(index, type(exc).__name__, exc), file=sys.stderr)
+            stderr.write("test {} failed: {}: {}\\n".format(index, type(exc).__name__, exc))
         else:
             report("pass {}".format(index))
 '''

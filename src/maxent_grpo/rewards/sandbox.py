@@ -45,6 +45,7 @@ from pathlib import Path
 _BOOT_SOURCE = (Path(__file__).with_name("sandbox_boot.py")).read_text()
 _SCRATCH = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 _HIDDEN = ("/root", "/home")
+_SYSTEM = {"/", "/bin", "/dev", "/etc", "/lib", "/lib64", "/opt", "/proc", "/sys", "/usr", "/usr/local", "/var"}
 # Uids no account uses: each run takes a fresh one at random (collisions between
 # concurrent runs are ~1e-9 likely and would only share their process budget).
 _UID_LOW, _UID_SPAN = 1 << 24, 1 << 28
@@ -135,15 +136,19 @@ def _command(isolation: Isolation, cfg: dict) -> list[str]:
 
 
 def _hidden_paths(extra: Sequence[str]) -> list[str]:
-    # The caller's working directory usually holds the project, its data and outputs.
-    paths = [*_HIDDEN, os.getcwd(), *extra]
-    return sorted({os.path.realpath(p) for p in paths} - {"/"})
+    # The caller's working directory usually holds the project, its data and outputs
+    # (unless it is a system directory the interpreter itself needs).
+    cwd = os.path.realpath(os.getcwd())
+    paths = {os.path.realpath(p) for p in (*_HIDDEN, *extra)}
+    if cwd not in _SYSTEM:
+        paths.add(cwd)
+    return sorted(paths - {"/"})
 
 
-def _keep_paths(hidden: Sequence[str]) -> list[str]:
-    """The interpreter's install tree, when it lies below a hidden directory."""
+def _keep_paths(covered: Sequence[str]) -> list[str]:
+    """The interpreter's install tree, when it lies below a directory the sandbox covers."""
     prefix = os.path.realpath(sys.base_prefix)
-    return [prefix] if any(prefix == h or prefix.startswith(h + "/") for h in hidden) else []
+    return [prefix] if any(prefix == c or prefix.startswith(c + "/") for c in covered) else []
 
 
 @dataclass
@@ -204,7 +209,7 @@ def _launch(code: str, limits: SandboxLimits, isolation: Isolation) -> SandboxRe
         "workdir": workdir,
         "filesystem": isolation.filesystem,
         "uid": _UID_LOW + secrets.randbelow(_UID_SPAN) if isolation.private_uid else None,
-        "keep": _keep_paths(hidden),
+        "keep": _keep_paths([*hidden, *_SCRATCH]),
         "hidden": hidden,
         "scratch": list(_SCRATCH),
         "tmpfs_mb": limits.tmpfs_mb,

@@ -15,7 +15,7 @@ import resource
 import sys
 import types
 
-MS_NOSUID, MS_NODEV = 2, 4
+MS_NOSUID, MS_NODEV, MS_BIND = 2, 4, 4096
 AT_FDCWD, AT_RECURSIVE = -100, 0x8000
 MOUNT_ATTR_RDONLY = 1
 OPEN_TREE_CLONE, MOVE_MOUNT_F_EMPTY_PATH = 1, 4
@@ -45,24 +45,33 @@ def _isolate_filesystem(libc, cfg: dict) -> None:
     attr = MountAttr(MOUNT_ATTR_RDONLY, 0, 0, 0)
     _check(libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, b"/", AT_RECURSIVE, ctypes.byref(attr), ctypes.sizeof(attr)),
            "read-only /")
-    # 2. Detached copies of what must stay visible below a hidden directory (the interpreter).
+    # 2. Detached copies of what must stay visible below a hidden or scratch directory (the interpreter).
     clones = [(path, _check(libc.syscall(SYS_OPEN_TREE, AT_FDCWD, path.encode(), OPEN_TREE_CLONE | AT_RECURSIVE),
                             f"open_tree {path}")) for path in cfg["keep"]]
-    # 3. Home directories hidden; world-writable scratch places replaced by small private tmpfs.
+    # 3. Home directories hidden.
     for path in cfg["hidden"]:
         if os.path.isdir(path):
             _mount_tmpfs(libc, path, "size=1m,mode=0755")
-    for path in cfg["scratch"]:
-        if os.path.isdir(path):
-            _mount_tmpfs(libc, path, f"size={cfg['tmpfs_mb']}m,mode=1777")
+    # 4. One private tmpfs of tmpfs_mb for all scratch space: on /tmp, with its folders bound
+    # on /var/tmp, /dev/shm, ... and on the working directory, so together they hold tmpfs_mb.
+    root, *others = cfg["scratch"]
+    _mount_tmpfs(libc, root, f"size={cfg['tmpfs_mb']}m,mode=1777")
+    workdir = cfg["workdir"]
+    binds = [(path, f"{root}/.{path.strip('/').replace('/', '-')}", 0o1777) for path in others if os.path.isdir(path)]
+    if not workdir.startswith(root + "/"):
+        binds.append((workdir, f"{root}/.workdir", 0o700))
+    for target, source, mode in binds:
+        os.mkdir(source, mode)
+        os.chmod(source, mode)  # mkdir's mode passes through the umask
+        os.makedirs(target, exist_ok=True)  # a working directory below a hidden one must be made again
+        _check(libc.mount(source.encode(), target.encode(), None, ctypes.c_ulong(MS_BIND), None), f"bind {target}")
+    os.makedirs(workdir, mode=0o700, exist_ok=True)
+    # 5. What had to stay visible, back in place (read-only, as cloned).
     for path, fd in clones:
         os.makedirs(path, exist_ok=True)
         _check(libc.syscall(SYS_MOVE_MOUNT, fd, b"", AT_FDCWD, path.encode(), MOVE_MOUNT_F_EMPTY_PATH),
                f"move_mount {path}")
         os.close(fd)
-    # 4. The working directory: its own size-limited tmpfs, empty, gone with the namespace.
-    os.makedirs(cfg["workdir"], exist_ok=True)
-    _mount_tmpfs(libc, cfg["workdir"], f"size={cfg['tmpfs_mb']}m,mode=0700")
 
 
 def main() -> None:

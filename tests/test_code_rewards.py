@@ -106,7 +106,7 @@ def test_without_namespaces_the_rewards_refuse_unless_told():
 def _sandbox_processes() -> int:
     """Processes still running the sandbox's bootstrap (its source is on their command line)."""
     count = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in set(filter(str.isdigit, os.listdir("/proc"))) - {str(os.getpid())}:
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except (FileNotFoundError, ProcessLookupError, PermissionError):  # gone meanwhile, or not ours to read

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _BOOT_SOURCE = (Path(__file__).with_name("sandbox_boot.py")).read_text()
+_PROGRAM = ".program.py"
 _SCRATCH = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 _HIDDEN = ("/root", "/home")
 _SYSTEM = {"/", "/bin", "/dev", "/etc", "/lib", "/lib64", "/opt", "/proc", "/sys", "/usr", "/usr/local", "/var"}
@@ -86,7 +87,9 @@ class SandboxLimits:
     hide_paths: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not (
+            math.isfinite(self.timeout_s) and self.timeout_s > 0
+        ):
             raise ValueError(f"timeout_s must be a positive number, got {self.timeout_s!r}")
         for name in ("memory_mb", "file_size_mb", "tmpfs_mb", "max_processes", "max_open_files", "max_output_bytes"):
             value = getattr(self, name)
@@ -207,6 +210,7 @@ def _launch(code: str, limits: SandboxLimits, isolation: Isolation) -> SandboxRe
     hidden = _hidden_paths(limits.hide_paths)
     cfg = {
         "workdir": workdir,
+        "program": _PROGRAM,
         "filesystem": isolation.filesystem,
         "uid": _UID_LOW + secrets.randbelow(_UID_SPAN) if isolation.private_uid else None,
         "keep": _keep_paths([*hidden, *_SCRATCH]),
@@ -222,18 +226,17 @@ def _launch(code: str, limits: SandboxLimits, isolation: Isolation) -> SandboxRe
         },
     }
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
+    # The program reaches the sandbox as a file it reads and deletes before anything else
+    # (a pipe could block this thread past the timeout on a large program).
+    with open(os.path.join(workdir, _PROGRAM), "x", encoding="utf-8") as f:
+        f.write(code)
     start = time.monotonic()
     try:
         proc = subprocess.Popen(
-            _command(isolation, cfg), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            _command(isolation, cfg), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             cwd=workdir, env=env, start_new_session=True, close_fds=True,
         )
         try:
-            try:
-                proc.stdin.write(code.encode("utf-8"))
-                proc.stdin.close()
-            except BrokenPipeError:  # the sandbox died before reading: its stderr says why
-                pass
             streams = _read_until(proc, start + limits.timeout_s, limits.max_output_bytes, limits.file_size_mb << 20)
         finally:
             # Whatever is left of the group goes, whether the run ended, timed out or raised.

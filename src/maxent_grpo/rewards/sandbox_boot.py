@@ -1,7 +1,7 @@
 """The first code that runs inside the sandbox process, as (namespace) root.
 
 `sandbox.py` passes this file's source to `python -I -S -c`, with the settings
-as JSON in argv[1] and the untrusted program on stdin. It hides and locks the
+as JSON in argv[1] and the untrusted program in a file in the working directory. It hides and locks the
 filesystem (where a mount namespace exists), sets the resource limits, drops to
 the sandbox uid (where the caller is root), and only then runs the program, in a
 fresh `__main__` so the program does not see these settings. It imports nothing
@@ -76,10 +76,10 @@ def _isolate_filesystem(libc, cfg: dict) -> None:
 
 def main() -> None:
     cfg = json.loads(sys.argv[1])
-    program = sys.stdin.buffer.read().decode("utf-8")
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
+    program_path = os.path.join(cfg["workdir"], cfg["program"])
+    with open(program_path, encoding="utf-8") as f:
+        program = f.read()
+    os.unlink(program_path)  # the working directory is empty when the program starts
     libc = ctypes.CDLL(None, use_errno=True)
     if cfg["filesystem"]:
         _isolate_filesystem(libc, cfg)

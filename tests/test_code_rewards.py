@@ -121,6 +121,14 @@ def _sandbox_processes() -> int:
     return count
 
 
+def _no_sandbox_left(within_s: float) -> bool:
+    # SIGKILLed processes take a moment to be reaped.
+    deadline = time.monotonic() + within_s
+    while _sandbox_processes() > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _sandbox_processes() == 0
+
+
 @needs_namespaces
 def test_hostile_completions_score_zero_and_touch_nothing(tmp_path):
     sentinel = tmp_path / "sentinel"
@@ -162,7 +170,7 @@ def test_hostile_completions_score_zero_and_touch_nothing(tmp_path):
     with pytest.raises(BlockingIOError):
         listener.accept()  # nobody connected
     listener.close()
-    assert _sandbox_processes() == 0  # the fork bomb, loops and their children are gone
+    assert _no_sandbox_left(within_s=2.0)  # the fork bomb, loops and their children are gone
 
 
 @needs_namespaces
@@ -264,3 +272,21 @@ def test_humaneval_recipe_trains_a_step_with_code_check(tiny_model_dir, tmp_path
     (row,) = read_metrics(out / "metrics.jsonl")
     assert row["rewards/code_check/mean"] == 0.0  # random tokens are not code
     assert "def truncate_number" in (out / "completions" / "step-1.jsonl").read_text()
+
+
+@needs_namespaces
+def test_runs_die_with_a_killed_trainer():
+    """A trainer killed outright (no chance to time its runs out) takes its sandboxes along."""
+    import signal
+    import subprocess
+    import sys
+
+    host = subprocess.Popen([sys.executable, "-c", "from maxent_grpo.rewards.sandbox import run_sandboxed\n"
+                             "run_sandboxed('import time\\ntime.sleep(60)', timeout_s=60)"])
+    deadline = time.monotonic() + 20
+    while _sandbox_processes() == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _sandbox_processes() > 0
+    host.send_signal(signal.SIGKILL)
+    host.wait()
+    assert _no_sandbox_left(within_s=5.0)

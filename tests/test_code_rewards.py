@@ -72,6 +72,8 @@ def test_code_check_human_eval_style():
     scores = reward(prompts=["?"] * n, completions=completions, code_prompt=[prefix] * n, test=[test] * n,
                     entry_point=["inc"] * n)
     assert scores == [1.0, 1.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="prefix_column: null"):
+        reward(prompts=[prefix], completions=["    return x + 1\n"], test=[test], entry_point=["inc"])
     by_prompt = make_code_check(prefix_column=None)
     assert by_prompt(prompts=[prefix], completions=["    return x + 1\n"], test=[test], entry_point=["inc"]) == [1.0]
 

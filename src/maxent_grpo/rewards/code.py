@@ -186,6 +186,9 @@ def make_code_check(
         n = len(completions)
         checks = _column(columns, test_column, n, "code_check")
         entry_points = _column(columns, entry_point_column, n, "code_check")
+        if prefix_column and prefix_column not in columns:
+            raise ValueError(f"reward 'code_check' needs the code prompt in column '{prefix_column}' (columns: "
+                             f"{sorted(columns)}); set prefix_column: null where the prompts themselves are the code")
         prefixes = _column(columns, prefix_column, n, "code_check") if prefix_column else list(prompts)
         rows = [i for i, test in enumerate(checks) if test]
         solutions = []

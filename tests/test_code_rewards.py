@@ -98,6 +98,26 @@ def test_rewards_from_the_registry_with_kwargs():
         make_code_unit_tests()(prompts=["p"], completions=[RIGHT], tests=[ADD_TESTS])
 
 
+@needs_namespaces
+def test_mbpp_style_jsonl_through_the_trainers_reward_path(tmp_path):
+    """A JSONL with `test_list`, loaded and scored the way the trainer does it."""
+    import json
+
+    from maxent_grpo.rewards.registry import evaluate_rewards, grouped_reward_inputs
+    from maxent_grpo.training.data import load_prompt_dataset
+
+    rows = [{"prompt": "Write add(a, b).", "test_list": ADD_TESTS},
+            {"prompt": "Write neg(x).", "test_list": ["assert neg(1) == -1", "assert neg(0) == 0"]}]
+    path = tmp_path / "mbpp.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dataset = load_prompt_dataset(str(path))
+    spec = build_reward_spec([{"name": "code_unit_tests", "kwargs": {"timeout_s": 5}}])
+    completions = [RIGHT, "def add(a, b):\n    return 3", "```python\ndef neg(x):\n    return -x\n```", "neg = abs"]
+    prompts, completions, columns = grouped_reward_inputs(dataset.to_list(), completions, [[1]] * 4, 2)
+    scores = evaluate_rewards(spec, prompts, completions, columns)[:, 0].tolist()
+    assert scores == [1.0, pytest.approx(1 / 3), 1.0, 0.5]
+
+
 def test_without_namespaces_the_rewards_refuse_unless_told():
     if ISOLATION.namespaces and ISOLATION.filesystem:
         make_code_check()  # builds: the sandbox is available

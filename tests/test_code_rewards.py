@@ -7,7 +7,9 @@ run unless `require_namespaces=False` (tested below either way)."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -305,6 +307,8 @@ def test_runs_die_with_a_killed_trainer():
     import subprocess
     import sys
 
+    workdirs = Path(tempfile.gettempdir()).glob
+    before = set(workdirs("maxent-sandbox-*"))
     host = subprocess.Popen([sys.executable, "-c", "from maxent_grpo.rewards.sandbox import run_sandboxed\n"
                              "run_sandboxed('import time\\ntime.sleep(60)', timeout_s=60)"])
     deadline = time.monotonic() + 20
@@ -314,3 +318,5 @@ def test_runs_die_with_a_killed_trainer():
     host.send_signal(signal.SIGKILL)
     host.wait()
     assert _no_sandbox_left(within_s=5.0)
+    for left in set(workdirs("maxent-sandbox-*")) - before:  # the killed trainer could not remove its own
+        shutil.rmtree(left)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from maxent_grpo.errors import UserError
-from maxent_grpo.rewards import builtin
+from maxent_grpo.rewards import builtin, code
 from maxent_grpo.rewards.builtin import RewardFunction
 from maxent_grpo.rewards.invoke import call_all
 from maxent_grpo.rewards.user_code import import_reference, split_reference
@@ -38,6 +38,8 @@ REWARD_FUNCTIONS: dict[str, Callable[..., RewardFunction]] = {
     "length": builtin.make_length,
     "repetition_penalty": builtin.make_repetition_penalty,
     "reasoning_gym": builtin.make_reasoning_gym,
+    "code_unit_tests": code.make_code_unit_tests,
+    "code_check": code.make_code_check,
 }
 
 

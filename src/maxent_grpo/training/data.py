@@ -19,6 +19,7 @@ import numpy as np
 
 from maxent_grpo.errors import UserError
 from maxent_grpo.training.config import FewShotExample
+from maxent_grpo.training.human_eval_data import HUMAN_EVAL_SOURCE, load_human_eval
 
 DEFAULT_INSTRUCTION = "Put your final answer within \\boxed{}."
 RG_PREFIX = "reasoning_gym:"
@@ -188,7 +189,8 @@ def load_prompt_dataset(
 
     `source` is a local `.jsonl` / `.json` / `.parquet` file, `reasoning_gym:<task>`
     (`size` problems generated offline from `seed`, each question followed by
-    `instruction`, `task_kwargs` passed to the task's config), or a `datasets`
+    `instruction`, `task_kwargs` passed to the task's config), `human_eval` (the
+    164 HumanEval problems from the installed package), or a `datasets`
     name (with `data_files` if it needs them; offline it loads from the cache
     only). `size` keeps at most the first `size` rows of a file or hub split. Raises
     `DataError` with a one-line message.
@@ -199,6 +201,12 @@ def load_prompt_dataset(
         raise DataError(f"size must be a positive int or None, got {size!r}")
     if source.startswith(RG_PREFIX):
         ds = _load_reasoning_gym(source[len(RG_PREFIX) :], size, seed, instruction, task_kwargs)
+    elif source == HUMAN_EVAL_SOURCE:
+        if split != "train":
+            raise DataError(f"{HUMAN_EVAL_SOURCE} holds one split, 'train'; got split={split!r} (use data.eval_size)")
+        ds = load_human_eval(instruction, DEFAULT_INSTRUCTION)
+        if size is not None and size < len(ds):
+            ds = ds.select(range(size))
     else:
         path = Path(source)
         is_file = path.suffix in _FILE_BUILDERS

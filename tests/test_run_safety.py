@@ -183,3 +183,13 @@ def test_a_failing_save_keeps_the_previous_checkpoint_and_says_which(tiny_model_
     assert last.startswith("maxent-grpo: error: could not save the checkpoint of step 3: ") and "File too large" in last
     assert f"the latest complete checkpoint is {previous}" in last
     assert verify_checkpoint(previous) and [p.name for p in list_checkpoints(out)] == ["step-2"]
+
+
+def test_a_hanging_reward_cannot_stop_the_run(tiny_model_dir, tmp_path, capsys):
+    """rewards[].timeout_s: each hung call fails its batch; the run stops, bounded, with the reason."""
+    out = tmp_path / "run"
+    code = main(_args(tiny_model_dir, out, 3, "training.max_consecutive_skips=2",
+                      reward="learnable_rewards:hangs, timeout_s: 0.5"))
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "2 batches in a row failed" in err and "reward function 'learnable_rewards:hangs': did not return within timeout_s=0.5 s" in err

@@ -355,3 +355,18 @@ def test_listwise_policy_with_clip_term_uses_weight_minus_uniform():
     torch.testing.assert_close(term.per_token_loss, want)
     with pytest.raises(ValueError, match="listwise_weights"):
         POLICY_LOSSES["listwise_weighted_mle"](_inputs(), StepNormalizer(4, 12, 1))
+
+
+def test_reward_entropy_bonus_stays_on_when_equal_rewards_have_a_rounding_std():
+    """Twelve rewards of 0.1 have a float std of ~1e-17, not 0: sigma_r must still be taken as 1."""
+    from maxent_grpo.core.reward_entropy import entropy_bonus_rewards
+
+    rewards = torch.full((3, 4), 0.1, dtype=torch.float64)
+    assert 0 < float(rewards.reshape(-1).std()) < 1e-15  # the rounding this test is about
+    entropy = torch.tensor([[1.0, 2.0, 3.0, 4.0]] * 3, dtype=torch.float64)
+    out = entropy_bonus_rewards(rewards, entropy, coef=0.5)
+    z = (entropy - entropy.mean(1, keepdim=True)) / entropy.std(1, keepdim=True)
+    torch.testing.assert_close(out, rewards + 0.5 * 1.0 * z, rtol=0, atol=1e-12)
+    # With a real spread, sigma_r is the batch reward std.
+    varied = rewards + torch.tensor([[0.0, 1.0, 0.0, 1.0]] * 3, dtype=torch.float64)
+    torch.testing.assert_close(entropy_bonus_rewards(varied, entropy, 0.5), varied + 0.5 * varied.reshape(-1).std() * z)

@@ -13,6 +13,7 @@ row's mask sum. Rows with ``T_i = 0`` (empty completions) contribute 0.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
 
@@ -218,20 +219,31 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, norm:
 # ---------------------------------------------------------------- entropy terms
 
 
-def top_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
-    """Float mask keeping the ``ceil(quantile * n)`` highest-entropy active tokens (ties kept).
+def top_entropy_threshold(entropies: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], quantile: float) -> float:
+    """The entropy of the ``ceil(quantile * n)``-th highest-entropy active token over all of
+    ``entropies`` (the step's micro-batches, ``[B_i, T]`` each; ``n`` active tokens in all).
 
-    ``n`` is the number of active tokens passed in (one micro-batch); ``quantile=1`` keeps all.
+    ALGORITHMS.md §3 (Wang et al. 2025, "80/20"): the top fraction is taken over the
+    whole step's tokens, so the gradient does not depend on how the step is split into
+    micro-batches. ``-inf`` (keep every token) when ``quantile == 1`` or nothing is active.
     """
     if not 0 < quantile <= 1:
         raise ValueError(f"quantile must be in (0, 1], got {quantile}")
+    values = torch.cat([e.detach()[m > 0].reshape(-1) for e, m in zip(entropies, masks)])
+    if quantile == 1 or values.numel() == 0:
+        return -math.inf
+    k = math.ceil(quantile * values.numel())
+    return float(torch.topk(values, k, sorted=False).values.min())
+
+
+def top_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: float, threshold: float | None = None) -> torch.Tensor:
+    """Float mask of the active tokens whose entropy is at least ``threshold`` (ties kept).
+
+    Without ``threshold``: the ``ceil(quantile * n)`` highest of the ``n`` active tokens passed in.
+    """
     active = mask > 0
-    n = int(active.sum())
-    if quantile == 1 or n == 0:
-        return active.to(entropies.dtype)
-    values = entropies.detach()[active]
-    k = math.ceil(quantile * n)
-    threshold = torch.topk(values, k, sorted=False).values.min()
+    if threshold is None:
+        threshold = top_entropy_threshold([entropies], [mask], quantile)
     return (active & (entropies.detach() >= threshold)).to(entropies.dtype)
 
 

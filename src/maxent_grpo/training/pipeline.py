@@ -371,8 +371,8 @@ def _score_and_weight(ctx: PipelineContext, rows, rollout, per_fn, stats, timing
             ref_stats = ReferenceLogprobs(
                 ref_logp_sum=(ref_logps * packed.completion_mask).sum(1).cpu(), ref_tok_counts=counts.cpu()
             )
-        weight_stats = compute_weight_stats(reward_comp, ref_stats, ctx.weighting)
         active = torch.ones_like(reward_comp.zero_std) if cfg.maxent.keep_zero_variance_groups else ~reward_comp.zero_std
+        weight_stats = compute_weight_stats(reward_comp, ref_stats, ctx.weighting, active)
     elif ctx.method.weighting == "xdr":
         row_weights = _xdr_row_weights(ctx, reward_comp, rollout, packed, ref_logps)
     groups = [rollout.completion_ids[i : i + g] for i in range(0, len(rollout.completion_ids), g)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -315,9 +316,12 @@ def validate(cfg: TrainConfig) -> None:
     _check(t.learning_rate >= 0, "training.learning_rate", "must be >= 0")
     _check(t.num_iterations >= 1, "training.num_iterations", "must be >= 1")
     _check(t.warmup_steps >= 0, "training.warmup_steps", "must be >= 0")
-    _check(lo.epsilon > 0, "loss.epsilon", f"must be > 0, got {lo.epsilon}")
+    # The same bounds the core checks (core/losses.py clip settings), here before any model loads.
+    _check(0 < lo.epsilon < 1, "loss.epsilon", f"must be in (0, 1) (the ratio's lower clip is 1 - epsilon), got {lo.epsilon}")
     _check(lo.epsilon_high is None or lo.epsilon_high > 0, "loss.epsilon_high", "must be > 0")
-    _check(lo.delta is None or lo.delta > 1, "loss.delta", "must be > 1 (it caps the ratio above 1 + epsilon)")
+    eps_high = lo.epsilon if lo.epsilon_high is None else lo.epsilon_high
+    _check(lo.delta is None or lo.delta > 1 + eps_high, "loss.delta",
+           f"must be > 1 + epsilon_high = {1 + eps_high} (it caps the ratio above the clip), got {lo.delta}")
     _check(lo.dual_clip is None or lo.dual_clip > 1, "loss.dual_clip", "must be > 1")
     _check(lo.beta >= 0, "loss.beta", f"must be >= 0, got {lo.beta}")
     _check(0 < lo.top_entropy_quantile <= 1, "loss.top_entropy_quantile", "must be in (0, 1]")
@@ -325,7 +329,7 @@ def validate(cfg: TrainConfig) -> None:
     _check(lo.max_gen_batches >= 1, "loss.max_gen_batches", "must be >= 1")
     _check(lo.rollout_correction_cap >= 1, "loss.rollout_correction_cap", f"must be >= 1, got {lo.rollout_correction_cap}")
     m = cfg.maxent
-    _check(m.tau >= 0, "maxent.tau", f"must be >= 0, got {m.tau}")
+    _check(math.isfinite(m.tau) and m.tau >= 0, "maxent.tau", f"must be a finite number >= 0, got {m.tau}")
     _check(m.q_temperature > 0, "maxent.q_temperature", "must be > 0")
     _check(0 <= m.q_epsilon < 1, "maxent.q_epsilon", "must be in [0, 1)")
     _check(cfg.xdr.tau >= 0, "xdr.tau", f"must be >= 0 (use .inf for no reweighting), got {cfg.xdr.tau}")

@@ -132,6 +132,35 @@ def clipped_surrogate(
     return SurrogateTerms(-objective, r, low, high, low | high)
 
 
+def cispo_surrogate(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    mask: torch.Tensor,
+    epsilon_max: float,
+    importance_sampling_level: str = "token",
+) -> SurrogateTerms:
+    """CISPO (MiniMax-M1, arXiv:2506.13585; ScaleRL), per token: ``-sg(min(r, eps_max)) * A * logp``.
+
+    The importance weight is truncated and detached, so, unlike the PPO clip, no token
+    loses its gradient: every token moves along ``A * grad logp`` scaled by its capped
+    weight. ``epsilon_max`` is the absolute cap on ``r`` (``loss.epsilon_high``; TRL,
+    verl and EasyDeL use 5). ``high_clipped`` marks ``A > 0`` tokens with ``r > eps_max``
+    (TRL's ``cispo_clip_ratio``); nothing is clipped below.
+    """
+    if advantages.dim() != 1 or advantages.shape[0] != logp.shape[0]:
+        raise ValueError(f"advantages must be [B={logp.shape[0]}], got shape {tuple(advantages.shape)}")
+    if epsilon_max <= 0:
+        raise ValueError(f"epsilon_max must be > 0, got {epsilon_max}")
+    r = importance_ratio(logp, old_logp, mask, importance_sampling_level).detach()
+    adv = advantages.to(logp.dtype)[:, None]
+    per_token = -torch.clamp(r, max=epsilon_max) * adv * logp
+    on = mask > 0
+    high = on & (adv > 0) & (r > epsilon_max)
+    return SurrogateTerms(per_token, r, torch.zeros_like(high), high, high)
+
+
 # ------------------------------------------------------------------ aggregation
 
 
@@ -399,6 +428,16 @@ def clipped_surrogate_objective(inputs: PolicyInputs, norm: StepNormalizer) -> P
     return PolicyTerm(per_token, per_token.new_zeros(()), terms)
 
 
+def cispo_objective(inputs: PolicyInputs, norm: StepNormalizer) -> PolicyTerm:
+    c = inputs.clip
+    terms = cispo_surrogate(inputs.logp, inputs.old_logp, inputs.advantages, mask=inputs.mask,
+                            epsilon_max=c.epsilon_high, importance_sampling_level=c.importance_sampling_level)
+    per_token = terms.per_token_loss * inputs.policy_mask
+    if inputs.row_weights is not None:
+        per_token = per_token * inputs.row_weights.detach().to(per_token.dtype)[:, None]
+    return PolicyTerm(per_token, per_token.new_zeros(()), terms)
+
+
 def _listwise(loss_fn, inputs: PolicyInputs, norm: StepNormalizer) -> PolicyTerm:
     if inputs.listwise_weights is None or inputs.listwise_active is None:
         raise ValueError("listwise_weights and listwise_active are required by the listwise policy losses")
@@ -431,6 +470,7 @@ def listwise_weighted_mle_objective(inputs: PolicyInputs, norm: StepNormalizer) 
 
 POLICY_LOSSES: dict[str, Callable[[PolicyInputs, StepNormalizer], PolicyTerm]] = {
     "clipped_surrogate": clipped_surrogate_objective,
+    "cispo": cispo_objective,
     "listwise_cross_entropy": listwise_cross_entropy_objective,
     "listwise_weighted_mle": listwise_weighted_mle_objective,
 }

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from maxent_grpo.errors import UserError
+from maxent_grpo.methods import METHODS, get_method
 from maxent_grpo.rewards.user_code import resolve_reference
 # The sections live in config_schema.py; imported here so that ``training.config``
 # stays the one import for the whole configuration.
@@ -32,7 +33,6 @@ from maxent_grpo.training.config_schema import (
     LoraConfig,
     LossSection,
     MaxEntConfig,
-    Method,
     ModelConfig,
     RewardEntry,
     SeedGrpoConfig,
@@ -49,7 +49,7 @@ class ConfigError(UserError, ValueError):
 
 __all__ = [
     "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig", "FewShotExample", "GenerationConfig",
-    "LoggingConfig", "LoraConfig", "LossSection", "MaxEntConfig", "Method", "ModelConfig", "RewardEntry",
+    "LoggingConfig", "LoraConfig", "LossSection", "MaxEntConfig", "ModelConfig", "RewardEntry",
     "SeedGrpoConfig", "TrainConfig", "TrainingConfig", "VllmConfig", "XdrConfig",
     "load_config", "parse_override", "save_config", "to_dict", "validate",
 ]
@@ -143,25 +143,6 @@ def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
-# ---------------------------------------------------------------- method presets
-
-# Defaults each method brings; the user's YAML and --set overrides win over them.
-METHOD_PRESETS: dict[str, dict[str, Any]] = {
-    "grpo": {"loss.loss_type": "grpo"},
-    "dr_grpo": {"loss.loss_type": "dr_grpo", "loss.scale_rewards": "none"},
-    "dapo": {"loss.loss_type": "dapo", "loss.epsilon_high": 0.28, "loss.dynamic_sampling": True},
-    "gspo": {
-        "loss.importance_sampling_level": "sequence",
-        "loss.epsilon": 3e-4,
-        "loss.epsilon_high": 4e-4,
-    },
-    "seed_grpo": {"loss.loss_type": "dapo"},
-    "maxent_entropy": {"loss.entropy_coef": 0.01},
-    "maxent_listwise": {},
-    "xdr": {},
-}
-
-
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     node = tree
@@ -241,10 +222,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict[str,
         data.setdefault("task_kwargs", {})
         data.setdefault("few_shot", [])
     method = user.get("method", TrainConfig.method)
-    if method not in METHOD_PRESETS:
-        raise ConfigError(f"method: unknown method {method!r}{_suggest(method, METHOD_PRESETS)}")
+    if not isinstance(method, str) or method not in METHODS:
+        raise ConfigError(f"method: unknown method {method!r}{_suggest(method, METHODS)}; methods: {', '.join(sorted(METHODS))}")
     preset: dict = {}
-    for key, value in METHOD_PRESETS[method].items():
+    # The defaults each method brings; the user's YAML and --set overrides win over them.
+    for key, value in get_method(method).preset.items():
         _set_dotted(preset, key, value)
     cfg = _build(TrainConfig, _merge(preset, user), "")
     validate(cfg)
@@ -306,13 +288,9 @@ def validate(cfg: TrainConfig) -> None:
         "training.micro_batch_size",
         f"{t.micro_batch_size} does not divide the {total} completions of a step",
     )
-    if cfg.method == "maxent_listwise":
-        _check(
-            t.micro_batch_size % g.num_generations == 0,
-            "training.micro_batch_size",
-            f"{t.micro_batch_size} is not a multiple of generation.num_generations={g.num_generations} "
-            "(listwise losses need whole groups per micro-batch)",
-        )
+    _check(cfg.method in METHODS, "method", f"unknown method {cfg.method!r}; methods: {', '.join(sorted(METHODS))}")
+    for key, problem in get_method(cfg.method).check(cfg):
+        _check(False, key, problem)
     _check(t.learning_rate >= 0, "training.learning_rate", "must be >= 0")
     _check(t.num_iterations >= 1, "training.num_iterations", "must be >= 1")
     _check(t.warmup_steps >= 0, "training.warmup_steps", "must be >= 0")

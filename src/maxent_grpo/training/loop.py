@@ -158,7 +158,7 @@ def _policy_update(run: Run, prepared):
             result = grpo_step(
                 run.train_model, run.optimizer, prepared.micro_batches(cfg.training.micro_batch_size, old_logps),
                 num_generations=cfg.generation.num_generations,
-                beta=ctx.weighting.beta if ctx.method.weighting != "listwise" else 0.0,
+                beta=ctx.weighting.beta if ctx.method.kl_in_token_loss else 0.0,
                 loss_type=cfg.loss.loss_type,
                 epsilon=cfg.loss.epsilon,
                 epsilon_high=cfg.loss.epsilon_high,

@@ -103,20 +103,20 @@ def test_target_entropy_schedule_is_linear_then_flat():
 ])
 def test_beta_off_unless_target_horizon_and_step_all_positive(settings):
     s = ControllerState.initial(0.5, 0.2)
-    assert update_beta(s, 5.0, settings) == s
+    assert update_beta(s, 5.0, settings, 1) == s
 
 
 def test_beta_adaptive_kl_step():
     kl = KlControllerSettings(target=0.1, horizon=10, step_size=0.2)
     s = ControllerState.initial(0.5, 0.2)
-    assert update_beta(s, 0.11, kl).beta == pytest.approx(0.2 * (1 + 0.1 / 10), rel=1e-12)
-    assert update_beta(s, 0.5, kl).beta == pytest.approx(0.2 * (1 + 0.2 / 10), rel=1e-12)  # clipped at +s
-    assert update_beta(s, 0.0, kl).beta == pytest.approx(0.2 * (1 - 0.2 / 10), rel=1e-12)  # clipped at -s
+    assert update_beta(s, 0.11, kl, 1).beta == pytest.approx(0.2 * (1 + 0.1 / 10), rel=1e-12)
+    assert update_beta(s, 0.5, kl, 1).beta == pytest.approx(0.2 * (1 + 0.2 / 10), rel=1e-12)  # clipped at +s
+    assert update_beta(s, 0.0, kl, 1).beta == pytest.approx(0.2 * (1 - 0.2 / 10), rel=1e-12)  # clipped at -s
     wild = KlControllerSettings(target=0.1, horizon=1, step_size=5.0)
-    assert update_beta(s, -1.0, wild).beta == 0.0  # never negative (k1 KL estimates can be < 0)
-    assert update_beta(ControllerState.initial(0.5, 0.0), 1.0, kl).beta == 0.0
+    assert update_beta(s, -1.0, wild, 1).beta == 0.0  # never negative (k1 KL estimates can be < 0)
+    assert update_beta(ControllerState.initial(0.5, 0.0), 1.0, kl, 1).beta == 0.0
     with pytest.raises(ValueError, match="measured_kl"):
-        update_beta(s, math.inf, kl)
+        update_beta(s, math.inf, kl, 1)
 
 
 META = ControllerSettings(
@@ -159,7 +159,7 @@ def test_controller_step_dispatches():
     plain = ControllerSettings(TauSchedule(target_entropy=1.0, lr=0.1), KlControllerSettings(0.1, 10, 0.2))
     s = ControllerState.initial(0.5, 0.2)
     out = controller_step(s, entropy=0.5, kl=0.2, settings=plain, step=7)
-    expect = update_beta(update_tau(s, 0.5, plain.tau_schedule, 7), 0.2, plain.kl_controller)
+    expect = update_beta(update_tau(s, 0.5, plain.tau_schedule, 7), 0.2, plain.kl_controller, 7)
     assert out == expect and out.step == 7 and out.beta > 0.2
     assert controller_step(s, entropy=1.4, kl=0.12, settings=META, step=4) == meta_update(s, 1.4, 0.12, META, 4)
 
@@ -187,7 +187,7 @@ def test_settings_validation_names_the_field():
 def _busy_state() -> ControllerState:
     s = ControllerState.initial(0.5, 0.2)
     s = update_tau(s, 0.3, TauSchedule(target_entropy=1.0, lr=0.2), 1)
-    return update_beta(s, 0.3, KlControllerSettings(0.1, 10, 0.2))
+    return update_beta(s, 0.3, KlControllerSettings(0.1, 10, 0.2), 1)
 
 
 def test_dict_round_trip():

@@ -355,3 +355,65 @@ def test_listwise_policy_with_clip_term_uses_weight_minus_uniform():
     torch.testing.assert_close(term.per_token_loss, want)
     with pytest.raises(ValueError, match="listwise_weights"):
         POLICY_LOSSES["listwise_weighted_mle"](_inputs(), StepNormalizer(4, 12, 1))
+
+
+def test_reward_entropy_bonus_stays_on_when_equal_rewards_have_a_rounding_std():
+    """Twelve rewards of 0.1 have a float std of ~1e-17, not 0: sigma_r must still be taken as 1."""
+    from maxent_grpo.core.reward_entropy import entropy_bonus_rewards
+
+    rewards = torch.full((3, 4), 0.1, dtype=torch.float64)
+    assert 0 < float(rewards.reshape(-1).std()) < 1e-15  # the rounding this test is about
+    entropy = torch.tensor([[1.0, 2.0, 3.0, 4.0]] * 3, dtype=torch.float64)
+    out = entropy_bonus_rewards(rewards, entropy, coef=0.5)
+    z = (entropy - entropy.mean(1, keepdim=True)) / entropy.std(1, keepdim=True)
+    torch.testing.assert_close(out, rewards + 0.5 * 1.0 * z, rtol=0, atol=1e-12)
+    # With a real spread, sigma_r is the batch reward std.
+    varied = rewards + torch.tensor([[0.0, 1.0, 0.0, 1.0]] * 3, dtype=torch.float64)
+    torch.testing.assert_close(entropy_bonus_rewards(varied, entropy, 0.5), varied + 0.5 * varied.reshape(-1).std() * z)
+
+
+# ---------------------------------------------------------------- CISPO
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_cispo_gradient_matches_a_float64_reference_token_by_token(level):
+    """d loss / d logp_t = -min(r, eps_max) * A_i / num_tokens: the capped weight is a constant."""
+    from maxent_grpo.core.losses import POLICY_LOSSES, ClipSettings, PolicyInputs, StepNormalizer, aggregate
+
+    gen = torch.Generator().manual_seed(11)
+    b, t, eps_max = 4, 6, 1.5
+    old = -torch.rand(b, t, generator=gen, dtype=F64) * 3
+    logp = (old + torch.randn(b, t, generator=gen, dtype=F64) * 0.8).requires_grad_(True)
+    mask = torch.ones(b, t, dtype=F64)
+    mask[1, 4:] = 0
+    mask[3, 2:] = 0
+    adv = torch.tensor([1.0, -0.5, 0.7, -2.0], dtype=F64)
+    norm = StepNormalizer(num_sequences=b, num_tokens=int(mask.sum()), num_micro_batches=1)
+    term = POLICY_LOSSES["cispo"](PolicyInputs(
+        logp=logp, old_logp=old, mask=mask, policy_mask=mask, advantages=adv, num_generations=2,
+        clip=ClipSettings(epsilon_low=0.2, epsilon_high=eps_max, importance_sampling_level=level),
+    ), norm)
+    aggregate(term.per_token_loss, mask, "dapo", norm).backward()
+    n = int(mask.sum())
+    for i in range(b):
+        active = [j for j in range(t) if mask[i, j] > 0]
+        seq_ratio = math.exp(sum(logp[i, j].item() - old[i, j].item() for j in active) / len(active))
+        for j in range(t):
+            r = math.exp(logp[i, j].item() - old[i, j].item()) if level == "token" else seq_ratio
+            want = -min(r, eps_max) * adv[i].item() / n if mask[i, j] > 0 else 0.0
+            assert logp.grad[i, j].item() == pytest.approx(want, rel=1e-12, abs=1e-15)
+    r = term.surrogate.ratio
+    assert torch.equal(term.surrogate.high_clipped, (mask > 0) & (adv[:, None] > 0) & (r > eps_max))
+    assert not term.surrogate.low_clipped.any()
+    if level == "token":
+        assert term.surrogate.high_clipped.any()  # the cap is reached: the test covers both branches
+
+
+def test_cispo_is_one_registered_method():
+    """Adding CISPO: its Method entry (preset, policy loss) and the loss in POLICY_LOSSES; nothing else."""
+    from maxent_grpo.methods import get_method
+    from maxent_grpo.training.config import load_config
+
+    cfg = load_config(overrides=["method=cispo"])
+    assert (cfg.loss.loss_type, cfg.loss.epsilon_high) == ("dapo", 5.0)
+    assert get_method("cispo").policy_loss(cfg) == "cispo" and not get_method("cispo").needs_reference(cfg)

@@ -253,6 +253,26 @@ def test_compute_weight_stats_matches_reference(len_norm):
     assert torch.allclose(row, ws.weights_grouped[1], atol=1e-12)
 
 
+def test_groups_left_out_of_the_loss_get_uniform_weights_and_no_say_in_the_entropy():
+    """A zero-variance group does not enter the listwise loss: with a reference term its weights
+    would not be uniform, and the tau controller would steer on a group that trains nothing."""
+    pf, g = batch(seed=4), 4
+    pf[4:8] = 0.5  # group 1: every completion got the same rewards
+    rc = mx.compute_reward_statistics(pf, [1.0, 1.0], g, q_temperature=1.0, q_epsilon=1e-4)
+    assert rc.zero_std.tolist() == [False, True, False]
+    ref, cfg = _ref_stats(12, 6), _cfg(tau=0.4, beta=0.2)
+    every = mx.compute_weight_stats(rc, ref, cfg)
+    assert not torch.allclose(every.weights_grouped[1], torch.full((g,), 1 / g, dtype=torch.float64))  # tilted by the reference
+    ws = mx.compute_weight_stats(rc, ref, cfg, active=~rc.zero_std)
+    assert ws.weights_grouped[1].tolist() == [1 / g] * g and ws.advantage_entropy[4:8].tolist() == [0.0] * g
+    assert torch.equal(ws.weights_grouped[[0, 2]], every.weights_grouped[[0, 2]])
+    h = [-sum(x * math.log(x) for x in every.weights_grouped[p].tolist()) for p in (0, 2)]
+    assert ws.weight_entropy == pytest.approx(sum(h) / 2, abs=1e-12) and ws.num_active_groups == 2
+    assert (ws.weight_entropy_min, ws.weight_entropy_max) == (pytest.approx(min(h)), pytest.approx(max(h)))
+    none = mx.compute_weight_stats(rc, ref, cfg, active=torch.zeros(3, dtype=torch.bool))
+    assert none.num_active_groups == 0 and math.isnan(none.weight_entropy)
+
+
 def test_weight_stats_without_reference_model():
     pf, g = batch(seed=7), 4
     rc = mx.compute_reward_statistics(pf, [1.0, 1.0], g, q_temperature=1.0, q_epsilon=1e-4)
@@ -310,8 +330,10 @@ def test_maybe_update_tau_in_place_and_in_sync():
 
 def test_maybe_update_beta_and_meta():
     cfg = _cfg(tau=0.5, beta=0.2, kl_controller=KlControllerSettings(target=0.1, horizon=10, step_size=0.2))
-    mx.maybe_update_beta(cfg, 0.11)
+    mx.maybe_update_beta(cfg, 0.11, global_step=7)
     assert cfg.beta == pytest.approx(0.2 * 1.01) and cfg.controller_state.beta == cfg.beta
+    # Stamped with the step it happened at, also for methods whose tau never moves (no tau step).
+    assert cfg.controller_state.beta_history[-1] == (7, pytest.approx(0.2 * 1.01))
     assert mx.apply_meta_controller_update(cfg, tau_grad=1.0) is False  # meta disabled
     meta = _cfg(tau=0.5, beta=0.2, controller_meta=ControllerMetaSettings(enabled=True, lr_tau=0.1, lr_beta=0.1))
     assert mx.apply_meta_controller_update(meta, tau_grad=1.0, beta_grad=-1.0) is True

@@ -297,3 +297,15 @@ def test_two_processes_give_the_single_process_gradient(base_model, rows, tiny_m
     assert _max_abs_diff(ddp["grads"], grads) < 1e-10 * _grad_scale(grads)
     assert ddp["loss"] == pytest.approx(single.loss, rel=1e-10)
     assert ddp["metrics"]["kl"] == pytest.approx(single.metrics["kl"], rel=1e-10)
+
+
+@pytest.mark.parametrize("quantile", [0.5, 0.2])
+def test_top_entropy_gradient_invariant_to_micro_batching(base_model, rows, quantile):
+    """ALGORITHMS.md §3: the top fraction of the whole step's tokens, however the step is split."""
+    kwargs = dict(loss_type="dapo", top_entropy_quantile=quantile, loss_config=LossConfig(max_completion_length=L_MAX))
+    _, g1 = _step(copy.deepcopy(base_model), worker.micro_batches(rows, ONE), **kwargs)
+    _, g4 = _step(copy.deepcopy(base_model), worker.micro_batches(rows, FOUR), gradient_accumulation_steps=4, **kwargs)
+    assert _max_abs_diff(g1, g4) < 1e-10 * _grad_scale(g1)
+    _, g_all = _step(copy.deepcopy(base_model), worker.micro_batches(rows, ONE), loss_type="dapo",
+                     loss_config=LossConfig(max_completion_length=L_MAX))
+    assert _max_abs_diff(g1, g_all) > 1e-3 * _grad_scale(g_all)  # the mask does drop tokens

@@ -107,6 +107,10 @@ def _one_line_error(proc, *needles):
     (["loss.loss_type=dpo"], ["loss.loss_type"]),
     (["generation.num_generations=1"], ["generation.num_generations"]),
     (["training.batch_size=10"], ["training.batch_size", "num_generations"]),
+    # Bounds the core checks too, caught here before any model loads (issue 13).
+    (["loss.epsilon=1.0"], ["loss.epsilon", "(0, 1)"]),
+    (["loss.epsilon_high=0.28", "loss.delta=1.2"], ["loss.delta", "1 + epsilon_high = 1.28"]),
+    (["maxent.tau=.inf"], ["maxent.tau", "finite"]),
 ])
 def test_bad_config_one_line_error(sets, needles, tmp_path):
     proc = _cli(["train", "--output-dir", str(tmp_path / "o"), *[a for s in sets for a in ("--set", s)]], tmp_path)

@@ -275,14 +275,15 @@ def update_tau(
     return _with_tau(state, tau, step, tau_entropy_ema=ema)
 
 
-def update_beta(state: ControllerState, measured_kl: float, settings: KlControllerSettings) -> ControllerState:
-    """Adaptive-KL step ``beta <- max(0, beta * (1 + clip(KL/KL* - 1, -s, s) / horizon))``; no-op when disabled."""
+def update_beta(state: ControllerState, measured_kl: float, settings: KlControllerSettings, step: int) -> ControllerState:
+    """Adaptive-KL step ``beta <- max(0, beta * (1 + clip(KL/KL* - 1, -s, s) / horizon))`` at optimizer
+    step ``step`` (the history records it); no-op when disabled."""
     if not settings.enabled:
         return state
     _finite("measured_kl", measured_kl)
     err = min(max(measured_kl / settings.target - 1.0, -settings.step_size), settings.step_size)
     beta = max(0.0, state.beta * (1.0 + err / settings.horizon))
-    return _with_beta(state, beta, state.step)
+    return _with_beta(state, beta, step)
 
 
 def apply_meta_gradients(
@@ -354,7 +355,7 @@ def controller_step(
         state = update_tau(state, entropy, settings.tau_schedule, step, lr_scale)
     state = replace(state, step=step)
     if kl is not None:
-        state = update_beta(state, kl, settings.kl_controller)
+        state = update_beta(state, kl, settings.kl_controller, step)
     return state
 
 

@@ -13,6 +13,7 @@ row's mask sum. Rows with ``T_i = 0`` (empty completions) contribute 0.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
 
@@ -131,6 +132,35 @@ def clipped_surrogate(
     return SurrogateTerms(-objective, r, low, high, low | high)
 
 
+def cispo_surrogate(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    mask: torch.Tensor,
+    epsilon_max: float,
+    importance_sampling_level: str = "token",
+) -> SurrogateTerms:
+    """CISPO (MiniMax-M1, arXiv:2506.13585; ScaleRL), per token: ``-sg(min(r, eps_max)) * A * logp``.
+
+    The importance weight is truncated and detached, so, unlike the PPO clip, no token
+    loses its gradient: every token moves along ``A * grad logp`` scaled by its capped
+    weight. ``epsilon_max`` is the absolute cap on ``r`` (``loss.epsilon_high``; TRL,
+    verl and EasyDeL use 5). ``high_clipped`` marks ``A > 0`` tokens with ``r > eps_max``
+    (TRL's ``cispo_clip_ratio``); nothing is clipped below.
+    """
+    if advantages.dim() != 1 or advantages.shape[0] != logp.shape[0]:
+        raise ValueError(f"advantages must be [B={logp.shape[0]}], got shape {tuple(advantages.shape)}")
+    if epsilon_max <= 0:
+        raise ValueError(f"epsilon_max must be > 0, got {epsilon_max}")
+    r = importance_ratio(logp, old_logp, mask, importance_sampling_level).detach()
+    adv = advantages.to(logp.dtype)[:, None]
+    per_token = -torch.clamp(r, max=epsilon_max) * adv * logp
+    on = mask > 0
+    high = on & (adv > 0) & (r > epsilon_max)
+    return SurrogateTerms(per_token, r, torch.zeros_like(high), high, high)
+
+
 # ------------------------------------------------------------------ aggregation
 
 
@@ -218,20 +248,31 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, norm:
 # ---------------------------------------------------------------- entropy terms
 
 
-def top_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
-    """Float mask keeping the ``ceil(quantile * n)`` highest-entropy active tokens (ties kept).
+def top_entropy_threshold(entropies: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], quantile: float) -> float:
+    """The entropy of the ``ceil(quantile * n)``-th highest-entropy active token over all of
+    ``entropies`` (the step's micro-batches, ``[B_i, T]`` each; ``n`` active tokens in all).
 
-    ``n`` is the number of active tokens passed in (one micro-batch); ``quantile=1`` keeps all.
+    ALGORITHMS.md §3 (Wang et al. 2025, "80/20"): the top fraction is taken over the
+    whole step's tokens, so the gradient does not depend on how the step is split into
+    micro-batches. ``-inf`` (keep every token) when ``quantile == 1`` or nothing is active.
     """
     if not 0 < quantile <= 1:
         raise ValueError(f"quantile must be in (0, 1], got {quantile}")
+    values = torch.cat([e.detach()[m > 0].reshape(-1) for e, m in zip(entropies, masks)])
+    if quantile == 1 or values.numel() == 0:
+        return -math.inf
+    k = math.ceil(quantile * values.numel())
+    return float(torch.topk(values, k, sorted=False).values.min())
+
+
+def top_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: float, threshold: float | None = None) -> torch.Tensor:
+    """Float mask of the active tokens whose entropy is at least ``threshold`` (ties kept).
+
+    Without ``threshold``: the ``ceil(quantile * n)`` highest of the ``n`` active tokens passed in.
+    """
     active = mask > 0
-    n = int(active.sum())
-    if quantile == 1 or n == 0:
-        return active.to(entropies.dtype)
-    values = entropies.detach()[active]
-    k = math.ceil(quantile * n)
-    threshold = torch.topk(values, k, sorted=False).values.min()
+    if threshold is None:
+        threshold = top_entropy_threshold([entropies], [mask], quantile)
     return (active & (entropies.detach() >= threshold)).to(entropies.dtype)
 
 
@@ -387,6 +428,16 @@ def clipped_surrogate_objective(inputs: PolicyInputs, norm: StepNormalizer) -> P
     return PolicyTerm(per_token, per_token.new_zeros(()), terms)
 
 
+def cispo_objective(inputs: PolicyInputs, norm: StepNormalizer) -> PolicyTerm:
+    c = inputs.clip
+    terms = cispo_surrogate(inputs.logp, inputs.old_logp, inputs.advantages, mask=inputs.mask,
+                            epsilon_max=c.epsilon_high, importance_sampling_level=c.importance_sampling_level)
+    per_token = terms.per_token_loss * inputs.policy_mask
+    if inputs.row_weights is not None:
+        per_token = per_token * inputs.row_weights.detach().to(per_token.dtype)[:, None]
+    return PolicyTerm(per_token, per_token.new_zeros(()), terms)
+
+
 def _listwise(loss_fn, inputs: PolicyInputs, norm: StepNormalizer) -> PolicyTerm:
     if inputs.listwise_weights is None or inputs.listwise_active is None:
         raise ValueError("listwise_weights and listwise_active are required by the listwise policy losses")
@@ -419,6 +470,7 @@ def listwise_weighted_mle_objective(inputs: PolicyInputs, norm: StepNormalizer) 
 
 POLICY_LOSSES: dict[str, Callable[[PolicyInputs, StepNormalizer], PolicyTerm]] = {
     "clipped_surrogate": clipped_surrogate_objective,
+    "cispo": cispo_objective,
     "listwise_cross_entropy": listwise_cross_entropy_objective,
     "listwise_weighted_mle": listwise_weighted_mle_objective,
 }

@@ -43,6 +43,8 @@ def entropy_bonus_rewards(rewards: torch.Tensor, mean_token_entropy: torch.Tenso
     h = mean_token_entropy.detach().to(rewards.dtype)
     z = (h - h.mean(dim=-1, keepdim=True)) / h.std(dim=-1, keepdim=True).clamp(min=ENTROPY_STD_FLOOR)
     known = rewards.detach()[~torch.isnan(rewards)]
-    sigma_r = known.std() if known.numel() >= 2 else torch.zeros((), dtype=rewards.dtype, device=rewards.device)
-    sigma_r = torch.where(sigma_r > 0, sigma_r, torch.ones_like(sigma_r))
+    # "No spread" is decided on the values, not on the std: twelve rewards of 0.1 have a
+    # floating-point std of ~1e-17, which would switch the bonus off instead of using 1.
+    spread = known.numel() >= 2 and bool(known.max() > known.min())
+    sigma_r = known.std() if spread else torch.ones((), dtype=rewards.dtype, device=rewards.device)
     return rewards + coef * sigma_r * z

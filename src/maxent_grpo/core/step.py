@@ -29,6 +29,7 @@ from maxent_grpo.core.losses import (
     entropy_bonus,
     kl_penalty,
     top_entropy_mask,
+    top_entropy_threshold,
 )
 from maxent_grpo.core.rollout_correction import (
     ROLLOUT_CORRECTIONS,
@@ -271,6 +272,7 @@ def grpo_step(
     mismatch: list[MismatchSums] = []
     ratio_level = "sequence" if cfg.rollout_correction.startswith("sequence") else "token"
 
+    threshold = _step_entropy_threshold(model, micro_batches, top_entropy_quantile, cfg, share_prompts)
     optimizer.zero_grad()
     for mb in micro_batches:
         logp, ent = get_per_token_logps_and_entropies(
@@ -279,7 +281,7 @@ def grpo_step(
         )
         mask = mb.completion_mask.to(logp.dtype)
         old = logp.detach() if mb.old_logps is None else mb.old_logps
-        policy_mask = mask if top_entropy_quantile == 1 else top_entropy_mask(ent, mask, top_entropy_quantile)
+        policy_mask = mask if threshold is None else top_entropy_mask(ent, mask, top_entropy_quantile, threshold)
         term = policy_loss(
             PolicyInputs(
                 logp=logp, old_logp=old, mask=mask, policy_mask=policy_mask,
@@ -339,6 +341,22 @@ def grpo_step(
         loss=float(sums[0]), grad_norm=float(grad_norm), metrics=metrics,
         mismatch=combine_mismatch_sums(mismatch) if mismatch else None,
     )
+
+
+def _step_entropy_threshold(model, micro_batches, quantile: float, cfg: LossConfig, share_prompts: bool):
+    """The entropy threshold of the step's top ``quantile`` tokens (None: keep all), from a no-grad
+    pass over every micro-batch first: the top fraction is of the whole step, not of each
+    micro-batch. With several processes each takes the top fraction of its own tokens."""
+    if quantile == 1:
+        return None
+    ents = []
+    with torch.no_grad():
+        for mb in micro_batches:
+            ents.append(get_per_token_logps_and_entropies(
+                model, mb.input_ids, mb.attention_mask, mb.prompt_length,
+                temperature=cfg.temperature, with_entropy=True, share_prompts=share_prompts,
+            )[1])
+    return top_entropy_threshold(ents, [mb.completion_mask for mb in micro_batches], quantile)
 
 
 def _metrics(sums: dict[str, float], norm: StepNormalizer, has_reference: bool, cfg: LossConfig,

@@ -148,9 +148,11 @@ def maybe_update_tau(
     _commit(weighting_cfg, state)
 
 
-def maybe_update_beta(weighting_cfg: WeightingSettings, measured_kl: float) -> None:
-    """Adaptive-KL beta step, in place (no-op unless target, horizon and step size are all > 0)."""
-    _commit(weighting_cfg, ctl.update_beta(_live_state(weighting_cfg), measured_kl, weighting_cfg.kl_controller))
+def maybe_update_beta(weighting_cfg: WeightingSettings, measured_kl: float, global_step: int) -> None:
+    """Adaptive-KL beta step after optimizer step ``global_step``, in place (no-op unless target,
+    horizon and step size are all > 0)."""
+    _commit(weighting_cfg, ctl.update_beta(_live_state(weighting_cfg), measured_kl, weighting_cfg.kl_controller,
+                                           global_step))
 
 
 def apply_meta_controller_update(

@@ -73,6 +73,8 @@ class WeightStats:
     weight_entropy_min: float
     weight_entropy_max: float
     advantage_entropy: torch.Tensor
+    # Groups the entropy statistics are over (those that enter the loss); NaN statistics when 0.
+    num_active_groups: int | None = None
 
     def logging_view(self) -> WeightLoggingView:
         """This batch's statistics as a :class:`WeightLoggingView` (local; cross-rank reduction is the caller's)."""
@@ -146,19 +148,33 @@ def collect_weight_entropy(weights_grouped: torch.Tensor) -> tuple[float, float,
     return float(h.mean()), float(h.min()), float(h.max()), adv
 
 
-def _weight_stats(weights_grouped: torch.Tensor) -> WeightStats:
-    mean, lo, hi, adv = collect_weight_entropy(weights_grouped)
-    return WeightStats(weights_grouped, weights_grouped.reshape(-1), mean, lo, hi, adv)
+def _weight_stats(weights_grouped: torch.Tensor, active: torch.Tensor | None = None) -> WeightStats:
+    if active is None or bool(active.all()):
+        mean, lo, hi, adv = collect_weight_entropy(weights_grouped)
+        return WeightStats(weights_grouped, weights_grouped.reshape(-1), mean, lo, hi, adv, weights_grouped.shape[0])
+    # Groups left out of the loss train on nothing: uniform weights, and no say in the entropy
+    # the tau controller steers by.
+    g = weights_grouped.shape[1]
+    weights_grouped = torch.where(active.unsqueeze(1), weights_grouped, torch.full_like(weights_grouped, 1.0 / g))
+    adv = (weights_grouped - 1.0 / g).reshape(-1)
+    n = int(active.sum())
+    if n == 0:
+        return WeightStats(weights_grouped, weights_grouped.reshape(-1), math.nan, math.nan, math.nan, adv, 0)
+    mean, lo, hi, _ = collect_weight_entropy(weights_grouped[active])
+    return WeightStats(weights_grouped, weights_grouped.reshape(-1), mean, lo, hi, adv, n)
 
 
 def compute_weight_stats(
     reward_comp: RewardComputation,
     ref_stats: ReferenceLogprobs | None,
     weighting_cfg: WeightingSettings,
+    active: torch.Tensor | None = None,
 ) -> WeightStats:
     """Listwise weights for the batch from its q and the reference log-probs (detached).
 
     ``ref_stats`` may be ``None`` only when ``beta = 0`` (no reference model).
+    ``active[P]`` marks the groups that enter the listwise loss (None: all); the others
+    get uniform weights and are left out of the entropy statistics.
     """
     g = reward_comp.num_generations
     ref_logp = token_counts = None
@@ -171,7 +187,7 @@ def compute_weight_stats(
             raise ValueError(f"ref_stats must cover the batch's {reward_comp.total.shape[0]} completions, "
                              f"got {ref_stats.ref_logp_sum.shape[0]}")
     weights = weight_matrix_from_q(reward_comp.q, ref_logp, token_counts, weighting_cfg)
-    return _weight_stats(weights)
+    return _weight_stats(weights, active)
 
 
 def build_uniform_weight_stats(num_prompts: int, num_generations: int) -> WeightStats:

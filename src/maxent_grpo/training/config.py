@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from maxent_grpo.errors import UserError
+from maxent_grpo.methods import METHODS, get_method
 from maxent_grpo.rewards.user_code import resolve_reference
 # The sections live in config_schema.py; imported here so that ``training.config``
 # stays the one import for the whole configuration.
@@ -31,7 +33,6 @@ from maxent_grpo.training.config_schema import (
     LoraConfig,
     LossSection,
     MaxEntConfig,
-    Method,
     ModelConfig,
     RewardEntry,
     SeedGrpoConfig,
@@ -48,7 +49,7 @@ class ConfigError(UserError, ValueError):
 
 __all__ = [
     "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig", "FewShotExample", "GenerationConfig",
-    "LoggingConfig", "LoraConfig", "LossSection", "MaxEntConfig", "Method", "ModelConfig", "RewardEntry",
+    "LoggingConfig", "LoraConfig", "LossSection", "MaxEntConfig", "ModelConfig", "RewardEntry",
     "SeedGrpoConfig", "TrainConfig", "TrainingConfig", "VllmConfig", "XdrConfig",
     "load_config", "parse_override", "save_config", "to_dict", "validate",
 ]
@@ -142,25 +143,6 @@ def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
-# ---------------------------------------------------------------- method presets
-
-# Defaults each method brings; the user's YAML and --set overrides win over them.
-METHOD_PRESETS: dict[str, dict[str, Any]] = {
-    "grpo": {"loss.loss_type": "grpo"},
-    "dr_grpo": {"loss.loss_type": "dr_grpo", "loss.scale_rewards": "none"},
-    "dapo": {"loss.loss_type": "dapo", "loss.epsilon_high": 0.28, "loss.dynamic_sampling": True},
-    "gspo": {
-        "loss.importance_sampling_level": "sequence",
-        "loss.epsilon": 3e-4,
-        "loss.epsilon_high": 4e-4,
-    },
-    "seed_grpo": {"loss.loss_type": "dapo"},
-    "maxent_entropy": {"loss.entropy_coef": 0.01},
-    "maxent_listwise": {},
-    "xdr": {},
-}
-
-
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     node = tree
@@ -240,10 +222,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict[str,
         data.setdefault("task_kwargs", {})
         data.setdefault("few_shot", [])
     method = user.get("method", TrainConfig.method)
-    if method not in METHOD_PRESETS:
-        raise ConfigError(f"method: unknown method {method!r}{_suggest(method, METHOD_PRESETS)}")
+    if not isinstance(method, str) or method not in METHODS:
+        raise ConfigError(f"method: unknown method {method!r}{_suggest(method, METHODS)}; methods: {', '.join(sorted(METHODS))}")
     preset: dict = {}
-    for key, value in METHOD_PRESETS[method].items():
+    # The defaults each method brings; the user's YAML and --set overrides win over them.
+    for key, value in get_method(method).preset.items():
         _set_dotted(preset, key, value)
     cfg = _build(TrainConfig, _merge(preset, user), "")
     validate(cfg)
@@ -305,19 +288,18 @@ def validate(cfg: TrainConfig) -> None:
         "training.micro_batch_size",
         f"{t.micro_batch_size} does not divide the {total} completions of a step",
     )
-    if cfg.method == "maxent_listwise":
-        _check(
-            t.micro_batch_size % g.num_generations == 0,
-            "training.micro_batch_size",
-            f"{t.micro_batch_size} is not a multiple of generation.num_generations={g.num_generations} "
-            "(listwise losses need whole groups per micro-batch)",
-        )
+    _check(cfg.method in METHODS, "method", f"unknown method {cfg.method!r}; methods: {', '.join(sorted(METHODS))}")
+    for key, problem in get_method(cfg.method).check(cfg):
+        _check(False, key, problem)
     _check(t.learning_rate >= 0, "training.learning_rate", "must be >= 0")
     _check(t.num_iterations >= 1, "training.num_iterations", "must be >= 1")
     _check(t.warmup_steps >= 0, "training.warmup_steps", "must be >= 0")
-    _check(lo.epsilon > 0, "loss.epsilon", f"must be > 0, got {lo.epsilon}")
+    # The same bounds the core checks (core/losses.py clip settings), here before any model loads.
+    _check(0 < lo.epsilon < 1, "loss.epsilon", f"must be in (0, 1) (the ratio's lower clip is 1 - epsilon), got {lo.epsilon}")
     _check(lo.epsilon_high is None or lo.epsilon_high > 0, "loss.epsilon_high", "must be > 0")
-    _check(lo.delta is None or lo.delta > 1, "loss.delta", "must be > 1 (it caps the ratio above 1 + epsilon)")
+    eps_high = lo.epsilon if lo.epsilon_high is None else lo.epsilon_high
+    _check(lo.delta is None or lo.delta > 1 + eps_high, "loss.delta",
+           f"must be > 1 + epsilon_high = {1 + eps_high} (it caps the ratio above the clip), got {lo.delta}")
     _check(lo.dual_clip is None or lo.dual_clip > 1, "loss.dual_clip", "must be > 1")
     _check(lo.beta >= 0, "loss.beta", f"must be >= 0, got {lo.beta}")
     _check(0 < lo.top_entropy_quantile <= 1, "loss.top_entropy_quantile", "must be in (0, 1]")
@@ -325,7 +307,7 @@ def validate(cfg: TrainConfig) -> None:
     _check(lo.max_gen_batches >= 1, "loss.max_gen_batches", "must be >= 1")
     _check(lo.rollout_correction_cap >= 1, "loss.rollout_correction_cap", f"must be >= 1, got {lo.rollout_correction_cap}")
     m = cfg.maxent
-    _check(m.tau >= 0, "maxent.tau", f"must be >= 0, got {m.tau}")
+    _check(math.isfinite(m.tau) and m.tau >= 0, "maxent.tau", f"must be a finite number >= 0, got {m.tau}")
     _check(m.q_temperature > 0, "maxent.q_temperature", "must be > 0")
     _check(0 <= m.q_epsilon < 1, "maxent.q_epsilon", "must be in [0, 1)")
     _check(cfg.xdr.tau >= 0, "xdr.tau", f"must be >= 0 (use .inf for no reweighting), got {cfg.xdr.tau}")

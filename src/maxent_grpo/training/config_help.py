@@ -8,10 +8,11 @@ import types
 import typing
 from typing import Literal
 
+from maxent_grpo.methods import METHODS
 from maxent_grpo.training.config import TrainConfig
 
 HELP: dict[str, str] = {
-    "method": "training method; picks the advantage estimator, weighting and loss (see README)",
+    "method": "training method, one of maxent_grpo.methods: " + ", ".join(sorted(METHODS)) + " (each brings its preset; see README)",
     "model.name_or_path": "local folder, hub name, or smollm2-135m-instruct (the packaged model)",
     "model.dtype": "dtype of the trained weights",
     "model.lora.enabled": "train LoRA adapters (peft); the reference is the base model with adapters off",
@@ -73,7 +74,7 @@ HELP: dict[str, str] = {
     "maxent.q_temperature": "temperature of q = softmax(r / T_q)",
     "maxent.q_epsilon": "floor that keeps every candidate in q's support",
     "maxent.length_normalize_ref": "divide reference sequence log-probs by length",
-    "maxent.listwise_loss": "cross_entropy (default) or weighted_mle",
+    "maxent.listwise_loss": "weighted_mle (default: pushes each completion up by its weight) or cross_entropy",
     "maxent.keep_zero_variance_groups": "train on groups whose rewards are all equal",
     "maxent.listwise_clip_coef": "weight of the optional sequence-level clip term (advantage w - 1/G)",
     "maxent.tau_target_entropy": "target weight entropy H* for the tau controller (null = off)",

@@ -122,10 +122,11 @@ def _update_and_log(run: Run, prepared, step: int, t_start: float, cpu_start: fl
     step += 1
 
     # Controllers run once per step on globally averaged inputs (§8).
-    if prepared.weight_stats is not None:
-        maybe_update_tau(ctx.weighting, _global_weight_view(run, prepared), step)
+    view = _global_weight_view(run, prepared) if prepared.weight_stats is not None else None
+    if view is not None:
+        maybe_update_tau(ctx.weighting, view, step)
     if "kl" in result.metrics:
-        maybe_update_beta(ctx.weighting, ctx.dist.mean(result.metrics["kl"]))
+        maybe_update_beta(ctx.weighting, ctx.dist.mean(result.metrics["kl"]), step)
 
     timings["time/total"] = time.perf_counter() - t_start
     timings["step_cpu_time"] = time.process_time() - cpu_start
@@ -157,7 +158,7 @@ def _policy_update(run: Run, prepared):
             result = grpo_step(
                 run.train_model, run.optimizer, prepared.micro_batches(cfg.training.micro_batch_size, old_logps),
                 num_generations=cfg.generation.num_generations,
-                beta=ctx.weighting.beta if ctx.method.weighting != "listwise" else 0.0,
+                beta=ctx.weighting.beta if ctx.method.kl_in_token_loss else 0.0,
                 loss_type=cfg.loss.loss_type,
                 epsilon=cfg.loss.epsilon,
                 epsilon_high=cfg.loss.epsilon_high,
@@ -251,10 +252,17 @@ def _global_weight_view(run: Run, prepared):
     from maxent_grpo.rewards.maxent import WeightLoggingView
 
     ws, dist = prepared.weight_stats, run.ctx.dist
+    # Over the groups in the loss on every rank (ranks may hold different numbers of them).
+    n = ws.num_active_groups
+    local = [ws.weight_entropy * n, float(n), ws.weight_entropy_min, ws.weight_entropy_max] if n else [0.0, 0.0]
+    parts = dist.gather_objects([local])
+    total = sum(p[1] for p in parts)
+    if total == 0:
+        return None  # no group entered the loss: nothing to steer by
     return WeightLoggingView(
-        entropy=dist.mean(float(ws.weight_entropy)),
-        entropy_min=min(dist.gather_floats([float(ws.weight_entropy_min)])),
-        entropy_max=max(dist.gather_floats([float(ws.weight_entropy_max)])),
+        entropy=sum(p[0] for p in parts) / total,
+        entropy_min=min(p[2] for p in parts if p[1]),
+        entropy_max=max(p[3] for p in parts if p[1]),
     )
 
 

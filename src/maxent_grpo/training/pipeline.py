@@ -22,17 +22,15 @@ from maxent_grpo.core.advantages import combine_rewards, zero_std_groups
 from maxent_grpo.core.logprobs import get_per_token_logps_and_entropies
 from maxent_grpo.core.seed_grpo import cluster_ids_from_answers
 from maxent_grpo.core.step import MicroBatch
-from maxent_grpo.core.weighting import mode_adaptive_tau, xdr_multipliers, xdr_utilities
+from maxent_grpo.methods import Method, TargetInputs
 from maxent_grpo.rewards.answers import canonical_answer, extract_final_answer
 from maxent_grpo.rewards.maxent import (
-    ReferenceLogprobs,
     RewardComputation,
     SeedGrpoInputs,
     WeightingSettings,
     WeightStats,
     apply_policy_entropy_bonus,
     compute_reward_statistics,
-    compute_weight_stats,
 )
 from maxent_grpo.rewards.registry import RewardFunctionError, RewardSpec, evaluate_rewards, grouped_reward_inputs
 from maxent_grpo.rollout.backend import (
@@ -49,7 +47,6 @@ from maxent_grpo.training.config import TrainConfig
 from maxent_grpo.training.data import format_prompt
 from maxent_grpo.training.diversity import group_diversity
 from maxent_grpo.training.distributed import Dist
-from maxent_grpo.training.methods import MethodSpec
 
 log = logging.getLogger("maxent_grpo")
 
@@ -65,7 +62,7 @@ class SkipBatch(Exception):
 @dataclass
 class PipelineContext:
     cfg: TrainConfig
-    method: MethodSpec
+    method: Method
     model: torch.nn.Module  # the policy, unwrapped
     tokenizer: object
     backend: GenerationBackend
@@ -266,29 +263,6 @@ def _seed_inputs(ctx: PipelineContext, rollout: RolloutBatch, packed: PackedRoll
     )
 
 
-def _xdr_row_weights(ctx: PipelineContext, reward_comp: RewardComputation, rollout, packed, ref_logps):
-    g = rollout.num_generations
-    # Reward statistics live on the CPU; the packed batch may be on an accelerator.
-    lengths = packed.completion_mask.sum(1).view(-1, g).cpu()
-    util = xdr_utilities(reward_comp.advantages.view(-1, g), lengths, ctx.cfg.generation.max_new_tokens)
-    valid = lengths > 0
-    tau: float | torch.Tensor = ctx.cfg.xdr.tau
-    if ctx.cfg.xdr.mode_adaptive:
-        total = reward_comp.total.view(-1, g)
-        best = total.max(dim=1, keepdim=True).values
-        # kappa: distinct answers among the group's best completions (those with the group's top reward > 0).
-        kappa = [
-            len({a for i, a in enumerate(group) if a is not None and total[p, i] == best[p, 0] and best[p, 0] > 0})
-            for p, group in enumerate(_final_answers(rollout.completion_texts, g))
-        ]
-        tau = mode_adaptive_tau(ctx.cfg.xdr.tau, torch.tensor(kappa, dtype=torch.float64))
-    ref_seq = None
-    if ref_logps is not None and ctx.cfg.xdr.lam > 0:
-        ref_sum = (ref_logps * packed.completion_mask).sum(1).cpu()
-        ref_seq = (ref_sum / lengths.view(-1).clamp(min=1)).view(-1, g)
-    return xdr_multipliers(util, valid, tau, lam=ctx.cfg.xdr.lam, ref_logp=ref_seq).reshape(-1)
-
-
 # ----------------------------------------------------------------- orchestration
 
 def prepare_training_batch(
@@ -363,18 +337,12 @@ def _score_and_weight(ctx: PipelineContext, rows, rollout, per_fn, stats, timing
         if not torch.isfinite(ref_logps).all():
             raise SkipBatch("reference", "non-finite reference log-probs")
     timings["time/reference"] = time.perf_counter() - t2
-    weight_stats, active, row_weights = None, None, None
-    if ctx.method.weighting == "listwise":
-        ref_stats = None
-        if ref_logps is not None:
-            counts = packed.completion_mask.sum(1)
-            ref_stats = ReferenceLogprobs(
-                ref_logp_sum=(ref_logps * packed.completion_mask).sum(1).cpu(), ref_tok_counts=counts.cpu()
-            )
-        weight_stats = compute_weight_stats(reward_comp, ref_stats, ctx.weighting)
-        active = torch.ones_like(reward_comp.zero_std) if cfg.maxent.keep_zero_variance_groups else ~reward_comp.zero_std
-    elif ctx.method.weighting == "xdr":
-        row_weights = _xdr_row_weights(ctx, reward_comp, rollout, packed, ref_logps)
+    counts = packed.completion_mask.sum(1).cpu()
+    targets = ctx.method.targets(TargetInputs(
+        cfg=cfg, weighting=ctx.weighting, reward_comp=reward_comp, completion_texts=rollout.completion_texts,
+        num_generations=g, lengths=counts,
+        ref_logp_sum=None if ref_logps is None else (ref_logps * packed.completion_mask).sum(1).cpu(),
+    ))
     groups = [rollout.completion_ids[i : i + g] for i in range(0, len(rollout.completion_ids), g)]
     return PreparedBatch(
         rows=rows,
@@ -383,9 +351,9 @@ def _score_and_weight(ctx: PipelineContext, rows, rollout, per_fn, stats, timing
         reward_comp=reward_comp,
         advantages=reward_comp.advantages,
         ref_logps=ref_logps,
-        weight_stats=weight_stats,
-        listwise_active=active,
-        row_weights=row_weights,
+        weight_stats=targets.weight_stats,
+        listwise_active=targets.listwise_active,
+        row_weights=targets.row_weights,
         diversity=group_diversity(groups),
         stats=stats,
         timings=timings,

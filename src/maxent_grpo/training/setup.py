@@ -25,7 +25,7 @@ from maxent_grpo.training.checkpoint import CheckpointError, find_latest_checkpo
 from maxent_grpo.training.config import ConfigError, TrainConfig, save_config, to_dict
 from maxent_grpo.training.data import PromptSampler, load_prompt_dataset, split_train_eval
 from maxent_grpo.training.distributed import DataParallelPolicy, Dist
-from maxent_grpo.training.methods import method_spec
+from maxent_grpo.methods import get_method
 from maxent_grpo.training.pipeline import PipelineContext
 from maxent_grpo.training.precision import bf16_is_fast, resolve_precision
 from maxent_grpo.training.run_dir import (
@@ -213,7 +213,7 @@ def build_run(
             saved.get("config") or _saved_config(output_dir), to_dict(cfg), allow_change=allow_config_change,
         )
         history.append(history_line(int(saved["step"]), changes))
-    method = method_spec(cfg)
+    method = get_method(cfg.method)
     _seed_everything(cfg.training.seed + dist.rank)
 
     # Data and rewards first: their errors must come before the slow model load.
@@ -237,9 +237,9 @@ def build_run(
     if dist.is_main:
         save_config(cfg, output_dir / "config.yaml", header=history)
         (output_dir / "run_info.json").write_text(json.dumps(
-            {"method": cfg.method, **method.identity(), "model": model_path, "world_size": dist.world_size}, indent=2
+            {"method": cfg.method, **method.identity(cfg), "model": model_path, "world_size": dist.world_size}, indent=2
         ))
-    log.info("method %s: family=%s loss=%s weighting=%s", method.name, method.family, method.policy_loss, method.weighting)
+    log.info("method %s: family=%s loss=%s weighting=%s", method.name, method.family, method.policy_loss(cfg), method.weighting)
 
     model, tokenizer = load_model_and_tokenizer(model_path, dtype=cfg.model.dtype, device=dist.device)
     if cfg.model.lora.enabled:
@@ -248,7 +248,7 @@ def build_run(
     if fsdp2:
         # Before the optimizer exists: it must hold the sharded parameters.
         shard_model(model, mixed_precision=dist.device.type == "cuda" and cfg.training.autocast_bf16)
-    reference = _reference_scorer(cfg, model, model_path) if method.needs_reference else None
+    reference = _reference_scorer(cfg, model, model_path) if method.needs_reference(cfg) else None
 
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=cfg.training.learning_rate,
@@ -278,7 +278,7 @@ def build_run(
         reference_logps=reference,
     )
     loss_config = LossConfig(
-        policy_loss=method.policy_loss, kl_estimator=cfg.loss.kl_estimator, dual_clip=cfg.loss.dual_clip,
+        policy_loss=method.policy_loss(cfg), kl_estimator=cfg.loss.kl_estimator, dual_clip=cfg.loss.dual_clip,
         max_completion_length=g.max_new_tokens, temperature=g.temperature,
         entropy_coef=cfg.loss.entropy_coef, listwise_clip_coef=cfg.maxent.listwise_clip_coef,
         rollout_correction=cfg.loss.rollout_correction, rollout_correction_cap=cfg.loss.rollout_correction_cap,

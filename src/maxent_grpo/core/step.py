@@ -10,7 +10,6 @@ gradients are accumulated by backward per micro-batch. Under DDP, which
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -229,6 +228,22 @@ def _step_normalizer(micro_batches, cfg: LossConfig, all_reduce_sum, world_size:
     )
 
 
+def optimizer_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler,
+                     max_grad_norm: float | None) -> torch.Tensor:
+    """Clip the gradient norm (when ``max_grad_norm``), step the optimizer and scheduler, zero the
+    grads; return the norm before clipping."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if max_grad_norm is not None:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    else:
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    optimizer.step()
+    if lr_scheduler is not None:
+        lr_scheduler.step()
+    optimizer.zero_grad()
+    return grad_norm
+
+
 def grpo_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -249,6 +264,7 @@ def grpo_step(
     all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
     world_size: int = 1,
     share_prompts: bool = True,
+    update: Callable[..., torch.Tensor] = optimizer_update,
 ) -> StepResult:
     """Forward/backward every micro-batch, clip, step the optimizer and scheduler, zero the grads.
 
@@ -258,6 +274,8 @@ def grpo_step(
     ``all_reduce_sum`` sums a tensor over ranks (in place or not; its return
     value is used); ``model`` is expected to be DDP-wrapped when ``world_size > 1``.
     ``share_prompts``: each distinct prompt of a micro-batch runs once (``completion_logits``).
+    ``update(model, optimizer, lr_scheduler, max_grad_norm)`` applies the gradients
+    (:func:`optimizer_update`; the trainer passes a timed one: the core keeps no clock).
     """
     cfg = loss_config if loss_config is not None else LossConfig()
     eps_high = epsilon if epsilon_high is None else epsilon_high
@@ -324,19 +342,9 @@ def grpo_step(
 
     if all_reduce_sum is not None:
         sums = all_reduce_sum(sums)
-    t_opt = time.perf_counter()
-    params = [p for p in model.parameters() if p.grad is not None]
-    if max_grad_norm is not None:
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    else:
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    optimizer.step()
-    if lr_scheduler is not None:
-        lr_scheduler.step()
-    optimizer.zero_grad()
+    grad_norm = update(model, optimizer, lr_scheduler, max_grad_norm)
     metrics = _metrics(dict(zip(_SUMS, sums.tolist())), norm, micro_batches[0].ref_logps is not None, cfg,
                        float(grad_norm))
-    metrics["time/optimizer"] = time.perf_counter() - t_opt
     return StepResult(
         loss=float(sums[0]), grad_norm=float(grad_norm), metrics=metrics,
         mismatch=combine_mismatch_sums(mismatch) if mismatch else None,

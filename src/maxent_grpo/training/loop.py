@@ -15,16 +15,15 @@ import torch
 from tqdm.auto import tqdm
 
 from maxent_grpo.core.logprobs import get_per_token_logps
-from maxent_grpo.core.step import grpo_step
+from maxent_grpo.core.step import grpo_step, optimizer_update
 from maxent_grpo.errors import UserError
 from maxent_grpo.rewards.maxent import controller_state_dict, maybe_update_beta, maybe_update_tau
 from maxent_grpo.training.config import TrainConfig
 from maxent_grpo.training.checkpoint import find_latest_checkpoint
 from maxent_grpo.training.interrupt import RunInterrupted, StopSignals
-from maxent_grpo.training.metrics import MetricsLog, build_training_metrics_dict, read_metrics
+from maxent_grpo.training.metrics import MetricsLog, log_training_step, read_metrics, summarize_weight_stats
 from maxent_grpo.training.pipeline import prepare_training_batch
 from maxent_grpo.training.setup import Run, build_run, seed_step
-from maxent_grpo.training.tables import gather_completion_rows, write_completion_table
 from maxent_grpo.training.validation import validate
 
 log = logging.getLogger("maxent_grpo")
@@ -115,14 +114,13 @@ def _update_and_log(run: Run, prepared, step: int, t_start: float, cpu_start: fl
     cfg, ctx = run.cfg, run.ctx
     timings = dict(prepared.timings)
     t_policy = time.perf_counter()
-    result = _policy_update(run, prepared)
+    result = _policy_update(run, prepared, timings)
     ctx.backend.sync_weights(ctx.model)
-    timings["time/optimizer"] = result.metrics.pop("time/optimizer")
     timings["time/policy"] = time.perf_counter() - t_policy - timings["time/optimizer"]
     step += 1
 
     # Controllers run once per step on globally averaged inputs (§8).
-    view = _global_weight_view(run, prepared) if prepared.weight_stats is not None else None
+    view = summarize_weight_stats(ctx.dist, prepared.weight_stats) if prepared.weight_stats is not None else None
     if view is not None:
         maybe_update_tau(ctx.weighting, view, step)
     if "kl" in result.metrics:
@@ -130,28 +128,31 @@ def _update_and_log(run: Run, prepared, step: int, t_start: float, cpu_start: fl
 
     timings["time/total"] = time.perf_counter() - t_start
     timings["step_cpu_time"] = time.process_time() - cpu_start
-    metrics = build_training_metrics_dict(
-        prepared, result, step=step, learning_rate=run.lr_scheduler.get_last_lr()[0],
-        timings=timings, controller=_controller_metrics(run), dist=ctx.dist,
-        max_completion_length=cfg.generation.max_new_tokens,
-    )
-    metrics.update({f"skipped/{k}": float(v) for k, v in ctx.skips.items()})
+    extra = {f"skipped/{k}": float(v) for k, v in ctx.skips.items()}
     if run.eval_rows and cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
         t_eval = time.perf_counter()
-        metrics.update(validate(run, step))
-        metrics["time/eval"] = time.perf_counter() - t_eval
-    table = gather_completion_rows(prepared, ctx.dist) if _log_completions(cfg, step) else None
-    if metrics_log is not None:
-        metrics_log.write(metrics)
-        run.trackers.log(metrics, step)
-        if table is not None:
-            write_completion_table(run.output_dir, step, table, run.trackers)
-    run.last_metrics = metrics
+        extra.update(validate(run, step))
+        extra["time/eval"] = time.perf_counter() - t_eval
+    run.last_metrics = log_training_step(
+        prepared, result, step=step, dist=ctx.dist, metrics_log=metrics_log, trackers=run.trackers,
+        output_dir=run.output_dir, extra=extra, completion_table=_log_completions(cfg, step),
+        learning_rate=run.lr_scheduler.get_last_lr()[0], timings=timings, controller=_controller_metrics(run),
+        max_completion_length=cfg.generation.max_new_tokens, weight_view=view,
+    )
     return step
 
 
-def _policy_update(run: Run, prepared):
+def _policy_update(run: Run, prepared, timings: dict):
     cfg, ctx = run.cfg, run.ctx
+    timings["time/optimizer"] = 0.0
+
+    def timed_update(*args):
+        t0 = time.perf_counter()
+        try:
+            return optimizer_update(*args)
+        finally:
+            timings["time/optimizer"] += time.perf_counter() - t0
+
     old_logps = _old_logps(run, prepared) if cfg.training.num_iterations > 1 else None
     for _ in range(cfg.training.num_iterations):
         with autocast(cfg, ctx.dist.device):
@@ -171,6 +172,7 @@ def _policy_update(run: Run, prepared):
                 share_prompts=cfg.training.share_prompts,
                 all_reduce_sum=ctx.dist.all_reduce_sum,
                 world_size=ctx.dist.world_size,
+                update=timed_update,
             )
     return result
 
@@ -246,24 +248,6 @@ def _old_logps(run: Run, prepared) -> torch.Tensor:
                 temperature=run.cfg.generation.temperature, share_prompts=run.cfg.training.share_prompts,
             ))
     return torch.cat(outs)
-
-
-def _global_weight_view(run: Run, prepared):
-    from maxent_grpo.rewards.maxent import WeightLoggingView
-
-    ws, dist = prepared.weight_stats, run.ctx.dist
-    # Over the groups in the loss on every rank (ranks may hold different numbers of them).
-    n = ws.num_active_groups
-    local = [ws.weight_entropy * n, float(n), ws.weight_entropy_min, ws.weight_entropy_max] if n else [0.0, 0.0]
-    parts = dist.gather_objects([local])
-    total = sum(p[1] for p in parts)
-    if total == 0:
-        return None  # no group entered the loss: nothing to steer by
-    return WeightLoggingView(
-        entropy=sum(p[0] for p in parts) / total,
-        entropy_min=min(p[2] for p in parts if p[1]),
-        entropy_max=max(p[3] for p in parts if p[1]),
-    )
 
 
 def _controller_metrics(run: Run) -> dict[str, float]:

@@ -1,4 +1,12 @@
-"""Step metrics (seed ``maxent_grpo.training.metrics``): build, accumulate, write.
+"""The loop's logging path (seed ``maxent_grpo.training.metrics``).
+
+* :func:`summarize_reward_stats` / :func:`summarize_weight_stats`: a batch's reward
+  and listwise-weight statistics combined over every process; the tau controller
+  steers by the latter.
+* :func:`log_local_step`: one process's own view of a step, at DEBUG level.
+* :func:`log_training_step`: the step's metrics gathered over processes
+  (:func:`build_training_metrics_dict`), then :func:`log_training_metrics` writes
+  them to ``metrics.jsonl`` and the trackers, with the completion table.
 
 ``metrics.jsonl`` holds one JSON object per optimizer step. Each line is
 written whole and fsynced, so a killed run never leaves half a record; on
@@ -9,9 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,29 +28,11 @@ import torch
 from maxent_grpo.core.rollout_correction import MismatchSums, combine_mismatch_sums, mismatch_metrics
 from maxent_grpo.core.step import StepResult
 from maxent_grpo.training.distributed import Dist
+from maxent_grpo.rewards.maxent import RewardComputation, WeightLoggingView, WeightStats
 from maxent_grpo.training.pipeline import PreparedBatch
+from maxent_grpo.training.tables import gather_completion_rows, write_completion_table
 
-
-@dataclass
-class MetricState:
-    """Running sums for windowed averages (the progress bar and the end-of-run summary)."""
-
-    sums: dict[str, float] = field(default_factory=dict)
-    counts: dict[str, int] = field(default_factory=dict)
-
-
-def accumulate_metrics(state: MetricState, metrics: dict[str, float]) -> None:
-    for key, value in metrics.items():
-        if isinstance(value, (int, float)) and math.isfinite(value):
-            state.sums[key] = state.sums.get(key, 0.0) + float(value)
-            state.counts[key] = state.counts.get(key, 0) + 1
-
-
-def flush_metric_averages(state: MetricState) -> dict[str, float]:
-    out = {k: state.sums[k] / state.counts[k] for k in state.sums if state.counts[k]}
-    state.sums.clear()
-    state.counts.clear()
-    return out
+log = logging.getLogger("maxent_grpo")
 
 
 def _gathered_mean_std(dist: Dist, values: torch.Tensor) -> tuple[float, float]:
@@ -59,6 +50,54 @@ def _gathered_mismatch(dist: Dist, local: MismatchSums) -> MismatchSums:
     return combine_mismatch_sums(parts)
 
 
+@dataclass(frozen=True)
+class RewardLoggingView:
+    """A batch's rewards over every process: total and per function (completions no function
+    scored are left out; NaN when there are none)."""
+
+    mean: float
+    std: float
+    per_function: dict[str, tuple[float, float]]  # name -> (mean, std)
+    frac_zero_std: float  # share of groups whose rewards all agree
+
+
+def summarize_reward_stats(dist: Dist, reward_comp: RewardComputation) -> RewardLoggingView:
+    rc = reward_comp
+    mean, std = _gathered_mean_std(dist, rc.total[~torch.isnan(rc.total)])
+    per_function = {}
+    for k, name in enumerate(rc.reward_names):
+        col = rc.per_function[:, k]
+        per_function[name] = _gathered_mean_std(dist, col[~torch.isnan(col)])
+    return RewardLoggingView(mean, std, per_function, dist.mean(float(rc.zero_std.float().mean())))
+
+
+def summarize_weight_stats(dist: Dist, weight_stats: WeightStats) -> WeightLoggingView | None:
+    """Listwise weight entropy over the groups in the loss on every process (ranks may hold
+    different numbers of them); None when no group entered the loss (nothing to steer by)."""
+    ws = weight_stats
+    n = ws.num_active_groups
+    local = [ws.weight_entropy * n, float(n), ws.weight_entropy_min, ws.weight_entropy_max] if n else [0.0, 0.0]
+    parts = dist.gather_objects([local])
+    total = sum(p[1] for p in parts)
+    if total == 0:
+        return None
+    return WeightLoggingView(
+        entropy=sum(p[0] for p in parts) / total,
+        entropy_min=min(p[2] for p in parts if p[1]),
+        entropy_max=max(p[3] for p in parts if p[1]),
+    )
+
+
+def log_local_step(dist: Dist, prepared: PreparedBatch, result: StepResult, step: int) -> None:
+    """This process's own view of the step (DEBUG level: ``MAXENT_GRPO_LOG=DEBUG``)."""
+    if not log.isEnabledFor(logging.DEBUG):
+        return
+    total = prepared.reward_comp.total
+    known = total[~torch.isnan(total)]
+    log.debug("rank %d step %d: %d completions, local reward %.4f, loss %.6f, grad norm %.4f", dist.rank, step,
+              total.numel(), float(known.mean()) if known.numel() else math.nan, result.loss, result.grad_norm)
+
+
 def build_training_metrics_dict(
     prepared: PreparedBatch,
     result: StepResult,
@@ -69,17 +108,16 @@ def build_training_metrics_dict(
     controller: dict[str, float],
     dist: Dist,
     max_completion_length: int,
+    weight_view: WeightLoggingView | None = None,
 ) -> dict[str, float]:
     """Flat metrics for one optimizer step, reduced over ranks."""
     rc, packed = prepared.reward_comp, prepared.packed
     # A completion no reward function scored (None) has no reward: it is left out, never counted as 0.
-    reward, reward_std = _gathered_mean_std(dist, rc.total[~torch.isnan(rc.total)])
-    m: dict[str, float] = {"step": step, "reward": reward, "reward_std": reward_std}
-    for k, name in enumerate(rc.reward_names):
-        col = rc.per_function[:, k]
-        col = col[~torch.isnan(col)]
-        m[f"rewards/{name}/mean"], m[f"rewards/{name}/std"] = _gathered_mean_std(dist, col)
-    m["frac_reward_zero_std"] = dist.mean(float(rc.zero_std.float().mean()))
+    rewards = summarize_reward_stats(dist, rc)
+    m: dict[str, float] = {"step": step, "reward": rewards.mean, "reward_std": rewards.std}
+    for name, (mean, std) in rewards.per_function.items():
+        m[f"rewards/{name}/mean"], m[f"rewards/{name}/std"] = mean, std
+    m["frac_reward_zero_std"] = rewards.frac_zero_std
     lengths = packed.completion_mask.sum(1)
     m["completions/mean_length"] = dist.mean(float(lengths.float().mean()))
     m["completions/max_length"] = max(dist.gather_floats([float(lengths.max())]))
@@ -91,9 +129,11 @@ def build_training_metrics_dict(
         m.update(mismatch_metrics(_gathered_mismatch(dist, result.mismatch)))
     m["learning_rate"] = learning_rate
     if prepared.weight_stats is not None:
-        m["weight_entropy"] = dist.mean(float(prepared.weight_stats.weight_entropy))
-        m["weight_entropy_min"] = min(dist.gather_floats([float(prepared.weight_stats.weight_entropy_min)]))
-        m["weight_entropy_max"] = max(dist.gather_floats([float(prepared.weight_stats.weight_entropy_max)]))
+        view = weight_view
+        nan = math.nan  # no group entered the loss: logged as null, not as an entropy
+        m["weight_entropy"] = view.entropy if view is not None else nan
+        m["weight_entropy_min"] = view.entropy_min if view is not None else nan
+        m["weight_entropy_max"] = view.entropy_max if view is not None else nan
     if prepared.row_weights is not None:
         m["xdr/multiplier_max"] = max(dist.gather_floats([float(prepared.row_weights.max())]))
     if rc.seed_scales is not None:
@@ -106,6 +146,31 @@ def build_training_metrics_dict(
         m[key] = value
     m["step_time"] = timings["time/total"]
     return m
+
+
+def log_training_metrics(metrics_log: "MetricsLog | None", trackers, step: int, metrics: dict) -> dict:
+    """Write one step's gathered metrics to ``metrics.jsonl`` and the trackers (main process:
+    ``metrics_log`` is None elsewhere); return them."""
+    if metrics_log is not None:
+        metrics_log.write(metrics)
+        trackers.log(metrics, step)
+    return metrics
+
+
+def log_training_step(
+    prepared: PreparedBatch, result: StepResult, *, step: int, dist: Dist, metrics_log: "MetricsLog | None",
+    trackers, output_dir: Path, extra: dict[str, float], completion_table: bool, **dict_kwargs,
+) -> dict[str, float]:
+    """Gather the step's metrics over processes, add ``extra`` (skip counts, eval), log them, and
+    write the completion table of every process's rows when ``completion_table``."""
+    log_local_step(dist, prepared, result, step)
+    metrics = build_training_metrics_dict(prepared, result, step=step, dist=dist, **dict_kwargs)
+    metrics.update(extra)
+    table = gather_completion_rows(prepared, dist) if completion_table else None
+    log_training_metrics(metrics_log, trackers, step, metrics)
+    if metrics_log is not None and table is not None:
+        write_completion_table(output_dir, step, table, trackers)
+    return metrics
 
 
 class MetricsLog:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -36,6 +35,7 @@ import torch
 from maxent_grpo.core.eval_metrics import PromptSamples, summarize_eval
 from maxent_grpo.rewards.answers import canonical_answer, extract_final_answer
 from maxent_grpo.rewards.registry import RewardSpec, evaluate_rewards, grouped_reward_inputs
+from maxent_grpo.run_files import write_text_atomic
 from maxent_grpo.rollout.backend import GenerationBackend, RolloutBatch, SamplingParams, generate_groups
 from maxent_grpo.training.config import ConfigError, FewShotExample
 from maxent_grpo.training.data import RG_PREFIX, format_prompt
@@ -153,9 +153,7 @@ def write_eval_outputs(out_dir: str | Path, summary: dict, records: list[dict]) 
         ("completions.jsonl", "".join(json.dumps(r) + "\n" for r in records)),
         ("summary.json", json.dumps(summary, indent=2) + "\n"),
     ):
-        tmp = out / (name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, out / name)
+        write_text_atomic(out / name, text)
 
 
 def select_eval_rows(dataset, eval_size: int, num_prompts: int, seed: int) -> list[dict]:

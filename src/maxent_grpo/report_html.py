@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from html import escape
 
-from maxent_grpo.report import RunData, best_and_worst, rolling_mean, series, smoothing_window
+from maxent_grpo.report_data import RunData, best_and_worst, rolling_mean, series, smoothing_window
 
 __all__ = ["render_report"]
 

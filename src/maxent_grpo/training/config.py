@@ -20,6 +20,7 @@ import yaml
 from maxent_grpo.errors import UserError
 from maxent_grpo.methods import METHODS, get_method
 from maxent_grpo.rewards.user_code import resolve_reference
+from maxent_grpo.run_files import write_text_atomic
 # The sections live in config_schema.py; imported here so that ``training.config``
 # stays the one import for the whole configuration.
 from maxent_grpo.training.config_schema import (
@@ -361,8 +362,5 @@ def _check_fsdp2(cfg: TrainConfig) -> None:
 def save_config(cfg: TrainConfig, path: str | Path, header: list[str] | None = None) -> None:
     """Write the resolved config as YAML (atomically: a reader never sees half a file),
     below ``header``'s comment lines (the run's resume history)."""
-    p = Path(path)
-    tmp = p.with_name(p.name + ".tmp")
     text = "".join(line + "\n" for line in header or []) + yaml.safe_dump(to_dict(cfg), sort_keys=False)
-    tmp.write_text(text)
-    tmp.replace(p)
+    write_text_atomic(path, text)

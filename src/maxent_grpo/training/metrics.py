@@ -28,6 +28,7 @@ import torch
 from maxent_grpo.core.rollout_correction import MismatchSums, combine_mismatch_sums, mismatch_metrics
 from maxent_grpo.core.step import StepResult
 from maxent_grpo.training.distributed import Dist
+from maxent_grpo.run_files import read_metrics, write_text_atomic
 from maxent_grpo.rewards.maxent import RewardComputation, WeightLoggingView, WeightStats
 from maxent_grpo.training.pipeline import PreparedBatch
 from maxent_grpo.training.tables import gather_completion_rows, write_completion_table
@@ -179,13 +180,8 @@ class MetricsLog:
     def __init__(self, path: str | Path, *, resume_after_step: int | None = None):
         self.path = Path(path)
         if resume_after_step is not None and self.path.exists():
-            kept = [
-                line for line in self.path.read_text().splitlines()
-                if line.strip() and _complete(line) and json.loads(line)["step"] <= resume_after_step
-            ]
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, self.path)
+            kept = [r for r in read_metrics(self.path) if r["step"] <= resume_after_step]
+            write_text_atomic(self.path, "".join(json.dumps(r, allow_nan=False) + "\n" for r in kept))
         elif resume_after_step is None and self.path.exists():
             self.path.unlink()
 
@@ -196,19 +192,3 @@ class MetricsLog:
             fh.write(line + "\n")
             fh.flush()
             os.fsync(fh.fileno())
-
-
-def _complete(line: str) -> bool:
-    try:
-        json.loads(line)
-    except json.JSONDecodeError:
-        return False
-    return True
-
-
-def read_metrics(path: str | Path) -> list[dict]:
-    """Parse ``metrics.jsonl``, ignoring a torn last line."""
-    p = Path(path)
-    if not p.exists():
-        return []
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip() and _complete(line)]

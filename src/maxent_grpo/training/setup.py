@@ -21,6 +21,7 @@ from maxent_grpo.rewards.maxent import controller_state_dict, restore_controller
 from maxent_grpo.rewards.registry import build_reward_spec
 from maxent_grpo.rollout.backend import SamplingParams
 from maxent_grpo.rollout.hf import HFGenerationBackend
+from maxent_grpo.run_files import write_text_atomic
 from maxent_grpo.training.checkpoint import CheckpointError, find_latest_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
 from maxent_grpo.training.config import ConfigError, TrainConfig, save_config, to_dict
 from maxent_grpo.training.data import PromptSampler, load_prompt_dataset, split_train_eval
@@ -236,7 +237,7 @@ def build_run(
     model_path = resolve_model_path(cfg.model.name_or_path)
     if dist.is_main:
         save_config(cfg, output_dir / "config.yaml", header=history)
-        (output_dir / "run_info.json").write_text(json.dumps(
+        write_text_atomic(output_dir / "run_info.json", json.dumps(
             {"method": cfg.method, **method.identity(cfg), "model": model_path, "world_size": dist.world_size}, indent=2
         ))
     log.info("method %s: family=%s loss=%s weighting=%s", method.name, method.family, method.policy_loss(cfg), method.weighting)

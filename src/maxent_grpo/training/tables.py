@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
+from maxent_grpo.run_files import write_text_atomic
 from maxent_grpo.training.distributed import Dist
 from maxent_grpo.training.pipeline import PreparedBatch
 
@@ -46,13 +46,6 @@ def gather_completion_rows(prepared: PreparedBatch, dist: Dist) -> list[dict]:
 def write_completion_table(output_dir: Path, step: int, rows: list[dict], trackers) -> None:
     folder = Path(output_dir) / "completions"
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"step-{step}.jsonl"
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as fh:
-        for row in rows:
-            fh.write(json.dumps(row) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    write_text_atomic(folder / f"step-{step}.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
     table_rows = [[json.dumps(r[c]) if isinstance(r[c], dict) else r[c] for c in COLUMNS] for r in rows]
     trackers.log_table("completions", COLUMNS, table_rows, step)

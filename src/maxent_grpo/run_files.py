@@ -1,0 +1,64 @@
+"""The files a run writes, read and written one way: atomic text files and ``metrics.jsonl``.
+
+A leaf module (standard library only), used by every layer that writes a run's
+files, so that each is written with the same durability: the text goes to a
+temporary file beside the target, which is fsynced, renamed over the target, and
+the folder fsynced; a reader (or a crash) sees the old file or the new one, never
+half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+METRICS_NAME = "metrics.jsonl"
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Replace ``path``'s contents with ``text`` atomically and durably."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def parse_metrics_lines(lines: Sequence[str]) -> tuple[list[dict], list[str]]:
+    """Records sorted by step and the problems met (unreadable lines, lines without a step).
+
+    A step logged twice (a run resumed from a checkpoint older than its last logged
+    step) keeps its last record: the one from the run that went on.
+    """
+    by_step: dict[int, dict] = {}
+    problems = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            problems.append(f"line {number} is not JSON (a run killed while writing?)")
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            problems.append(f"line {number} has no integer 'step'")
+            continue
+        by_step[record["step"]] = record
+    return [by_step[s] for s in sorted(by_step)], problems
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The records of a ``metrics.jsonl``, one per step (a torn last line is left out); [] if absent."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    return parse_metrics_lines(p.read_text().splitlines())[0]

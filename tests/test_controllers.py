@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-import textwrap
 from dataclasses import replace
 
 import pytest
-import torch.multiprocessing as mp
 
 from maxent_grpo.core.controllers import (
     ControllerMetaSettings,
@@ -20,11 +15,8 @@ from maxent_grpo.core.controllers import (
     KlControllerSettings,
     TauSchedule,
     apply_meta_gradients,
-    broadcast_controller_state,
     controller_step,
-    load_controller_state,
     meta_update,
-    save_controller_state,
     target_entropy_at,
     update_beta,
     update_tau,
@@ -201,101 +193,3 @@ def test_dict_round_trip():
         ControllerState.from_dict({**d, "gamma": 1})
     with pytest.raises(ValueError, match="tau"):
         ControllerState.from_dict({"beta": 0.1})
-
-
-def test_save_load_round_trip(tmp_path):
-    s = _busy_state()
-    path = tmp_path / "sub" / "controller_state.json"
-    save_controller_state(path, s)
-    assert load_controller_state(path) == s
-    assert os.listdir(path.parent) == ["controller_state.json"]  # no temp files left behind
-    json.loads(path.read_text())  # standard JSON
-
-
-def test_save_failing_before_rename_keeps_old_file(tmp_path, monkeypatch):
-    path = tmp_path / "controller_state.json"
-    old = ControllerState.initial(0.5, 0.1)
-    save_controller_state(path, old)
-
-    def boom(*args, **kwargs):
-        raise OSError("disk gone")
-
-    monkeypatch.setattr(os, "replace", boom)
-    with pytest.raises(OSError, match="disk gone"):
-        save_controller_state(path, _busy_state())
-    monkeypatch.undo()
-    assert load_controller_state(path) == old
-    assert os.listdir(tmp_path) == ["controller_state.json"]
-
-
-@pytest.mark.slow
-def test_process_killed_mid_write_leaves_old_file_valid(tmp_path):
-    path = tmp_path / "controller_state.json"
-    old = ControllerState.initial(0.5, 0.1)
-    save_controller_state(path, old)
-    # A real crash: the writer dies (os._exit, no cleanup) after writing part of
-    # the new payload and before the rename.
-    script = textwrap.dedent(f"""
-        import os
-        from maxent_grpo.core import controllers as c
-        real_fdopen = os.fdopen
-        class Torn:
-            def __init__(self, fh): self.fh = fh
-            def __enter__(self): return self
-            def __exit__(self, *a): return False
-            def write(self, text):
-                self.fh.write(text[: len(text) // 2]); self.fh.flush(); os._exit(9)
-        os.fdopen = lambda fd, *a, **k: Torn(real_fdopen(fd, *a, **k))
-        s = c.ControllerState.initial(3.0, 2.0)
-        c.save_controller_state({str(path)!r}, s)
-    """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 9, proc.stderr
-    leftovers = [n for n in os.listdir(tmp_path) if n != "controller_state.json"]
-    assert leftovers and os.path.getsize(tmp_path / leftovers[0]) > 0  # the torn write happened
-    assert load_controller_state(path) == old
-
-
-def test_load_malformed_raises(tmp_path):
-    path = tmp_path / "c.json"
-    path.write_text('{"tau": 0.5, "beta"')
-    with pytest.raises(ValueError, match="not valid JSON"):
-        load_controller_state(path)
-    path.write_text("[1, 2]")
-    with pytest.raises(ValueError, match="JSON object"):
-        load_controller_state(path)
-
-
-# ---------------------------------------------------------------- broadcast
-
-
-def test_broadcast_without_process_group_is_identity():
-    s = _busy_state()
-    assert broadcast_controller_state(s) is s
-
-
-def _broadcast_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        if rank == 0:
-            state = _busy_state()
-        else:
-            state = ControllerState(tau=9.0, beta=3.0, tau_log=math.log(9.0), tau_entropy_ema=7.0, step=99)
-        out = broadcast_controller_state(state)
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
-            json.dump(out.to_dict(), fh)
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.slow
-def test_broadcast_gives_every_rank_rank0_state(tmp_path):
-    # fork: the children inherit the imported modules instead of importing torch again
-    mp.start_processes(_broadcast_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
-                       join=True, start_method="fork")
-    expect = _busy_state()
-    for rank in (0, 1):
-        got = ControllerState.from_dict(json.loads((tmp_path / f"rank{rank}.json").read_text()))
-        assert got == expect

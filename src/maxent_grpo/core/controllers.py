@@ -1,27 +1,19 @@
-"""Tau, beta and meta controllers and their persisted state (ALGORITHMS.md §8).
+"""Tau, beta and meta controllers and their state (ALGORITHMS.md §8).
 
 The update functions are pure: they take a :class:`ControllerState` and return
-a new one. They run once per optimizer step on globally averaged inputs, so
-every rank computes the same state; :func:`broadcast_controller_state` makes
-that exact (rank 0 wins). ``step`` is the number of completed optimizer steps
-(1 after the first).
-
-Besides the pure updates this module holds the state's atomic JSON save/load,
-because the state file is part of every checkpoint and a torn write must
-never replace a good one.
+a new one. They run once per optimizer step on inputs already averaged over
+every process (``training.metrics.summarize_weight_stats``), so every rank
+computes the same state. ``step`` is the number of completed optimizer steps
+(1 after the first). The state is saved in each checkpoint's trainer state
+(``to_dict`` / ``from_dict``); this module does no I/O and no communication.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import torch.distributed as dist
 
 __all__ = [
     "TAU_ENTROPY_EMA_DECAY",
@@ -36,9 +28,6 @@ __all__ = [
     "apply_meta_gradients",
     "meta_update",
     "controller_step",
-    "save_controller_state",
-    "load_controller_state",
-    "broadcast_controller_state",
 ]
 
 # Hbar <- 0.9 * Hbar + 0.1 * H: per-batch weight entropy is noisy.
@@ -357,57 +346,3 @@ def controller_step(
     if kl is not None:
         state = update_beta(state, kl, settings.kl_controller, step)
     return state
-
-
-def save_controller_state(path: str | os.PathLike[str], state: ControllerState) -> None:
-    """Write ``state`` as JSON atomically: temp file in the same directory, fsync, ``os.replace``.
-
-    A crash at any point leaves either the old file or the new one, never a torn file.
-    """
-    path = os.path.abspath(os.fspath(path))
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    payload = json.dumps(state.to_dict(), allow_nan=False, indent=2)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(payload)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    if os.name == "posix":  # make the rename itself durable
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-
-
-def load_controller_state(path: str | os.PathLike[str]) -> ControllerState:
-    """Read a state written by :func:`save_controller_state`; a malformed file raises ``ValueError``."""
-    with open(path, encoding="utf-8") as fh:
-        text = fh.read()
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"controller state file {os.fspath(path)!r} is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"controller state file {os.fspath(path)!r} must hold a JSON object")
-    return ControllerState.from_dict(data)
-
-
-def broadcast_controller_state(state: ControllerState) -> ControllerState:
-    """Rank 0's state on every rank when ``torch.distributed`` runs with world size > 1; else ``state``.
-
-    A collective: every rank must call it. Rides on ``broadcast_object_list``
-    (with NCCL, the current CUDA device must be set, as Accelerate does).
-    """
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return state
-    payload = [state.to_dict()]
-    dist.broadcast_object_list(payload, src=0)
-    return ControllerState.from_dict(payload[0])

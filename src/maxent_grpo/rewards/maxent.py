@@ -17,7 +17,6 @@ arithmetic lives in ``maxent_grpo.core`` and is not repeated anywhere here.
 
 from __future__ import annotations
 
-import os
 
 from maxent_grpo.core import controllers as ctl
 from maxent_grpo.rollout.backend import GenerationBackend, RolloutBatch, SamplingParams, generate_groups
@@ -56,7 +55,6 @@ from maxent_grpo.rewards.weighting_settings import (
 )
 
 __all__ = [
-    "CONTROLLER_STATE_FILENAME",
     "WeightNormalizationSettings",
     "QDistributionSettings",
     "TauSchedule",
@@ -87,13 +85,9 @@ __all__ = [
     "maybe_update_beta",
     "apply_meta_controller_update",
     "controller_state_dict",
-    "save_controller_state",
-    "load_controller_state",
-    "broadcast_controller_state",
     "restore_controller_state",
 ]
 
-CONTROLLER_STATE_FILENAME = "controller_state.json"
 
 
 def prepare_generation_batch(
@@ -180,27 +174,8 @@ def controller_state_dict(weighting_cfg: WeightingSettings) -> dict:
     return _live_state(weighting_cfg).to_dict()
 
 
-def save_controller_state(path: str | os.PathLike[str], weighting_cfg: WeightingSettings) -> None:
-    """Write the controller state to ``path`` atomically."""
-    ctl.save_controller_state(path, _live_state(weighting_cfg))
-
-
-def load_controller_state(path: str | os.PathLike[str], weighting_cfg: WeightingSettings) -> bool:
-    """Restore the controller state from ``path`` into ``weighting_cfg``; ``False`` when there is no such file.
-
-    A file that exists but is malformed raises ``ValueError``.
-    """
-    if not os.path.isfile(path):
-        return False
-    _commit(weighting_cfg, ctl.load_controller_state(path))
-    return True
-
-
 def restore_controller_state(weighting_cfg: WeightingSettings, state: dict) -> None:
     """Restore a snapshot made by :func:`controller_state_dict` (a checkpoint's copy) into ``weighting_cfg``."""
     _commit(weighting_cfg, ControllerState.from_dict(state))
 
 
-def broadcast_controller_state(weighting_cfg: WeightingSettings) -> None:
-    """Give every rank rank 0's controller state (no-op outside a multi-process group). A collective."""
-    _commit(weighting_cfg, ctl.broadcast_controller_state(_live_state(weighting_cfg)))

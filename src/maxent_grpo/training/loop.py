@@ -22,7 +22,7 @@ from maxent_grpo.training.config import TrainConfig
 from maxent_grpo.training.checkpoint import find_latest_checkpoint
 from maxent_grpo.training.interrupt import RunInterrupted, StopSignals
 from maxent_grpo.training.metrics import MetricsLog, log_training_step, read_metrics, summarize_weight_stats
-from maxent_grpo.training.pipeline import prepare_training_batch
+from maxent_grpo.training.pipeline import prepare_training_batch, score_rows
 from maxent_grpo.training.setup import Run, build_run, seed_step
 from maxent_grpo.training.validation import validate
 
@@ -238,16 +238,13 @@ def autocast(cfg: TrainConfig, device: torch.device):
 
 def _old_logps(run: Run, prepared) -> torch.Tensor:
     """Log-probs of the pre-update policy, needed only when a batch is reused (num_iterations > 1)."""
-    packed, size = prepared.packed, run.cfg.training.micro_batch_size
-    outs = []
-    with torch.no_grad(), autocast(run.cfg, run.ctx.dist.device):
-        for s in range(0, packed.input_ids.shape[0], size):
-            sl = slice(s, s + size)
-            outs.append(get_per_token_logps(
-                run.ctx.model, packed.input_ids[sl], packed.attention_mask[sl], packed.prompt_length,
-                temperature=run.cfg.generation.temperature, share_prompts=run.cfg.training.share_prompts,
-            ))
-    return torch.cat(outs)
+    cfg = run.cfg
+
+    def policy(ids, mask, plen):
+        return get_per_token_logps(run.ctx.model, ids, mask, plen, temperature=cfg.generation.temperature,
+                                   share_prompts=cfg.training.share_prompts)
+
+    return score_rows(run.ctx, prepared.packed, policy)[0]
 
 
 def _controller_metrics(run: Run) -> dict[str, float]:

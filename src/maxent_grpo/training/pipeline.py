@@ -216,8 +216,9 @@ def _final_answers(texts: list[str], g: int) -> list[list[str | None]]:
     return [canon[i : i + g] for i in range(0, len(canon), g)]
 
 
-def _score_rows(ctx: PipelineContext, packed: PackedRollout, fn, with_entropy: bool = False):
-    """Run ``fn`` (a model scorer) over micro-batches under no_grad; concatenate."""
+def score_rows(ctx: PipelineContext, packed: PackedRollout, fn, with_entropy: bool = False):
+    """Run ``fn`` (a model scorer) over micro-batches under no_grad; concatenate. The one chunked
+    scoring loop: reference, pre-update policy (``num_iterations > 1``) and policy entropy use it."""
     size = ctx.cfg.training.micro_batch_size
     outs, ents = [], []
     autocast = torch.autocast(ctx.dist.device.type, dtype=torch.bfloat16, enabled=ctx.cfg.training.autocast_bf16)
@@ -241,7 +242,7 @@ def _policy_entropy(ctx: PipelineContext, packed: PackedRollout) -> torch.Tensor
             ctx.model, ids, mask, plen, temperature=temp, share_prompts=ctx.cfg.training.share_prompts
         )
 
-    _, ent = _score_rows(ctx, packed, fn, with_entropy=True)
+    _, ent = score_rows(ctx, packed, fn, with_entropy=True)
     m = packed.completion_mask
     return ((ent * m).sum(1) / m.sum(1).clamp(min=1)).cpu()
 
@@ -333,7 +334,7 @@ def _score_and_weight(ctx: PipelineContext, rows, rollout, per_fn, stats, timing
     t2 = time.perf_counter()
     ref_logps = None
     if ctx.reference_logps is not None:
-        ref_logps, _ = _score_rows(ctx, packed, ctx.reference_logps)
+        ref_logps, _ = score_rows(ctx, packed, ctx.reference_logps)
         if not torch.isfinite(ref_logps).all():
             raise SkipBatch("reference", "non-finite reference log-probs")
     timings["time/reference"] = time.perf_counter() - t2

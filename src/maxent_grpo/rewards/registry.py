@@ -23,6 +23,7 @@ import torch
 
 from maxent_grpo.rewards import builtin
 from maxent_grpo.rewards.builtin import RewardFunction
+from maxent_grpo.tasks.modebench import make_modebench_reward
 
 REWARD_FUNCTIONS: dict[str, Callable[..., RewardFunction]] = {
     "accuracy": builtin.make_accuracy,
@@ -35,6 +36,7 @@ REWARD_FUNCTIONS: dict[str, Callable[..., RewardFunction]] = {
     "length": builtin.make_length,
     "repetition_penalty": builtin.make_repetition_penalty,
     "reasoning_gym": builtin.make_reasoning_gym,
+    "modebench": make_modebench_reward,  # the ModeBench task verifiers (data.source: modebench:<task>)
 }
 
 

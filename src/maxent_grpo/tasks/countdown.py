@@ -157,7 +157,11 @@ def enumerate_modes(numbers: list[int], target: int) -> dict[str, str]:
 
 
 def make_problem(rng: random.Random, *, max_number: int = 6, min_modes: int = 2, max_modes: int = 8) -> dict:
-    """Three numbers in [1, max_number] and a positive integer target with ``min_modes``..``max_modes`` modes."""
+    """Three numbers in [1, max_number] and a target in [1, 20] with ``min_modes``..``max_modes`` modes.
+
+    The target is drawn with probability proportional to the number of expression trees
+    that reach it, so targets reachable many ways (the easier ones) are more frequent.
+    """
     while True:
         numbers = sorted(rng.randint(1, max_number) for _ in range(3))
         values: Counter = Counter()
@@ -167,8 +171,8 @@ def make_problem(rng: random.Random, *, max_number: int = 6, min_modes: int = 2,
                 if result is not None and result[0].denominator == 1 and 1 <= result[0] <= 20:
                     values[int(result[0])] += 1
         targets = sorted(values)
-        rng.shuffle(targets)
-        for target in targets:
-            modes = enumerate_modes(numbers, target)
-            if min_modes <= len(modes) <= max_modes:
-                return {"numbers": numbers, "target": target, "num_valid": len(modes), "example": modes[min(modes)]}
+        # Targets weighted by how many expressions reach them: the easy targets (sums, one-step products) come first.
+        target = rng.choices(targets, weights=[values[t] for t in targets])[0]
+        modes = enumerate_modes(numbers, target)
+        if min_modes <= len(modes) <= max_modes:
+            return {"numbers": numbers, "target": target, "num_valid": len(modes), "example": modes[min(modes)]}

@@ -50,7 +50,7 @@ class Task:
     verify: Callable[[str | None, dict], bool]
     mode_key: Callable[[str | None, dict], str | None]
     is_eval: Callable[[dict], bool]
-    example: dict  # a solved problem, shown as an earlier chat turn
+    example: dict  # a solved problem (its "solution" the assistant turn), shown as an earlier chat turn
 
 
 def _hashed_eval(problem: dict) -> bool:
@@ -74,9 +74,8 @@ def _coloring_question(p: dict) -> str:
     free = [n for n in p["nodes"] if n not in p["fixed"]]
     edges = ", ".join(f"{a}-{b}" for a, b in p["edges"])
     fixed = ", ".join(f"{n}={c}" for n, c in sorted(p["fixed"].items()))
-    return (f"Colour the nodes {', '.join(p['nodes'])} with colours R, G, B so that the two nodes of every edge "
-            f"have different colours. Edges: {edges}. Already coloured: {fixed}. "
-            f"Give the colours of nodes {' and '.join(free)}, like 1=R, 2=G.")
+    return (f"Colour nodes {p['nodes'][0]}-{p['nodes'][-1]} with R, G, B; the two ends of an edge must differ. "
+            f"Edges: {edges}. Given: {fixed}. Colour {' and '.join(free)}.")
 
 
 TASKS: dict[str, Task] = {
@@ -84,7 +83,7 @@ TASKS: dict[str, Task] = {
         "pair_sum", pair_sum.make_problem, _pair_sum_question,
         lambda a, p: pair_sum.verify(a, p["target"]), lambda a, p: pair_sum.mode_key(a, p["target"]),
         lambda p: p["target"] % 3 == 0,
-        {"target": 7, "num_valid": 3, "example": "3 + 4"},
+        {"target": 7, "num_valid": 3, "example": "3 + 4", "solution": "7 = 3 + 4, so the answer is \\boxed{3 + 4}"},
     ),
     "coloring": Task(
         "coloring", coloring.make_problem, _coloring_question,
@@ -92,14 +91,16 @@ TASKS: dict[str, Task] = {
         lambda a, p: coloring.mode_key(a, p["nodes"], p["edges"], p["fixed"]),
         _hashed_eval,
         {"nodes": ["1", "2", "3", "4"], "edges": [["1", "2"], ["2", "3"], ["3", "4"], ["1", "4"]],
-         "fixed": {"1": "R", "3": "G"}, "num_valid": 1, "example": "2=B, 4=B"},
+         "fixed": {"1": "R", "3": "G"}, "num_valid": 1, "example": "2=B, 4=B",
+         "solution": "2 and 4 both touch 1=R and 3=G, so both are B: \\boxed{2=B, 4=B}"},
     ),
     "countdown": Task(
         "countdown", countdown.make_problem, _countdown_question,
         lambda a, p: countdown.verify(a, p["numbers"], p["target"]),
         lambda a, p: countdown.mode_key(a, p["numbers"], p["target"]),
         _hashed_eval,
-        {"numbers": [2, 3, 4], "target": 10, "num_valid": 2, "example": "2 * 3 + 4"},
+        {"numbers": [2, 3, 4], "target": 10, "num_valid": 2, "example": "2 * 3 + 4",
+         "solution": "2 * 3 + 4 = 6 + 4 = 10, so the answer is \\boxed{2 * 3 + 4}"},
     ),
 }
 
@@ -135,7 +136,7 @@ def _row(task: Task, problem: dict, instruction: str | None) -> dict:
     return {
         "prompt": [
             {"role": "user", "content": ask(shown)},
-            {"role": "assistant", "content": f"\\boxed{{{shown['example']}}}"},
+            {"role": "assistant", "content": shown["solution"]},
             {"role": "user", "content": ask(problem)},
         ],
         "answer": f"\\boxed{{{problem['example']}}}",

@@ -152,7 +152,8 @@ METHOD_PRESETS: dict[str, dict[str, Any]] = {
     "seed_grpo": {"loss.loss_type": "dapo"},
     "maxent_entropy": {"loss.entropy_coef": 0.01},
     "maxent_listwise": {},
-    "xdr": {},
+    # xDr as published: Dr.GRPO (mean-centred advantages, constant normaliser) plus the tempered aggregation.
+    "xdr": {"loss.loss_type": "dr_grpo", "loss.scale_rewards": "none"},
 }
 
 

@@ -180,7 +180,7 @@ def cmd_smoke(args) -> int:
     sets = [f"model.name_or_path={model_dir}", "training.max_steps=2", "training.prompts_per_step=3",
             "generation.num_generations=4", "generation.max_new_tokens=8", "training.micro_batch_size=4"]
     ns = argparse.Namespace(
-        arms="dr_grpo,xdr_tau0.05", seeds="0,1", eval_seeds="0,1", config=RECIPE,
+        arms="dr_grpo,xdr_tau0.05", seeds="0", eval_seeds="0,1", config=RECIPE,
         set=[*sets, "eval.k=4"], results=work / "results", work_dir=work / "runs", threads=args.threads,
         shard="0/1", eval_problems=2,
     )

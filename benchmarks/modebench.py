@@ -109,17 +109,16 @@ def run_one(arm: str, seed: int, *, results: Path, work: Path, base: list[str], 
         shutil.copy(run_dir / "config.yaml", out / "config.yaml")
         shutil.copy(run_dir / "metrics.jsonl", out / "train_metrics.jsonl")
     train_s = time.time() - t0
-    evals = {}
-    for e in eval_seeds:
-        t1 = time.time()
-        eval_dir = run_dir / f"eval-seed{e}"
-        eval_sets = {"data.task_kwargs": {"split": "eval"}, "data.size": eval_problems, "training.seed": e}
-        _run([_cli(), "eval", str(final), *base, *_sets(eval_sets), "--output", str(eval_dir),
-              "--num-prompts", str(3 * eval_problems)], log, env)
+    t1 = time.time()
+    eval_dirs = [run_dir / f"eval-seed{e}" for e in eval_seeds]
+    # Both eval seeds in one child process (one torch start-up); each is exactly `maxent-grpo eval`.
+    _run([sys.executable, "-m", "benchmarks.modebench", "eval-child", str(final), "--eval-problems", str(eval_problems),
+          "--seeds", ",".join(map(str, eval_seeds)), "--out", str(run_dir), "--base", json.dumps(base)], log, env)
+    for e, eval_dir in zip(eval_seeds, eval_dirs):
         _slim(eval_dir, out / f"eval-seed{e}")
-        evals[e] = time.time() - t1
+    evals = {"eval_s": time.time() - t1, "eval_seeds": list(eval_seeds)}
     (out / "done.json").write_text(json.dumps({"arm": arm, "seed": seed, "steps": steps, "train_s": train_s,
-                                               "eval_s": evals}, indent=1) + "\n")
+                                               **evals}, indent=1) + "\n")
     shutil.rmtree(run_dir, ignore_errors=True)
     return out
 
@@ -159,6 +158,22 @@ def cmd_run(args) -> int:
                     eval_seeds=[int(e) for e in args.eval_seeds.split(",")], env=_env(args.threads),
                     eval_problems=args.eval_problems)
             print(f"[modebench] {arm} seed {seed} done in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    return 0
+
+
+def cmd_eval_child(args) -> int:
+    """``maxent-grpo eval`` of one model once per eval seed, in this process."""
+    import torch
+
+    from maxent_grpo.cli import main as cli_main
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    for e in args.seeds.split(","):
+        eval_sets = {"data.task_kwargs": {"split": "eval"}, "data.size": args.eval_problems, "training.seed": int(e)}
+        code = cli_main(["eval", args.model, *args.base, *_sets(eval_sets), "--output", str(args.out / f"eval-seed{e}"),
+                         "--num-prompts", str(3 * args.eval_problems)])
+        if code != 0:
+            return code
     return 0
 
 
@@ -216,8 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     smoke = sub.add_parser("smoke", help="tiny model, two arms, two steps")
     smoke.add_argument("--work-dir", type=Path, required=True)
     smoke.add_argument("--threads", type=int, default=1)
+    child = sub.add_parser("eval-child", help="(internal) evaluate one model for several eval seeds")
+    child.add_argument("model")
+    child.add_argument("--eval-problems", type=int, required=True)
+    child.add_argument("--seeds", required=True)
+    child.add_argument("--out", type=Path, required=True)
+    child.add_argument("--base", type=json.loads, required=True, help="the recipe arguments, a JSON list")
     args = p.parse_args(argv)
-    return {"run": cmd_run, "analyze": cmd_analyze, "smoke": cmd_smoke}[args.command](args)
+    commands = {"run": cmd_run, "analyze": cmd_analyze, "smoke": cmd_smoke, "eval-child": cmd_eval_child}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ def test_smoke_two_arms_two_steps(tmp_path, capsys):
     for arm in ("dr_grpo", "xdr_tau0.05"):
         run = results / arm / "seed0"
         done = json.loads((run / "done.json").read_text())
-        assert done["steps"] == 2 and set(done["eval_s"]) == {"0", "1"}
+        assert done["steps"] == 2 and done["eval_seeds"] == [0, 1]
         config = (run / "config.yaml").read_text()
         assert "loss_type: dr_grpo" in config and "scale_rewards: none" in config
         records = [json.loads(line) for line in (run / "eval-seed0" / "completions.jsonl").read_text().splitlines()]

@@ -5,7 +5,8 @@ For each metric (pass@8, mean@8, coverage@8, and greedy pass@1), one OLS fit ove
 
     metric ~ C(arm, baseline) + C(task) + C(train_seed) + C(eval_seed)
 
-with standard errors clustered by prompt (statsmodels' ``cov_type="cluster"``). An
+with standard errors clustered by prompt (statsmodels' ``cov_type="cluster"``, t reference
+with clusters - 1 degrees of freedom). An
 arm's effect is its arm coefficient; 95% intervals; p-values Holm-corrected across
 the arms within each metric. "mean@8 flat" is a TOST equivalence test at +-3 points:
 both one-sided p-values below 0.05 (the 90% interval inside +-0.03).
@@ -59,8 +60,10 @@ def arm_effects(df: pd.DataFrame, metric: str, baseline: str) -> pd.DataFrame:
     data = df.rename(columns={metric: "y"})
     terms = [f"C(arm, Treatment({baseline!r}))"]
     terms += [f"C({fe})" for fe in ("task", "train_seed", "eval_seed") if data[fe].nunique() > 1]
-    fit = smf.ols("y ~ " + " + ".join(terms), data=data).fit(
-        cov_type="cluster", cov_kwds={"groups": pd.factorize(data["prompt"])[0]})
+    groups = pd.factorize(data["prompt"])[0]
+    # Few clusters (tens of prompts): t reference with (clusters - 1) degrees of freedom, as statsmodels does with use_t.
+    fit = smf.ols("y ~ " + " + ".join(terms), data=data).fit(cov_type="cluster", cov_kwds={"groups": groups}, use_t=True)
+    t_ref = stats.t(df=int(groups.max()))
     out = []
     prefix = f"C(arm, Treatment({baseline!r}))[T."
     for name in fit.params.index:
@@ -68,8 +71,8 @@ def arm_effects(df: pd.DataFrame, metric: str, baseline: str) -> pd.DataFrame:
             continue
         est, se = float(fit.params[name]), float(fit.bse[name])
         lo, hi = (float(v) for v in fit.conf_int(0.05).loc[name])
-        # TOST: H0 |effect| >= margin, rejected when both one-sided tests reject (normal reference, as the fit's).
-        p_tost = max(stats.norm.sf((est + EQUIVALENCE_MARGIN) / se), stats.norm.cdf((est - EQUIVALENCE_MARGIN) / se)) \
+        # TOST: H0 |effect| >= margin, rejected when both one-sided tests reject (same t reference as the fit's).
+        p_tost = max(t_ref.sf((est + EQUIVALENCE_MARGIN) / se), t_ref.cdf((est - EQUIVALENCE_MARGIN) / se)) \
             if se > 0 else float(abs(est) >= EQUIVALENCE_MARGIN)
         out.append({"arm": name[len(prefix):-1], "effect": est, "se": se, "lo": lo, "hi": hi,
                     "p": float(fit.pvalues[name]), "p_tost": float(p_tost)})

@@ -43,9 +43,9 @@ def test_arm_effects_recover_known_effects_with_covering_intervals():
     assert abs(up.effect - 0.2) < 3 * up.se and abs(same.effect) < 3 * same.se
     assert up.lo > 0.05  # a 20-point effect on 360 observations per arm is detected
     assert table.loc["up", "p_holm"] < 0.05 < table.loc["same", "p_holm"]
-    # The interval is the estimate +- 1.96 clustered standard errors.
+    # The interval is the estimate +- t(0.975, clusters - 1) clustered standard errors (60 prompts: t = 2.0010).
     row = table.loc["up"]
-    assert row.hi - row.lo == pytest.approx(2 * 1.959964 * row.se, rel=1e-4)
+    assert row.hi - row.lo == pytest.approx(2 * 2.000995 * row.se, rel=1e-4)
 
 
 def test_tost_on_mean_separates_flat_from_shifted():

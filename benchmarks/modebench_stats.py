@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 EQUIVALENCE_MARGIN = 0.03
+START = "start_model"  # the untrained model: a reference row, not an arm of the comparison
 METRICS = ("pass@8", "mean@8", "coverage@8", "greedy_pass@1")
 
 
@@ -87,7 +88,9 @@ def _fmt(row) -> str:
 
 def effects_table(df: pd.DataFrame, baseline: str, arms: dict) -> tuple[str, dict[str, pd.DataFrame]]:
     """The markdown table of effects (points) and the per-metric effect frames."""
-    effects = {m: arm_effects(df, m, baseline) for m in METRICS}
+    # The untrained start model is shown for reference, outside the model and the Holm family.
+    trained = df[df["arm"] != START]
+    effects = {m: arm_effects(trained, m, baseline) for m in METRICS}
     means = df.groupby("arm")[list(METRICS) + ["distinct@8"]].mean()
     runs = df.groupby("arm")["train_seed"].nunique()
     lines = [
@@ -98,8 +101,8 @@ def effects_table(df: pd.DataFrame, baseline: str, arms: dict) -> tuple[str, dic
     for arm in [a for a in arms if a in means.index]:
         m = means.loc[arm]
         cells = [arm, str(runs[arm]), *(f"{m[c]:.3f}" for c in ("pass@8", "mean@8", "coverage@8", "distinct@8"))]
-        if arm == baseline:
-            cells += ["(baseline)"] * 5
+        if arm in (baseline, START):
+            cells += ["(baseline)" if arm == baseline else "(not trained)"] * 5
         else:
             get = {metric: effects[metric].set_index("arm").loc[arm] for metric in METRICS}
             tost = get["mean@8"].p_tost
@@ -182,11 +185,13 @@ def arm_configs(results: Path, arms: dict) -> str:
 def analyze(results: Path, plots: Path, *, baseline: str, arms: dict) -> str:
     """The study's report: setup line, effects table, arm configs; writes the two plots under ``plots``."""
     df = load_observations(results)
+    if df[df["arm"] != START]["arm"].nunique() < 2:
+        return f"ModeBench: fewer than two trained arms finished under {results}; nothing to compare yet."
     table, effects = effects_table(df, baseline, arms)
     plots.mkdir(parents=True, exist_ok=True)
     plot_dose_response(effects, plots / "dose_response.png")
     plot_per_task(df, [a for a in arms if a in set(df["arm"])], plots / "per_task.png")
-    head = (f"ModeBench: {df['arm'].nunique()} arms, train seeds {sorted(int(s) for s in df['train_seed'].unique())}, "
+    head = (f"ModeBench: {df['arm'].nunique()} arms (the start model included), train seeds {sorted(int(s) for s in df['train_seed'].unique())}, "
             f"eval seeds {sorted(int(s) for s in df['eval_seed'].unique())}, {df['prompt'].nunique()} eval prompts "
             f"({', '.join(f'{t} {n}' for t, n in df.groupby('task')['prompt'].nunique().items())}), "
             f"{len(df)} observations. Effects in points vs {baseline}: OLS with task, train-seed, eval-seed "

@@ -169,3 +169,25 @@ def test_data_source():
         load_prompt_dataset("modebench:chess", size=3)
     with pytest.raises(DataError, match="task_kwargs"):
         load_prompt_dataset("modebench:pair_sum", size=3, task_kwargs={"level": 2})
+
+
+def test_per_prompt_metrics_count_modes_not_strings():
+    from maxent_grpo.evaluate import per_prompt_metrics, per_task_means
+
+    def rec(i, s, answer, key, correct, mode="sampled"):
+        return {"prompt_index": i, "sample": s, "mode": mode, "task": "pair_sum", "score": float(correct),
+                "correct": correct, "answer": answer, "mode_key": key, "num_valid": 3}
+
+    # Prompt 0 (n = 7, 3 modes): "3 + 4" and "4 + 3" are one mode, "2 + 5" another, one wrong.
+    records = [rec(0, 0, "3 + 4", "3+4", True), rec(0, 1, "4 + 3", "3+4", True), rec(0, 2, "2 + 5", "2+5", True),
+               rec(0, 3, "9", None, False), rec(0, 0, "3 + 4", "3+4", True, mode="greedy"),
+               # Prompt 1: nothing correct.
+               *[rec(1, s, "1", None, False) for s in range(4)], rec(1, 0, "1", None, False, mode="greedy")]
+    first, second = per_prompt_metrics(records, 4)
+    assert first["distinct@4"] == 2 and first["coverage@4"] == pytest.approx(2 / 3)
+    assert first["pass@4"] == 1 and first["mean@4"] == 0.75 and first["greedy_pass@1"] == 1
+    # distinct@1 = expected modes in one sample = P(correct) = 3/4.
+    assert first["distinct@1"] == pytest.approx(0.75)
+    assert second["pass@4"] == 0 and second["coverage@4"] == 0 and second["greedy_pass@1"] == 0
+    pooled = per_task_means([first, second])
+    assert pooled["pair_sum/coverage@4"] == pytest.approx(1 / 3) and pooled["pair_sum/pass@4"] == 0.5

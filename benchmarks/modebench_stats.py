@@ -168,12 +168,13 @@ def plot_per_task(df: pd.DataFrame, arms: list[str], path: Path) -> None:
 
 
 def arm_configs(results: Path, arms: dict) -> str:
-    """Each arm's method keys, read back from a finished run's full config.yaml."""
+    """Each arm's method keys, read back from a finished run's full config.yaml (the whole file sits beside it)."""
     import yaml
 
     lines = ["| arm | overrides of recipes/modebench.yaml | method, loss_type, scale_rewards |", "|---|---|---|"]
     for arm, overrides in arms.items():
-        configs = sorted(results.glob(f"{arm}/seed*/config.yaml"))
+        configs = sorted(d.parent / "config.yaml" for d in results.glob(f"{arm}/seed*/done.json"))
+        configs = [c for c in configs if c.is_file()]  # the start model has none
         if not configs:
             continue
         cfg = yaml.safe_load(configs[0].read_text())

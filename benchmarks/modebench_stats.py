@@ -142,7 +142,10 @@ def plot_dose_response(effects: dict[str, pd.DataFrame], path: Path) -> None:
 
 
 def plot_per_task(df: pd.DataFrame, arms: list[str], path: Path) -> None:
-    """Per-task bars of mean pass@8 and coverage@8 for every arm (error bars: 95% normal intervals over runs)."""
+    """Per-task bars of mean pass@8 and coverage@8 for every arm.
+
+    Error bars: +-1.96 standard errors over the (train seed, eval seed) runs, drawn from 3 runs up.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -156,7 +159,7 @@ def plot_per_task(df: pd.DataFrame, arms: list[str], path: Path) -> None:
         for i, arm in enumerate(arms):
             vals = [per_run[(per_run.arm == arm) & (per_run.task == t)][metric] for t in tasks]
             heights = [float(v.mean()) if len(v) else np.nan for v in vals]
-            errs = [1.96 * float(v.std(ddof=1)) / np.sqrt(len(v)) if len(v) > 1 else 0.0 for v in vals]
+            errs = [1.96 * float(v.std(ddof=1)) / np.sqrt(len(v)) if len(v) > 2 else 0.0 for v in vals]
             ax.bar(np.arange(len(tasks)) + i * width, heights, width, yerr=errs, capsize=2, label=arm)
         ax.set_xticks(np.arange(len(tasks)) + 0.4 - width / 2, tasks)
         ax.set_title(metric)

@@ -186,6 +186,32 @@ def arm_configs(results: Path, arms: dict) -> str:
     return "\n".join(lines)
 
 
+def training_table(results: Path, arms: dict) -> str:
+    """Per arm, means over its finished runs: training accuracy at the first and last step, the share of
+    groups with no reward spread, and token entropy at the first and last step (``train_metrics.jsonl``)."""
+    lines = ["| arm | runs | accuracy step 1 | accuracy last step | groups with zero reward std | entropy step 1 "
+             "| entropy last step |", "|---|---|---|---|---|---|---|"]
+    for arm in arms:
+        runs = []
+        for done in sorted(results.glob(f"{arm}/seed*/done.json")):
+            path = done.parent / "train_metrics.jsonl"
+            if path.is_file():
+                runs.append([json.loads(line) for line in path.read_text().splitlines()])
+        if not runs:
+            continue
+
+        def mean(values) -> float:
+            return float(np.mean(values))
+
+        lines.append(
+            f"| {arm} | {len(runs)} | {mean([r[0]['rewards/modebench/mean'] for r in runs]):.3f} "
+            f"| {mean([r[-1]['rewards/modebench/mean'] for r in runs]):.3f} "
+            f"| {mean([m['frac_reward_zero_std'] for r in runs for m in r]):.2f} "
+            f"| {mean([r[0]['entropy'] for r in runs]):.3f} | {mean([r[-1]['entropy'] for r in runs]):.3f} |"
+        )
+    return "\n".join(lines)
+
+
 def analyze(results: Path, plots: Path, *, baseline: str, arms: dict) -> str:
     """The study's report: setup line, effects table, arm configs; writes the two plots under ``plots``."""
     df = load_observations(results)
@@ -200,5 +226,5 @@ def analyze(results: Path, plots: Path, *, baseline: str, arms: dict) -> str:
             f"({', '.join(f'{t} {n}' for t, n in df.groupby('task')['prompt'].nunique().items())}), "
             f"{len(df)} observations. Effects in points vs {baseline}: OLS with task, train-seed, eval-seed "
             "fixed effects, prompt-clustered SEs; Holm across arms per metric.")
-    return "\n\n".join([head, table, arm_configs(results, arms),
+    return "\n\n".join([head, table, training_table(results, arms), arm_configs(results, arms),
                         f"plots: {plots / 'dose_response.png'}, {plots / 'per_task.png'}"])

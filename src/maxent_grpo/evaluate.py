@@ -233,8 +233,9 @@ def run_eval_cli(args) -> int:
     Data, rewards and sampling settings come from the config (``--config``/``--set``);
     the prompts from :func:`select_eval_rows`; correctness from the config's first
     reward function (see the module docstring). Writes ``DIR/summary.json`` (the
-    metrics, ``num_prompts``, ``model`` and the ``deciding_reward``) and
-    ``DIR/completions.jsonl`` (one record per completion).
+    metrics, ``num_prompts``, ``model``, the ``deciding_reward`` and, on ModeBench
+    rows, ``<task>/<metric>`` pooled per task), ``DIR/completions.jsonl`` (one record
+    per completion) and ``DIR/per_prompt.jsonl`` (every metric per prompt).
     """
     from maxent_grpo.models import load_model_and_tokenizer, parse_dtype, resolve_model_path
     from maxent_grpo.rewards.registry import build_reward_spec

@@ -132,6 +132,7 @@ def plot_dose_response(effects: dict[str, pd.DataFrame], path: Path) -> None:
                     marker=marker, capsize=3, label=metric)
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xscale("symlog", linthresh=0.01)
+    ax.set_xlim(left=-0.002)
     ax.set_xlabel("xDr tau")
     ax.set_ylabel("effect vs Dr.GRPO (points, 95% CI)")
     ax.set_title("ModeBench: xDr dose-response")

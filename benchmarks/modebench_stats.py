@@ -72,11 +72,14 @@ def arm_effects(df: pd.DataFrame, metric: str, baseline: str) -> pd.DataFrame:
             continue
         est, se = float(fit.params[name]), float(fit.bse[name])
         lo, hi = (float(v) for v in fit.conf_int(0.05).loc[name])
+        p_value = float(fit.pvalues[name])
+        if not np.isfinite(se) or se < 1e-12:  # the arm equals the baseline on every observation: no spread
+            se, lo, hi, p_value = 0.0, est, est, 1.0
         # TOST: H0 |effect| >= margin, rejected when both one-sided tests reject (same t reference as the fit's).
         p_tost = max(t_ref.sf((est + EQUIVALENCE_MARGIN) / se), t_ref.cdf((est - EQUIVALENCE_MARGIN) / se)) \
             if se > 0 else float(abs(est) >= EQUIVALENCE_MARGIN)
         out.append({"arm": name[len(prefix):-1], "effect": est, "se": se, "lo": lo, "hi": hi,
-                    "p": float(fit.pvalues[name]), "p_tost": float(p_tost)})
+                    "p": p_value, "p_tost": float(p_tost)})
     table = pd.DataFrame(out)
     table["p_holm"] = holm(list(table["p"]))
     return table

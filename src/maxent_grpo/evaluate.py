@@ -17,7 +17,13 @@ in ``mean@k``.
 * ``distinct@k``: distinct correct answers per prompt, answers compared after
   ``extract_final_answer`` (last ``\\boxed{}``, else ``<answer>``) and ``canonical_answer``;
   a correct completion without such an answer is not counted;
-* ``greedy_pass@1``: the fraction of prompts whose greedy completion is correct.
+* ``greedy_pass@1``: the fraction of prompts whose greedy completion is correct;
+* ModeBench rows (``data.source: modebench:<task>``): answers are compared by the
+  task's canonical mode key instead (``distinct@k`` counts distinct correct modes),
+  and ``coverage@k`` = distinct@k / the prompt's number of valid modes is added.
+  Every record carries ``mode_key`` and ``num_valid`` (None for other rows), so
+  :func:`per_prompt_metrics` recomputes every statistic per prompt from
+  ``completions.jsonl``; ``maxent-grpo eval`` writes them to ``per_prompt.jsonl``.
 """
 
 from __future__ import annotations
@@ -37,13 +43,15 @@ from maxent_grpo.rewards.answers import canonical_answer, extract_final_answer
 from maxent_grpo.rewards.registry import RewardSpec, evaluate_rewards, grouped_reward_inputs
 from maxent_grpo.run_files import write_text_atomic
 from maxent_grpo.rollout.backend import GenerationBackend, RolloutBatch, SamplingParams, generate_groups
+from maxent_grpo.tasks.modebench import mode_info
 from maxent_grpo.training.config import ConfigError, FewShotExample
 from maxent_grpo.training.data import RG_PREFIX, format_prompt
 
 log = logging.getLogger("maxent_grpo")
 
 __all__ = [
-    "CORRECT_THRESHOLD", "eval_seed", "evaluate_prompts", "run_eval_cli", "select_eval_rows", "write_eval_outputs",
+    "CORRECT_THRESHOLD", "eval_seed", "evaluate_prompts", "per_prompt_metrics", "per_task_means", "run_eval_cli", "select_eval_rows",
+    "write_eval_outputs",
 ]
 
 # A completion is correct when the deciding reward function (the first one in the
@@ -75,6 +83,7 @@ def _records(spec: RewardSpec, rows: list[dict], batch: RolloutBatch, indices: l
         values = [None if math.isnan(float(v)) else float(v) for v in scores[i]]
         score = values[0]
         answer = extract_final_answer(text)
+        modes = mode_info(rows[i // g], text)  # (mode key, valid modes) on ModeBench rows, else None
         out.append({
             "prompt_index": indices[i // g],
             "sample": i % g,
@@ -85,6 +94,9 @@ def _records(spec: RewardSpec, rows: list[dict], batch: RolloutBatch, indices: l
             "score": score,
             "correct": score is not None and score >= CORRECT_THRESHOLD,
             "answer": canonical_answer(answer) if answer is not None else None,
+            "task": rows[i // g].get("mb_task"),
+            "mode_key": None if modes is None else modes[0],
+            "num_valid": None if modes is None else modes[1],
             "length": len(batch.completion_ids[i]),
             "finish_reason": batch.finish_reasons[i],
         })
@@ -131,26 +143,58 @@ def evaluate_prompts(
             greedy_records = _records(spec, [rows[i] for i in gkept], gbatch, gkept, "greedy")
             records += greedy_records
             greedy_correct = {r["prompt_index"]: r["correct"] for r in greedy_records}
-    per_prompt = []
-    for p, i in enumerate(kept):
-        mine = records[p * k : (p + 1) * k]
-        per_prompt.append(PromptSamples(
-            # The deciding reward's score; None (not applicable) counts as 0, so it is never correct.
-            scores=[0.0 if r["score"] is None else r["score"] for r in mine],
-            answers=[r["answer"] for r in mine],
-            greedy_correct=greedy_correct.get(i),
-        ))
+    per_prompt = [
+        _prompt_samples(records[p * k : (p + 1) * k], greedy_correct.get(i)) for p, i in enumerate(kept)
+    ]
     summary = summarize_eval(per_prompt, ks=sorted({1, k}), correct_threshold=CORRECT_THRESHOLD)
     summary["num_prompts"] = len(kept)
     return summary, records
 
 
+def _prompt_samples(mine: list[dict], greedy_correct: bool | None) -> PromptSamples:
+    """One prompt's sampled records as :class:`PromptSamples`: mode keys where the task defines them."""
+    keyed = mine[0]["num_valid"] is not None
+    return PromptSamples(
+        # The deciding reward's score; None (not applicable) counts as 0, so it is never correct.
+        scores=[0.0 if r["score"] is None else r["score"] for r in mine],
+        answers=[r["mode_key"] if keyed else r["answer"] for r in mine],
+        greedy_correct=greedy_correct,
+        num_valid=mine[0]["num_valid"] if keyed else None,
+    )
+
+
+def per_prompt_metrics(records: list[dict], k: int) -> list[dict]:
+    """Every metric of :func:`evaluate_prompts` for each prompt, recomputed from its records.
+
+    One dict per prompt with sampled records (``prompt_index`` order): ``prompt_index``,
+    ``task``, ``num_valid``, ``pass@1``, ``pass@k``, ``mean@k``, ``distinct@k``,
+    ``coverage@k`` (ModeBench rows) and ``greedy_pass@1`` (when a greedy record exists).
+    """
+    sampled: dict[int, list[dict]] = {}
+    greedy: dict[int, bool] = {}
+    for r in records:
+        if r["mode"] == "greedy":
+            greedy[r["prompt_index"]] = r["correct"]
+        else:
+            sampled.setdefault(r["prompt_index"], []).append(r)
+    out = []
+    for index in sorted(sampled):
+        mine = sorted(sampled[index], key=lambda r: r["sample"])
+        metrics = summarize_eval([_prompt_samples(mine, greedy.get(index))], ks=sorted({1, k}),
+                                 correct_threshold=CORRECT_THRESHOLD)
+        metrics.pop("num_prompts")
+        out.append({"prompt_index": index, "task": mine[0]["task"], "num_valid": mine[0]["num_valid"], **metrics})
+    return out
+
+
 def write_eval_outputs(out_dir: str | Path, summary: dict, records: list[dict]) -> None:
-    """``summary.json`` and ``completions.jsonl`` in ``out_dir``, each written atomically."""
+    """``summary.json``, ``completions.jsonl`` and ``per_prompt.jsonl`` in ``out_dir``, each written atomically."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    k = 1 + max(r["sample"] for r in records if r["mode"] == "sampled")
     for name, text in (
         ("completions.jsonl", "".join(json.dumps(r) + "\n" for r in records)),
+        ("per_prompt.jsonl", "".join(json.dumps(r) + "\n" for r in per_prompt_metrics(records, k))),
         ("summary.json", json.dumps(summary, indent=2) + "\n"),
     ):
         write_text_atomic(out / name, text)
@@ -208,14 +252,25 @@ def warn_training_overlap(rows: list[dict], dataset, eval_size: int, seed: int, 
                     "or point data.source at a test set", overlap, len(rows), source)
 
 
+def per_task_means(per_prompt: list[dict]) -> dict[str, float]:
+    """``<task>/<metric>``: each metric pooled over the prompts of each ModeBench task (empty without tasks)."""
+    out: dict[str, float] = {}
+    for task in sorted({p["task"] for p in per_prompt if p["task"] is not None}):
+        mine = [p for p in per_prompt if p["task"] == task]
+        for name in [n for n in mine[0] if "@" in n and all(n in p for p in mine)]:
+            out[f"{task}/{name}"] = sum(p[name] for p in mine) / len(mine)
+    return out
+
+
 def run_eval_cli(args) -> int:
     """``maxent-grpo eval MODEL --output DIR [--config FILE] [--set K=V] [-k K] [--num-prompts N]``.
 
     Data, rewards and sampling settings come from the config (``--config``/``--set``);
     the prompts from :func:`select_eval_rows`; correctness from the config's first
     reward function (see the module docstring). Writes ``DIR/summary.json`` (the
-    metrics, ``num_prompts``, ``model`` and the ``deciding_reward``) and
-    ``DIR/completions.jsonl`` (one record per completion).
+    metrics, ``num_prompts``, ``model``, the ``deciding_reward`` and, on ModeBench
+    rows, ``<task>/<metric>`` pooled per task), ``DIR/completions.jsonl`` (one record
+    per completion) and ``DIR/per_prompt.jsonl`` (every metric per prompt).
     """
     from maxent_grpo.models import load_model_and_tokenizer, parse_dtype, resolve_model_path
     from maxent_grpo.rewards.registry import build_reward_spec
@@ -254,6 +309,7 @@ def run_eval_cli(args) -> int:
         backend, tokenizer, rows, spec, k=k, sampling=sampling,
         system_prompt=cfg.data.system_prompt, few_shot=cfg.data.few_shot,
     )
+    summary.update(per_task_means(per_prompt_metrics(records, k)))
     summary["model"] = str(args.model)
     summary["deciding_reward"] = spec.names[0]
     write_eval_outputs(args.output, summary, records)

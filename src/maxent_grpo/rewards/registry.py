@@ -26,6 +26,7 @@ from maxent_grpo.rewards import builtin, code
 from maxent_grpo.rewards.builtin import RewardFunction
 from maxent_grpo.rewards.invoke import call_all
 from maxent_grpo.rewards.user_code import import_reference, split_reference
+from maxent_grpo.tasks.modebench import make_modebench_reward
 
 REWARD_FUNCTIONS: dict[str, Callable[..., RewardFunction]] = {
     "accuracy": builtin.make_accuracy,
@@ -40,6 +41,7 @@ REWARD_FUNCTIONS: dict[str, Callable[..., RewardFunction]] = {
     "reasoning_gym": builtin.make_reasoning_gym,
     "code_unit_tests": code.make_code_unit_tests,
     "code_check": code.make_code_check,
+    "modebench": make_modebench_reward,  # the ModeBench task verifiers (data.source: modebench:<task>)
 }
 
 

@@ -24,6 +24,7 @@ from maxent_grpo.training.human_eval_data import HUMAN_EVAL_SOURCE, load_human_e
 DEFAULT_INSTRUCTION = "Put your final answer within \\boxed{}."
 RG_PREFIX = "reasoning_gym:"
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+MODEBENCH_PREFIX = "modebench:"  # maxent_grpo.tasks.modebench: tasks with several valid answers
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
@@ -125,6 +126,24 @@ def _load_reasoning_gym(task: str, size: int | None, seed: int, instruction: str
     return datasets.Dataset.from_dict(rows)
 
 
+def _load_modebench(task: str, size: int | None, seed: int, instruction: str | None, task_kwargs):
+    import datasets
+
+    from maxent_grpo.tasks.modebench import modebench_rows
+
+    kwargs = dict(task_kwargs or {})
+    unknown = sorted(set(kwargs) - {"split"})
+    if unknown:
+        raise DataError(f"{MODEBENCH_PREFIX}{task}: task_kwargs takes only 'split' (train | eval), got {unknown}")
+    if size is None or size < 1:
+        raise DataError(f"size must be a positive int for {MODEBENCH_PREFIX}{task} (problems per task), got {size!r}")
+    try:
+        rows = modebench_rows(task, size=size, seed=seed, split=kwargs.get("split", "train"), instruction=instruction)
+    except ValueError as exc:
+        raise DataError(str(exc)) from exc
+    return datasets.Dataset.from_list(rows)
+
+
 def _standardise(ds, source: str, prompt_column: str, answer_column: str):
     from datasets import Value
 
@@ -190,7 +209,8 @@ def load_prompt_dataset(
     `source` is a local `.jsonl` / `.json` / `.parquet` file, `reasoning_gym:<task>`
     (`size` problems generated offline from `seed`, each question followed by
     `instruction`, `task_kwargs` passed to the task's config), `human_eval` (the
-    164 HumanEval problems from the installed package), or a `datasets`
+    164 HumanEval problems from the installed package), `modebench:<task>`
+    (`size` problems per task of maxent_grpo.tasks.modebench, `task_kwargs: {split: train | eval}`), or a `datasets`
     name (with `data_files` if it needs them; offline it loads from the cache
     only). `size` keeps at most the first `size` rows of a file or hub split. Raises
     `DataError` with a one-line message.
@@ -207,6 +227,8 @@ def load_prompt_dataset(
         ds = load_human_eval(instruction, DEFAULT_INSTRUCTION)
         if size is not None and size < len(ds):
             ds = ds.select(range(size))
+    elif source.startswith(MODEBENCH_PREFIX):
+        ds = _load_modebench(source[len(MODEBENCH_PREFIX) :], size, seed, instruction, task_kwargs)
     else:
         path = Path(source)
         is_file = path.suffix in _FILE_BUILDERS

@@ -1,0 +1,246 @@
+"""ModeBench study: do the MaxEnt methods keep more correct answers than Dr.GRPO? (issue 14)
+
+    python -m benchmarks.modebench run       # train + evaluate every (arm, seed) not yet in the results
+    python -m benchmarks.modebench analyze   # table and plots from the committed raw results
+    python -m benchmarks.modebench smoke --work-dir DIR   # tiny model, two arms, two steps
+
+Every arm trains from ``recipes/modebench.yaml`` (SmolLM2-135M-Instruct on the three
+ModeBench tasks interleaved, Dr.GRPO) with only its method's keys changed, so all arms
+consume the same prompts (``training.max_steps * training.prompts_per_step``) from the same
+seeded order. Each final model is evaluated with ``maxent-grpo eval`` on the fixed eval
+split (K samples at temperature 1 plus one greedy) once per eval seed. One (arm, train seed)
+writes ``<results>/<arm>/seed<s>/``: ``config.yaml`` (the full resolved config),
+``train_metrics.jsonl``, ``eval-seed<e>/{summary.json, completions.jsonl, per_prompt.jsonl}``
+and last ``done.json``; a run with ``done.json`` is skipped, so ``run`` resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "modebench.yaml"
+RESULTS = REPO / "benchmarks" / "results" / "modebench"
+DR_GRPO_LOSS = {"loss.loss_type": "dr_grpo", "loss.scale_rewards": "none"}
+
+# arm -> overrides of recipes/modebench.yaml (dotted keys). Every arm sits on Dr.GRPO's loss.
+START = "start_model"  # not trained: the start model's scores under the same evaluation
+ARMS: dict[str, dict] = {
+    START: {},
+    "dr_grpo": {"method": "dr_grpo", **DR_GRPO_LOSS},
+    **{f"xdr_tau{t}": {"method": "xdr", **DR_GRPO_LOSS, "xdr.tau": t} for t in (0.0, 0.01, 0.05, 0.25)},
+    "xdr_adaptive": {"method": "xdr", **DR_GRPO_LOSS, "xdr.tau": 0.05, "xdr.mode_adaptive": True},
+    # The default recipe's listwise setting (weighted MLE, tau 0.5; BENCHMARKS.md §3).
+    "maxent_listwise": {"method": "maxent_listwise", **DR_GRPO_LOSS, "maxent.tau": 0.5,
+                        "maxent.listwise_loss": "weighted_mle"},
+    "seed_dr_grpo": {"method": "seed_grpo", **DR_GRPO_LOSS, "seed_grpo.alpha": 1.0},
+    "token_maxent": {"method": "maxent_entropy", **DR_GRPO_LOSS, "loss.entropy_coef": 0.01},
+}
+TRAIN_SEEDS = (0, 1, 2)
+EVAL_SEEDS = (0, 1)
+EVAL_PROBLEMS_PER_TASK = 4  # pair_sum has only 4 eval problems (n = 6, 9, 12, 15)
+
+
+def _cli() -> str:
+    beside = Path(sys.executable).parent / "maxent-grpo"
+    found = str(beside) if beside.is_file() else shutil.which("maxent-grpo")
+    if found is None:
+        raise FileNotFoundError("the maxent-grpo command is not installed (bash scripts/setup.sh study)")
+    return found
+
+
+def _sets(overrides: dict) -> list[str]:
+    return [a for key, value in overrides.items() for a in ("--set", f"{key}={json.dumps(value)}")]
+
+
+def _run(cmd: list[str], log: Path, env: dict) -> None:
+    with log.open("a") as out:
+        out.write("$ " + " ".join(cmd) + "\n")
+        out.flush()
+        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{cmd[1]} failed ({done.returncode}); see {log}")
+
+
+def _slim(src: Path, dest: Path) -> None:
+    """Copy an eval folder, dropping each record's prompt text (prompt_index and task identify it)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy(src / "summary.json", dest / "summary.json")
+    shutil.copy(src / "per_prompt.jsonl", dest / "per_prompt.jsonl")
+    lines = []
+    for line in (src / "completions.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        record.pop("prompt")
+        lines.append(json.dumps(record))
+    (dest / "completions.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def run_one(arm: str, seed: int, *, results: Path, work: Path, base: list[str], eval_seeds, env,
+            eval_problems: int = EVAL_PROBLEMS_PER_TASK) -> Path:
+    """Train ``arm`` with ``seed``, evaluate its final model once per eval seed; skip when done."""
+    out = results / arm / f"seed{seed}"
+    if (out / "done.json").is_file():
+        return out
+    if out.exists():
+        shutil.rmtree(out)  # a run cut off part-way starts over
+    out.mkdir(parents=True)
+    run_dir = work / arm / f"seed{seed}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    log = out / "log.txt"
+    overrides = {**ARMS[arm], "training.seed": seed, "logging.report_to": [], "logging.progress_bar": False,
+                 "checkpoint.save_steps": 0, "eval.every_steps": 0}
+    t0 = time.time()
+    if arm == START:  # the start model, untrained: evaluated like every arm
+        final, steps = _start_model(base), 0
+    else:
+        _run([_cli(), "train", *base, "--output-dir", str(run_dir), *_sets(overrides)], log, env)
+        steps = max(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*"))
+        final = run_dir / "checkpoints" / f"step-{steps}"
+        shutil.copy(run_dir / "config.yaml", out / "config.yaml")
+        shutil.copy(run_dir / "metrics.jsonl", out / "train_metrics.jsonl")
+    train_s = time.time() - t0
+    t1 = time.time()
+    eval_dirs = [run_dir / f"eval-seed{e}" for e in eval_seeds]
+    # Both eval seeds in one child process (one torch start-up); each is exactly `maxent-grpo eval`.
+    _run([sys.executable, "-m", "benchmarks.modebench", "eval-child", str(final), "--eval-problems", str(eval_problems),
+          "--seeds", ",".join(map(str, eval_seeds)), "--out", str(run_dir), "--base", json.dumps(base)], log, env)
+    for e, eval_dir in zip(eval_seeds, eval_dirs):
+        _slim(eval_dir, out / f"eval-seed{e}")
+    evals = {"eval_s": time.time() - t1, "eval_seeds": list(eval_seeds)}
+    (out / "done.json").write_text(json.dumps({"arm": arm, "seed": seed, "steps": steps, "train_s": train_s,
+                                               **evals}, indent=1) + "\n")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return out
+
+
+def _start_model(base: list[str]) -> str:
+    """The base recipe's model (after any ``--set model.name_or_path=...``)."""
+    name = yaml.safe_load(Path(base[1]).read_text())["model"]["name_or_path"]
+    for i, item in enumerate(base):
+        if item == "--set" and base[i + 1].startswith("model.name_or_path="):
+            name = base[i + 1].split("=", 1)[1]
+    return name
+
+
+def _env(threads: int | None) -> dict:
+    env = dict(os.environ)
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    return env
+
+
+def cmd_run(args) -> int:
+    arms = args.arms.split(",") if args.arms else list(ARMS)
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise ValueError(f"--arms: unknown {unknown}; choose from {list(ARMS)}")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    base = ["--config", str(args.config), *[a for kv in args.set for a in ("--set", kv)]]
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="modebench-"))
+    shard, shards = (int(x) for x in args.shard.split("/"))
+    # Seed-major order: every arm gets seed 0 before any gets seed 1, so a cut-off study is balanced.
+    # The start model is evaluated once (its "seed" is only the eval's label).
+    jobs = [(arm, seed) for seed in seeds for arm in arms if arm != START or seed == seeds[0]]
+    for arm, seed in jobs[shard::shards]:
+            t0 = time.time()
+            print(f"[modebench] {arm} seed {seed} ...", file=sys.stderr, flush=True)
+            run_one(arm, seed, results=args.results, work=work, base=base,
+                    eval_seeds=[int(e) for e in args.eval_seeds.split(",")], env=_env(args.threads),
+                    eval_problems=args.eval_problems)
+            print(f"[modebench] {arm} seed {seed} done in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    return 0
+
+
+def cmd_eval_child(args) -> int:
+    """``maxent-grpo eval`` of one model once per eval seed, in this process."""
+    import torch
+
+    from maxent_grpo.cli import main as cli_main
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    for e in args.seeds.split(","):
+        eval_sets = {"data.task_kwargs": {"split": "eval"}, "data.size": args.eval_problems, "training.seed": int(e)}
+        code = cli_main(["eval", args.model, *args.base, *_sets(eval_sets), "--output", str(args.out / f"eval-seed{e}"),
+                         "--num-prompts", str(3 * args.eval_problems)])
+        if code != 0:
+            return code
+    return 0
+
+
+def cmd_analyze(args) -> int:
+    from benchmarks.modebench_stats import analyze
+
+    print(analyze(args.results, args.plots or args.results, baseline="dr_grpo", arms=ARMS))
+    return 0
+
+
+def cmd_smoke(args) -> int:
+    """Two arms, two steps, the tiny random model: the whole pipeline, run and analyze, in a minute."""
+    from maxent_grpo.tiny import build_tiny_model
+
+    work = args.work_dir
+    model_dir = work / "tiny-model"
+    if not (model_dir / "config.json").is_file():
+        build_tiny_model(model_dir)
+    sets = [f"model.name_or_path={model_dir}", "training.max_steps=2", "training.prompts_per_step=3",
+            "generation.num_generations=4", "generation.max_new_tokens=8", "training.micro_batch_size=4"]
+    ns = argparse.Namespace(
+        arms="dr_grpo,xdr_tau0.05", seeds="0", eval_seeds="0,1", config=RECIPE,
+        set=[*sets, "eval.k=4"], results=work / "results", work_dir=work / "runs", threads=args.threads,
+        shard="0/1", eval_problems=2,
+    )
+    cmd_run(ns)
+    print(analyze_smoke(ns.results))
+    return 0
+
+
+def analyze_smoke(results: Path) -> str:
+    from benchmarks.modebench_stats import analyze
+
+    return analyze(results, results, baseline="dr_grpo", arms=ARMS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="train and evaluate every (arm, seed) not in the results yet")
+    run.add_argument("--arms", help=f"comma-separated subset of {list(ARMS)}")
+    run.add_argument("--seeds", default=",".join(map(str, TRAIN_SEEDS)), help="training seeds")
+    run.add_argument("--eval-seeds", default=",".join(map(str, EVAL_SEEDS)), help="evaluation seeds")
+    run.add_argument("--eval-problems", type=int, default=EVAL_PROBLEMS_PER_TASK, help="eval problems per task")
+    run.add_argument("--config", type=Path, default=RECIPE, help="the base recipe every arm overrides")
+    run.add_argument("--set", action="append", default=[], help="KEY=VALUE override for every arm")
+    run.add_argument("--results", type=Path, default=RESULTS, help="raw results folder (resumes from it)")
+    run.add_argument("--work-dir", type=Path, help="scratch folder for checkpoints (deleted per run)")
+    run.add_argument("--threads", type=int, default=1,
+                     help="torch threads per child process (1: on shared, niced cores more threads spin and wait)")
+    run.add_argument("--shard", default="0/1", help="I/N: run every N-th job starting at I (parallel workers)")
+    ana = sub.add_parser("analyze", help="table and plots from the raw results")
+    ana.add_argument("--results", type=Path, default=RESULTS)
+    ana.add_argument("--plots", type=Path, help="folder for the plots (default: the results folder)")
+    smoke = sub.add_parser("smoke", help="tiny model, two arms, two steps")
+    smoke.add_argument("--work-dir", type=Path, required=True)
+    smoke.add_argument("--threads", type=int, default=1)
+    child = sub.add_parser("eval-child", help="(internal) evaluate one model for several eval seeds")
+    child.add_argument("model")
+    child.add_argument("--eval-problems", type=int, required=True)
+    child.add_argument("--seeds", required=True)
+    child.add_argument("--out", type=Path, required=True)
+    child.add_argument("--base", type=json.loads, required=True, help="the recipe arguments, a JSON list")
+    args = p.parse_args(argv)
+    commands = {"run": cmd_run, "analyze": cmd_analyze, "smoke": cmd_smoke, "eval-child": cmd_eval_child}
+    return commands[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

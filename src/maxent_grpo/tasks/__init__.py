@@ -1,0 +1,1 @@
+"""Tasks with several valid answers per prompt (ModeBench): verifiers, mode keys, data, reward."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from maxent_grpo.errors import UserError
@@ -130,6 +131,8 @@ def _train(args) -> int:
     try:
         summary = train(cfg, resume=args.resume, overwrite=args.overwrite, allow_config_change=args.allow_config_change)
     except RunInterrupted as stopped:
+        # The checkpoint is written: one more Ctrl-C must not turn the exit code into a crash.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         if _is_main_process():
             print(f"maxent-grpo: {stopped}", file=sys.stderr)
             if stopped.checkpoint is not None:

@@ -53,8 +53,8 @@ def train(
     try:
         return _train(run, stop)
     finally:
-        stop.restore()
         run.finish()
+        stop.restore()
 
 
 def _train(run: Run, stop: StopSignals) -> RunSummary:

@@ -101,8 +101,7 @@ def test_an_internal_bug_keeps_its_traceback(tmp_path):
 
 def test_a_config_file_starts_from_the_default_run_and_the_few_shot_stays_with_the_default_task(tmp_path):
     default = load_config()
-    assert default == load_config(overrides=[])
-    assert default.generation.max_new_tokens == TrainConfig().generation.max_new_tokens
+    assert default == TrainConfig()  # the schema's defaults are the built-in run, nothing layered on top
     assert default.data.few_shot and default.data.task_kwargs  # the default task's own
     (tmp_path / "mine.yaml").write_text("data:\n  source: mine.jsonl\nrewards: [format]\n")
     mine = load_config(tmp_path / "mine.yaml")

@@ -134,6 +134,14 @@ def _test_list(value: Any, row: int, column: str) -> list[str]:
     return list(value)
 
 
+def _scores(n: int, rows: list[int], outcomes) -> list[float | None]:
+    """One score per completion: the fraction of tests passed on ``rows``, None (no tests) elsewhere."""
+    out: list[float | None] = [None] * n
+    for i, outcome in zip(rows, outcomes):
+        out[i] = outcome.fraction
+    return out
+
+
 def _limits(timeout_s: float, memory_mb: int, max_workers: int, options: Mapping[str, Any]) -> SandboxLimits:
     if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
         raise ValueError(f"max_workers must be a positive int, got {max_workers!r}")
@@ -158,12 +166,8 @@ def make_code_unit_tests(
         rows = [i for i, v in enumerate(test_values) if v is not None and len(v) > 0]
         solutions = [(setups[i] or "") + "\n" + extract_code(completion_text(completions[i])) for i in rows]
         tests = [_test_list(test_values[i], i, tests_column) for i in rows]
-        outcomes = run_tests(solutions, tests, limits=limits, max_workers=max_workers,
-                             require_namespaces=require_namespaces)
-        out: list[float | None] = [None] * n
-        for i, outcome in zip(rows, outcomes):
-            out[i] = outcome.fraction
-        return out
+        return _scores(n, rows, run_tests(solutions, tests, limits=limits, max_workers=max_workers,
+                                          require_namespaces=require_namespaces))
 
     return _named(code_unit_tests, "code_unit_tests")
 
@@ -198,11 +202,7 @@ def make_code_check(
                                  f"{type(prefixes[i]).__name__} (set prefix_column to a column holding the code prompt)")
             solutions.append(humaneval_solution(prefixes[i], completion_text(completions[i]), entry_points[i]))
         tests = [[f"{checks[i]}\ncheck({entry_points[i]})"] for i in rows]
-        outcomes = run_tests(solutions, tests, limits=limits, max_workers=max_workers,
-                             require_namespaces=require_namespaces)
-        out: list[float | None] = [None] * n
-        for i, outcome in zip(rows, outcomes):
-            out[i] = outcome.fraction
-        return out
+        return _scores(n, rows, run_tests(solutions, tests, limits=limits, max_workers=max_workers,
+                                          require_namespaces=require_namespaces))
 
     return _named(code_check, "code_check")

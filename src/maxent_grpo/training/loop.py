@@ -214,7 +214,6 @@ def _interrupted(run: Run, step: int) -> RunInterrupted:
 def _abandoned(run: Run, step: int, sampler_before: dict) -> RunInterrupted:
     """A second signal cut the step short: save the state from before it (one process only:
     with several, the others may be inside a collective and a save could hang)."""
-    path = None
     if run.ctx.dist.world_size == 1 and step > run.start_step:
         path = run.save(step, sampler_state=sampler_before)
     else:

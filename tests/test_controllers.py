@@ -1,4 +1,4 @@
-"""Tau / beta / meta controllers, state persistence and rank-0 broadcast (§8)."""
+"""Tau / beta / meta controllers and their state (§8)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ from maxent_grpo.core.controllers import (
     KlControllerSettings,
     TauSchedule,
     apply_meta_gradients,
-    controller_step,
-    meta_update,
+    meta_gradients,
     target_entropy_at,
     update_beta,
     update_tau,
@@ -114,46 +113,43 @@ def test_beta_adaptive_kl_step():
 META = ControllerSettings(
     tau_schedule=TauSchedule(target_entropy=1.0, min=0.05, max=2.0),
     kl_controller=KlControllerSettings(target=0.1),
-    meta=ControllerMetaSettings(enabled=True, lr_tau=0.5, lr_beta=2.0, every=2, grad_clip=0.05),
+    meta=ControllerMetaSettings(lr_tau=0.5, lr_beta=2.0, every=2, grad_clip=0.05),
 )
 
 
-def test_meta_update_analytic_step_every_n():
+def meta_step(s, entropy, kl, settings, step):
+    tau_grad, beta_grad = meta_gradients(entropy, kl, settings, step)
+    return apply_meta_gradients(s, settings, tau_grad=tau_grad, beta_grad=beta_grad, step=step)
+
+
+def test_meta_analytic_step():
+    """tau <- clip(tau - lr_tau (H - H*)), beta <- max(0, beta + lr_beta clip(KL - KL*, +-g)) (§8)."""
     s = ControllerState.initial(0.5, 0.2)
-    skipped = meta_update(s, 1.4, 0.3, META, step=3)
-    assert (skipped.tau, skipped.beta, skipped.step) == (0.5, 0.2, 3)
-    out = meta_update(s, 1.4, 0.12, META, step=4)
-    assert out.tau == pytest.approx(0.5 - 0.5 * (1.4 - 1.0))
+    out = meta_step(s, 1.4, 0.12, META, step=4)
+    assert out.tau == pytest.approx(0.5 - 0.5 * (1.4 - 1.0)) and out.step == 4
     assert out.beta == pytest.approx(0.2 + 2.0 * 0.02)
-    clipped = meta_update(s, 0.8, 0.9, META, step=4)
+    clipped = meta_step(s, 0.8, 0.9, META, step=4)
     assert clipped.tau == pytest.approx(0.5 + 0.5 * 0.2)
     assert clipped.beta == pytest.approx(0.2 + 2.0 * 0.05)  # KL error clipped at g
-    low = meta_update(s, 5.0, 0.0, META, step=4)
+    low = meta_step(s, 5.0, 0.0, META, step=4)
     assert low.tau == 0.05  # clamped to tau_min
     assert low.beta == pytest.approx(0.2 - 2.0 * 0.05)
-    assert meta_update(s, None, None, META, step=4).tau == 0.5
+    assert meta_gradients(None, None, META, 4) == (None, None)
+    assert meta_step(s, None, None, META, step=4).tau == 0.5
+    no_target = ControllerSettings(TauSchedule(), KlControllerSettings(), META.meta)
+    assert meta_gradients(1.0, 0.5, no_target, 4) == (None, None)  # nothing to steer toward
 
 
 def test_meta_unclipped_and_disabled():
     unclipped = ControllerSettings(META.tau_schedule, META.kl_controller,
-                                   ControllerMetaSettings(enabled=True, lr_beta=1.0, grad_clip=0.0))
+                                   ControllerMetaSettings(lr_beta=1.0, grad_clip=0.0))
     s = ControllerState.initial(0.5, 0.2)
-    assert meta_update(s, 1.0, 5.1, unclipped, 1).beta == pytest.approx(0.2 + 5.0)
-    assert meta_update(s, 1.0, -100.0, unclipped, 1).beta == 0.0
-    off = ControllerSettings(META.tau_schedule, META.kl_controller, ControllerMetaSettings(enabled=False, lr_tau=1.0))
-    assert meta_update(s, 9.0, 9.0, off, 1).tau == 0.5
+    assert meta_step(s, 1.0, 5.1, unclipped, 1).beta == pytest.approx(0.2 + 5.0)
+    assert meta_step(s, 1.0, -100.0, unclipped, 1).beta == 0.0
+    assert not ControllerMetaSettings().enabled and ControllerMetaSettings(lr_tau=1e-3).enabled
     grads = apply_meta_gradients(s, META, tau_grad=0.1, beta_grad=-1.0, lr_scale=0.5)
     assert grads.tau == pytest.approx(0.5 - 0.5 * 0.5 * 0.1)
     assert grads.beta == pytest.approx(0.2 + 0.5 * 2.0 * 0.05)
-
-
-def test_controller_step_dispatches():
-    plain = ControllerSettings(TauSchedule(target_entropy=1.0, lr=0.1), KlControllerSettings(0.1, 10, 0.2))
-    s = ControllerState.initial(0.5, 0.2)
-    out = controller_step(s, entropy=0.5, kl=0.2, settings=plain, step=7)
-    expect = update_beta(update_tau(s, 0.5, plain.tau_schedule, 7), 0.2, plain.kl_controller, 7)
-    assert out == expect and out.step == 7 and out.beta > 0.2
-    assert controller_step(s, entropy=1.4, kl=0.12, settings=META, step=4) == meta_update(s, 1.4, 0.12, META, 4)
 
 
 def test_settings_validation_names_the_field():

@@ -141,9 +141,6 @@ def test_estimator_and_scaling_pass_through():
     # leave-one-out baseline: r_i - mean of the others
     expect = [0 - 2.0, 1 - 1.5, 3 - 0.5, 2 - 4.0, 2 - 4.0, 6 - 2.0]
     assert rc.advantages.tolist() == pytest.approx(expect, abs=1e-12)
-    grouped, flat = mx.group_advantages([[0.0, 1.0, 3.0], [2.0, 2.0, 6.0]], scale_rewards="none", estimator="rloo")
-    assert flat.tolist() == pytest.approx(expect, abs=1e-6)
-    assert grouped.shape == (2, 3)
 
 
 def test_reward_statistics_reject_bad_shapes():
@@ -153,10 +150,6 @@ def test_reward_statistics_reject_bad_shapes():
         mx.compute_reward_statistics(torch.ones(5, 1), [1.0], 2, q_temperature=1.0, q_epsilon=0.0)
     with pytest.raises(ValueError, match="names"):
         mx.compute_reward_statistics(torch.ones(4, 2), [1.0, 1.0], 2, q_temperature=1.0, q_epsilon=0.0, names=["a"])
-    with pytest.raises(ValueError, match="ragged"):
-        mx.group_advantages([[1.0, 2.0], [1.0]])
-    with pytest.raises(ValueError, match="num_generations"):
-        mx.group_advantages([[1.0], [2.0]])
 
 
 def test_policy_entropy_bonus_recomputes_everything():
@@ -249,8 +242,6 @@ def test_compute_weight_stats_matches_reference(len_norm):
     assert ws.weight_entropy == pytest.approx(sum(entropies) / 3, abs=1e-9)
     assert (ws.weight_entropy_min, ws.weight_entropy_max) == (pytest.approx(min(entropies)), pytest.approx(max(entropies)))
     assert torch.equal(ws.flat_weights, ws.weights_grouped.reshape(-1))
-    row = mx.weight_vector_from_q(rc.q[1], ref.ref_logp_sum[4:8], ref.ref_tok_counts[4:8], cfg)
-    assert torch.allclose(row, ws.weights_grouped[1], atol=1e-12)
 
 
 def test_groups_left_out_of_the_loss_get_uniform_weights_and_no_say_in_the_entropy():
@@ -285,7 +276,7 @@ def test_weight_stats_without_reference_model():
         mx.compute_weight_stats(rc, _ref_stats(8, 0), _cfg(tau=0.25, beta=0.1))
 
 
-def test_reference_splits_and_uniform_stats():
+def test_reference_splits_and_entropy_of_uniform_weights():
     ref = ReferenceLogprobs(torch.tensor([-4.0, -9.0, -2.0, -8.0]), torch.tensor([2, 3, 0, 4]))
     assert mx.split_reference_logprobs(ref, 2, True).tolist() == [[-2.0, -3.0], [-2.0, -2.0]]
     assert mx.split_reference_logprobs(ref, 2, False).tolist() == [[-4.0, -9.0], [-2.0, -8.0]]
@@ -294,8 +285,8 @@ def test_reference_splits_and_uniform_stats():
     assert ref.avg_completion_tokens == pytest.approx(2.25)
     with pytest.raises(ValueError, match="num_generations"):
         mx.split_reference_logprobs(ref, 3, True)
-    u = mx.build_uniform_weight_stats(3, 8)
-    assert torch.equal(u.weights_grouped, torch.full((3, 8), 1 / 8))
+    uniform = torch.full((3, 8), 1 / 8)
+    u = WeightStats(uniform, uniform.reshape(-1), *mx.collect_weight_entropy(uniform))
     assert u.weight_entropy == pytest.approx(math.log(8), abs=1e-6)
     view = u.logging_view()
     assert view.entropy_norm == pytest.approx(1.0, abs=1e-6)
@@ -335,10 +326,31 @@ def test_maybe_update_beta_and_meta():
     # Stamped with the step it happened at, also for methods whose tau never moves (no tau step).
     assert cfg.controller_state.beta_history[-1] == (7, pytest.approx(0.2 * 1.01))
     assert mx.apply_meta_controller_update(cfg, tau_grad=1.0) is False  # meta disabled
-    meta = _cfg(tau=0.5, beta=0.2, controller_meta=ControllerMetaSettings(enabled=True, lr_tau=0.1, lr_beta=0.1))
+    meta = _cfg(tau=0.5, beta=0.2, controller_meta=ControllerMetaSettings(lr_tau=0.1, lr_beta=0.1))
     assert mx.apply_meta_controller_update(meta, tau_grad=1.0, beta_grad=-1.0) is True
     assert (meta.tau, meta.beta) == (pytest.approx(0.4), pytest.approx(0.3))
     assert mx.apply_meta_controller_update(meta) is False
+
+
+def test_update_controllers_runs_the_meta_controller_instead_every_n_steps():
+    """§8: with the meta controller on, tau <- tau - lr_tau (H - H*) and
+    beta <- beta + lr_beta clip(KL - KL*, +-g) every n steps; the tau and beta controllers rest."""
+    schedule = TauSchedule(target_entropy=1.0, lr=5.0)
+    kl = KlControllerSettings(target=0.1, horizon=10, step_size=0.2)
+    meta = _cfg(tau=0.5, beta=0.2, tau_schedule=schedule, kl_controller=kl,
+                controller_meta=ControllerMetaSettings(lr_tau=0.1, lr_beta=2.0, every=2, grad_clip=0.05))
+    mx.update_controllers(meta, WeightLoggingView(entropy=1.4), 0.3, step=3)
+    assert (meta.tau, meta.beta) == (0.5, 0.2)  # not a multiple of every
+    mx.update_controllers(meta, WeightLoggingView(entropy=1.4), 0.3, step=4)
+    assert meta.tau == pytest.approx(0.5 - 0.1 * (1.4 - 1.0))
+    assert meta.beta == pytest.approx(0.2 + 2.0 * 0.05)  # KL - KL* = 0.2 clipped to 0.05
+    assert meta.controller_state.tau_history[-1] == (4, pytest.approx(0.46))
+    plain = _cfg(tau=0.5, beta=0.2, tau_schedule=schedule, kl_controller=kl)
+    mx.update_controllers(plain, WeightLoggingView(entropy=1.4), 0.11, step=1)
+    assert plain.tau == pytest.approx(0.5 * math.exp(5.0 * (1.0 - 1.4)))  # the tau controller
+    assert plain.beta == pytest.approx(0.2 * 1.01)  # the beta controller
+    mx.update_controllers(plain, None, None, step=2)
+    assert plain.tau == pytest.approx(0.5 * math.exp(5.0 * (1.0 - 1.4)))
 
 
 def test_controller_state_round_trips_through_a_checkpoint_snapshot():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from maxent_grpo.cli import main
-from maxent_grpo.training.config import ConfigError, parse_override
+from maxent_grpo.training.config import ConfigError, load_config, parse_override
 from maxent_grpo.training.metrics import read_metrics
 from tiny_runs import tiny_overrides as tiny_run_args
 
@@ -57,6 +57,24 @@ def test_recipe_runs_two_steps(recipe, tiny_model_dir, tmp_path):
         assert "kl" in rows[-1]
     assert (out / "config.yaml").is_file()
     assert (out / "completions" / "step-2.jsonl").is_file()
+
+
+def test_meta_controller_steers_tau_and_beta_in_a_run(tiny_model_dir, tmp_path):
+    """maxent.meta_lr_*: every step tau <- tau - lr_tau (H - H*) on the logged weight entropy,
+    beta <- beta + lr_beta clip(KL - KL*, +-g) on the logged KL (ALGORITHMS.md §8)."""
+    out = tmp_path / "run"
+    lr_tau, lr_beta, h_star, kl_star, clip = 0.3, 2.0, 0.5, 0.01, 0.05
+    assert main(["train", *tiny_overrides(tiny_model_dir, out, steps=3, extra=[
+        "method=maxent_listwise", "loss.beta=0.1", "maxent.tau=0.5", f"maxent.tau_target_entropy={h_star}",
+        f"maxent.kl_target={kl_star}", f"maxent.meta_lr_tau={lr_tau}", f"maxent.meta_lr_beta={lr_beta}",
+        f"maxent.meta_grad_clip={clip}"])]) == 0
+    rows = read_metrics(out / "metrics.jsonl")
+    tau, beta = 0.5, 0.1
+    for row in rows:
+        tau = max(0.0, tau - lr_tau * (row["weight_entropy"] - h_star))
+        beta = max(0.0, beta + lr_beta * min(max(row["kl"] - kl_star, -clip), clip))
+        assert (row["tau"], row["beta"]) == (pytest.approx(tau, rel=1e-6), pytest.approx(beta, rel=1e-6))
+    assert rows[-1]["tau"] != 0.5 and rows[-1]["beta"] != 0.1
 
 
 @pytest.mark.slow
@@ -116,6 +134,25 @@ def test_bad_config_one_line_error(sets, needles, tmp_path):
     proc = _cli(["train", "--output-dir", str(tmp_path / "o"), *[a for s in sets for a in ("--set", s)]], tmp_path)
     _one_line_error(proc, *needles)
     assert not (tmp_path / "o" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("sets, message", [
+    # The core's settings records hold these bounds; the config builds them before any model
+    # loads and names the key the user wrote (training/weighting_config.py).
+    ({"maxent.tau_lr": -1.0}, "maxent.tau_lr: must be a finite number >= 0"),
+    ({"maxent.tau_min": 2.0, "maxent.tau_max": 1.0}, "maxent.tau_min: (2.0) must be <= maxent.tau_max (1.0)"),
+    ({"maxent.tau_target_final": 1.0}, "maxent.tau_target_final: needs maxent.tau_target_entropy"),
+    ({"maxent.q_epsilon": 1.0}, "maxent.q_epsilon: must be in [0, 1)"),
+    ({"maxent.q_temperature": 0.0}, "maxent.q_temperature: must be a finite number > 0"),
+    ({"maxent.kl_target": float("nan")}, "maxent.kl_target: must be finite"),
+    ({"maxent.meta_every": 0}, "maxent.meta_every: must be >= 1"),
+    ({"maxent.meta_lr_beta": -0.1}, "maxent.meta_lr_beta: must be a finite number >= 0"),
+    ({"loss.beta": -0.1}, "loss.beta: must be a finite number >= 0"),
+])
+def test_maxent_bounds_are_the_core_records_and_name_the_key(sets, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, sets)
+    assert str(err.value).startswith(message), str(err.value)
 
 
 @pytest.mark.parametrize("text, expected", [

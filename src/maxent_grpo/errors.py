@@ -3,8 +3,9 @@
 A :class:`UserError` means bad input (a config key, a file, a dataset row, an
 unreachable server, an output folder in use): the command line prints its
 message on one line and exits non-zero. Every other exception is a bug and
-keeps its traceback. Each layer defines its own subclasses (``ConfigError``,
-``DataError``, ...) next to the code that raises them.
+keeps its traceback. Each layer defines its own subclasses (``DataError``,
+``CheckpointError``, ...) next to the code that raises them; ``ConfigError`` is here
+because every layer that reads the config raises it.
 """
 
 from __future__ import annotations
@@ -12,3 +13,7 @@ from __future__ import annotations
 
 class UserError(Exception):
     """Bad input; the message names the key, file, line or row and says what to do."""
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration problem; the message names the offending dotted key."""

@@ -26,8 +26,7 @@ __all__ = [
     "update_tau",
     "update_beta",
     "apply_meta_gradients",
-    "meta_update",
-    "controller_step",
+    "meta_gradients",
 ]
 
 # Hbar <- 0.9 * Hbar + 0.1 * H: per-batch weight entropy is noisy.
@@ -114,11 +113,11 @@ class KlControllerSettings:
 class ControllerMetaSettings:
     """Analytic meta-controller: gradient steps on tau and beta every ``every`` steps.
 
+    On when either learning rate is > 0; it then replaces the tau and beta controllers.
     ``grad_clip`` bounds the KL error in the beta step (``<= 0``: unclipped);
     the tau step is not clipped, as in the spec.
     """
 
-    enabled: bool = False
     lr_tau: float = 0.0
     lr_beta: float = 0.0
     every: int = 1
@@ -133,10 +132,14 @@ class ControllerMetaSettings:
             raise ValueError(f"controller_meta.every must be >= 1, got {self.every}")
         _finite("controller_meta.grad_clip", self.grad_clip)
 
+    @property
+    def enabled(self) -> bool:
+        return self.lr_tau > 0 or self.lr_beta > 0
+
 
 @dataclass(frozen=True)
 class ControllerSettings:
-    """All controller settings together (what :func:`meta_update` and :func:`controller_step` need)."""
+    """All controller settings together (what :func:`apply_meta_gradients` needs)."""
 
     tau_schedule: TauSchedule = field(default_factory=TauSchedule)
     kl_controller: KlControllerSettings = field(default_factory=KlControllerSettings)
@@ -305,44 +308,18 @@ def apply_meta_gradients(
     return out
 
 
-def meta_update(
-    state: ControllerState,
-    entropy: float | None,
-    kl: float | None,
-    settings: ControllerSettings,
-    step: int,
-    lr_scale: float = 1.0,
-) -> ControllerState:
-    """Analytic meta step every ``meta.every`` steps:
-    ``tau <- clip(tau - lr_tau * (H - H*))``, ``beta <- max(0, beta + lr_beta * clip(KL - KL*, +-g))``.
+def meta_gradients(
+    entropy: float | None, kl: float | None, settings: ControllerSettings, step: int
+) -> tuple[float | None, float | None]:
+    """The analytic meta controller's gradients ``(H - H*, KL* - KL)`` at ``step``, for
+    :func:`apply_meta_gradients` (so ``tau <- clip(tau - lr_tau (H - H*))``,
+    ``beta <- max(0, beta + lr_beta clip(KL - KL*, +-g))``).
 
-    The tau part needs ``entropy`` and a tau target, the beta part ``kl`` and
-    ``kl_controller.target > 0``; otherwise that part is skipped.
+    A part is ``None`` (skipped) without its input: the tau part needs ``entropy`` and a
+    tau target, the beta part ``kl`` and ``kl_controller.target > 0``.
     """
-    if not settings.meta.enabled or step % settings.meta.every != 0:
-        return replace(state, step=step)
     target_h = target_entropy_at(settings.tau_schedule, step)
     tau_grad = None if entropy is None or target_h is None else entropy - target_h
     kl_target = settings.kl_controller.target
     beta_grad = None if kl is None or kl_target <= 0 else kl_target - kl
-    return apply_meta_gradients(state, settings, tau_grad=tau_grad, beta_grad=beta_grad, lr_scale=lr_scale, step=step)
-
-
-def controller_step(
-    state: ControllerState,
-    *,
-    entropy: float | None,
-    kl: float | None,
-    settings: ControllerSettings,
-    step: int,
-    lr_scale: float = 1.0,
-) -> ControllerState:
-    """The per-step controller update: the meta controller when enabled, else tau then beta."""
-    if settings.meta.enabled:
-        return meta_update(state, entropy, kl, settings, step, lr_scale)
-    if entropy is not None:
-        state = update_tau(state, entropy, settings.tau_schedule, step, lr_scale)
-    state = replace(state, step=step)
-    if kl is not None:
-        state = update_beta(state, kl, settings.kl_controller, step)
-    return state
+    return tau_grad, beta_grad

@@ -17,10 +17,11 @@ from typing import Any, Literal
 
 import yaml
 
-from maxent_grpo.errors import UserError
+from maxent_grpo.errors import ConfigError
 from maxent_grpo.methods import METHODS, get_method
 from maxent_grpo.rewards.user_code import resolve_reference
 from maxent_grpo.run_files import write_text_atomic
+from maxent_grpo.training.weighting_config import weighting_from_config
 # The sections live in config_schema.py; imported here so that ``training.config``
 # stays the one import for the whole configuration.
 from maxent_grpo.training.config_schema import (
@@ -42,10 +43,6 @@ from maxent_grpo.training.config_schema import (
     VllmConfig,
     XdrConfig,
 )
-
-
-class ConfigError(UserError, ValueError):
-    """A configuration problem; the message names the offending key."""
 
 
 __all__ = [
@@ -302,15 +299,11 @@ def validate(cfg: TrainConfig) -> None:
     _check(lo.delta is None or lo.delta > 1 + eps_high, "loss.delta",
            f"must be > 1 + epsilon_high = {1 + eps_high} (it caps the ratio above the clip), got {lo.delta}")
     _check(lo.dual_clip is None or lo.dual_clip > 1, "loss.dual_clip", "must be > 1")
-    _check(lo.beta >= 0, "loss.beta", f"must be >= 0, got {lo.beta}")
     _check(0 < lo.top_entropy_quantile <= 1, "loss.top_entropy_quantile", "must be in (0, 1]")
     _check(lo.entropy_coef >= 0, "loss.entropy_coef", "must be >= 0")
     _check(lo.max_gen_batches >= 1, "loss.max_gen_batches", "must be >= 1")
     _check(lo.rollout_correction_cap >= 1, "loss.rollout_correction_cap", f"must be >= 1, got {lo.rollout_correction_cap}")
-    m = cfg.maxent
-    _check(math.isfinite(m.tau) and m.tau >= 0, "maxent.tau", f"must be a finite number >= 0, got {m.tau}")
-    _check(m.q_temperature > 0, "maxent.q_temperature", "must be > 0")
-    _check(0 <= m.q_epsilon < 1, "maxent.q_epsilon", "must be in [0, 1)")
+    weighting_from_config(cfg)  # loss.beta, maxent.*: the bounds of the records the run builds
     _check(cfg.xdr.tau >= 0, "xdr.tau", f"must be >= 0 (use .inf for no reweighting), got {cfg.xdr.tau}")
     _check(cfg.xdr.lam >= 0, "xdr.lam", "must be >= 0")
     _check(cfg.seed_grpo.alpha >= 0, "seed_grpo.alpha", "must be >= 0")

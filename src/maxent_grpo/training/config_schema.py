@@ -171,6 +171,12 @@ class MaxEntConfig:
     kl_target: float = 0.0
     kl_horizon: int = 0
     kl_step_size: float = 0.0
+    # The analytic meta controller (ALGORITHMS.md §8): on when either rate is > 0, and it
+    # then replaces the tau and beta controllers above (their targets stay its targets).
+    meta_lr_tau: float = 0.0
+    meta_lr_beta: float = 0.0
+    meta_every: int = 1
+    meta_grad_clip: float = 0.0
 
 
 @dataclass

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from maxent_grpo.core.logprobs import get_per_token_logps
 from maxent_grpo.core.step import grpo_step, optimizer_update
 from maxent_grpo.errors import UserError
-from maxent_grpo.rewards.maxent import controller_state_dict, maybe_update_beta, maybe_update_tau
+from maxent_grpo.rewards.maxent import controller_state_dict, update_controllers
 from maxent_grpo.training.config import TrainConfig
 from maxent_grpo.training.checkpoint import find_latest_checkpoint
 from maxent_grpo.training.interrupt import RunInterrupted, StopSignals
@@ -121,10 +121,8 @@ def _update_and_log(run: Run, prepared, step: int, t_start: float, cpu_start: fl
 
     # Controllers run once per step on globally averaged inputs (§8).
     view = summarize_weight_stats(ctx.dist, prepared.weight_stats) if prepared.weight_stats is not None else None
-    if view is not None:
-        maybe_update_tau(ctx.weighting, view, step)
-    if "kl" in result.metrics:
-        maybe_update_beta(ctx.weighting, ctx.dist.mean(result.metrics["kl"]), step)
+    kl = ctx.dist.mean(result.metrics["kl"]) if "kl" in result.metrics else None
+    update_controllers(ctx.weighting, view, kl, step)
 
     timings["time/total"] = time.perf_counter() - t_start
     timings["step_cpu_time"] = time.process_time() - cpu_start

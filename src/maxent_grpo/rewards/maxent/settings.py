@@ -1,7 +1,7 @@
 """Listwise weighting hyperparameters: :class:`WeightingSettings` and its small settings records.
 
 ``WeightingSettings`` also carries the live controller state; the controller
-steps that update it are in :mod:`maxent_grpo.rewards.maxent`.
+steps that update it are in :mod:`maxent_grpo.rewards.maxent.controllers`.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ class QDistributionSettings:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise ValueError(f"q_distribution.temperature must be a finite number > 0, got {self.temperature}")
-        if not (math.isfinite(self.epsilon) and self.epsilon >= 0):
-            raise ValueError(f"q_distribution.epsilon must be a finite number >= 0, got {self.epsilon}")
+        if not 0 <= self.epsilon < 1:
+            raise ValueError(f"q_distribution.epsilon must be in [0, 1) (a floor on each q), got {self.epsilon}")
 
 
 @dataclass

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from maxent_grpo.core.weighting import listwise_weights, weight_entropy
-from maxent_grpo.rewards.reward_stats import RewardComputation
-from maxent_grpo.rewards.shapes import grouped
-from maxent_grpo.rewards.weighting_settings import WeightingSettings
+from maxent_grpo.rewards.maxent.reward_stats import RewardComputation
+from maxent_grpo.rewards.maxent.shapes import grouped
+from maxent_grpo.rewards.maxent.settings import WeightingSettings
 
 
 @dataclass(frozen=True)
@@ -125,22 +125,6 @@ def weight_matrix_from_q(
     ).detach()
 
 
-def weight_vector_from_q(
-    q_values: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    token_counts: torch.Tensor | None,
-    weighting_cfg: WeightingSettings,
-    *,
-    include_reference_term: bool = True,
-) -> torch.Tensor:
-    """:func:`weight_matrix_from_q` for one group: ``[G]`` in, ``[G]`` out."""
-    def row(x: torch.Tensor | None) -> torch.Tensor | None:
-        return None if x is None else x.unsqueeze(0)
-
-    return weight_matrix_from_q(row(q_values), row(ref_logp), row(token_counts), weighting_cfg,
-                                include_reference_term=include_reference_term).squeeze(0)
-
-
 def collect_weight_entropy(weights_grouped: torch.Tensor) -> tuple[float, float, float, torch.Tensor]:
     """(mean, min, max) of the per-group weight entropies and the listwise advantages ``w - 1/G`` flat."""
     h = weight_entropy(weights_grouped).to(torch.float64)
@@ -188,10 +172,3 @@ def compute_weight_stats(
                              f"got {ref_stats.ref_logp_sum.shape[0]}")
     weights = weight_matrix_from_q(reward_comp.q, ref_logp, token_counts, weighting_cfg)
     return _weight_stats(weights, active)
-
-
-def build_uniform_weight_stats(num_prompts: int, num_generations: int) -> WeightStats:
-    """Uniform ``1/G`` weights, the GRPO-style fallback."""
-    if num_prompts < 1 or num_generations < 1:
-        raise ValueError(f"num_prompts and num_generations must be >= 1, got {num_prompts}, {num_generations}")
-    return _weight_stats(torch.full((num_prompts, num_generations), 1.0 / num_generations))

@@ -27,8 +27,7 @@ from maxent_grpo.core.advantages import (
 from maxent_grpo.core.reward_entropy import entropy_bonus_rewards
 from maxent_grpo.core.seed_grpo import seed_grpo_scales
 from maxent_grpo.core.weighting import q_distribution
-from maxent_grpo.rewards.registry import RewardSpec, evaluate_rewards
-from maxent_grpo.rewards.shapes import check_num_generations, grouped
+from maxent_grpo.rewards.maxent.shapes import check_num_generations, grouped
 
 
 @dataclass(frozen=True)
@@ -212,34 +211,3 @@ def reward_moments(total: torch.Tensor) -> tuple[float, float]:
         return 0.0, 0.0
     std = float(known.std()) if known.numel() >= 2 else 0.0
     return float(known.mean()), std
-
-
-def group_advantages(
-    rewards: torch.Tensor | Sequence[Sequence[float]],
-    *,
-    scale_rewards: str = "group",
-    estimator: str = "grpo",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages of grouped rewards (``[P, G]`` tensor or equal-length lists): ``(grouped [P, G], flat [N])``."""
-    if not isinstance(rewards, torch.Tensor):
-        lengths = {len(group) for group in rewards}
-        if len(lengths) != 1:
-            raise ValueError(f"rewards: ragged groups (sizes {sorted(lengths)}); every group needs the same G")
-        rewards = torch.tensor([list(group) for group in rewards], dtype=torch.get_default_dtype())
-    if rewards.dim() != 2:
-        raise ValueError(f"rewards must be [P, G], got shape {tuple(rewards.shape)}")
-    g = rewards.shape[1]
-    check_num_generations(g)
-    flat = compute_advantages(rewards.reshape(-1), g, estimator=estimator, scale_rewards=scale_rewards)
-    return flat.view(-1, g), flat
-
-
-def compute_reward_totals(
-    reward_spec: RewardSpec, prompts: list, completions: list, columns: dict[str, list]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the reward functions; return the weighted totals ``[N]`` and the per-function values ``[N, K]``.
-
-    ``None`` results are NaN in the per-function values and left out of the totals (§2).
-    """
-    per_function = evaluate_rewards(reward_spec, prompts, completions, columns)
-    return combine_rewards(per_function, reward_spec.weight_tensor()), per_function

@@ -18,7 +18,7 @@ import json
 from collections.abc import Sequence
 
 from benchmarks.pair_sum import TASK as PAIR_SUM, score_pair_sum
-from maxent_grpo.rewards.answers import completion_text, extract_final_answer
+from maxent_grpo.tasks.answers import completion_text, extract_final_answer
 
 # Weights of (boxed_accuracy, boxed_format), the same on both sides.
 REWARD_NAMES = ("benchmarks.common_rewards:boxed_accuracy", "benchmarks.common_rewards:boxed_format")

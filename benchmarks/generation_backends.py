@@ -36,7 +36,8 @@ VARIANTS = (("hf", "float32"), ("vllm", "float32"), ("vllm_eager", "float32"),
 
 def _prompts(tokenizer, n: int) -> list[str]:
     from maxent_grpo.training.config import load_config
-    from maxent_grpo.training.data import format_prompt, load_prompt_dataset
+    from maxent_grpo.data.datasets import load_prompt_dataset
+    from maxent_grpo.data.prompts import format_prompt
 
     d = load_config(None).data  # the built-in default's task and its solved example
     rows = load_prompt_dataset(d.source, size=n, seed=1, instruction=d.instruction, task_kwargs=d.task_kwargs)

@@ -41,7 +41,7 @@ class EvalResult:
 
 def summarize_samples(scores: list[list[float]], answers: list[list[str | None]], ks: list[int]) -> tuple:
     """(mean score, {k: pass@k}, mean distinct correct answers) from per-prompt score and answer lists."""
-    from maxent_grpo.rewards.answers import canonical_answer
+    from maxent_grpo.tasks.answers import canonical_answer
 
     n = len(scores[0])
     flat = [s for row in scores for s in row]
@@ -59,7 +59,7 @@ def evaluate_model(model_dir: Path, task: str, prompts: int, samples: int, max_n
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from maxent_grpo.rewards.answers import extract_final_answer
+    from maxent_grpo.tasks.answers import extract_final_answer
 
     if samples < 1 or prompts < 1:
         raise ValueError(f"prompts and samples must be >= 1, got {prompts}, {samples}")

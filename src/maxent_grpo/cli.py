@@ -169,7 +169,7 @@ def _resume_command(argv: list[str]) -> str:
 
 
 def _eval(args) -> int:
-    from maxent_grpo.evaluate import run_eval_cli
+    from maxent_grpo.eval_command import run_eval_cli
 
     return run_eval_cli(args)
 

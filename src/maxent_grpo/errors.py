@@ -3,9 +3,9 @@
 A :class:`UserError` means bad input (a config key, a file, a dataset row, an
 unreachable server, an output folder in use): the command line prints its
 message on one line and exits non-zero. Every other exception is a bug and
-keeps its traceback. Each layer defines its own subclasses (``DataError``,
-``CheckpointError``, ...) next to the code that raises them; ``ConfigError`` is here
-because every layer that reads the config raises it.
+keeps its traceback. Each layer defines its own subclasses (``CheckpointError``,
+``RewardConfigError``, ...) next to the code that raises them; ``ConfigError`` and
+``DataError`` are here because several layers raise them.
 """
 
 from __future__ import annotations
@@ -17,3 +17,7 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
     """A configuration problem; the message names the offending dotted key."""
+
+
+class DataError(UserError, ValueError):
+    """A dataset cannot be used; the one-line message names the file, column or row."""

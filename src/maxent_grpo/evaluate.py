@@ -1,7 +1,9 @@
 """Evaluation: greedy pass@1, sampled pass@k, mean@k, distinct correct answers@k (§10).
 
 Used in the training loop (NeMo-RL's ``validate``, every ``eval.every_steps``)
-and by ``maxent-grpo eval`` for any saved model or checkpoint.
+and by ``maxent-grpo eval`` (:mod:`maxent_grpo.eval_command`) for any saved model
+or checkpoint. This module knows no config: both callers pass rows, rewards and
+sampling settings, so it sits below ``training``.
 
 What counts as correct: the FIRST reward function of the config decides. A
 completion is correct when that function gives at least ``CORRECT_THRESHOLD``
@@ -39,19 +41,17 @@ import numpy as np
 import torch
 
 from maxent_grpo.core.eval_metrics import PromptSamples, summarize_eval
-from maxent_grpo.rewards.answers import canonical_answer, extract_final_answer
+from maxent_grpo.data.prompts import FewShotExample, format_prompt
 from maxent_grpo.rewards.registry import RewardSpec, evaluate_rewards, grouped_reward_inputs
-from maxent_grpo.run_files import write_text_atomic
 from maxent_grpo.rollout.backend import GenerationBackend, RolloutBatch, SamplingParams, generate_groups
+from maxent_grpo.run_files import write_text_atomic
+from maxent_grpo.tasks.answers import canonical_answer, extract_final_answer
 from maxent_grpo.tasks.modebench import mode_info
-from maxent_grpo.training.config import ConfigError, FewShotExample
-from maxent_grpo.training.data import RG_PREFIX, format_prompt
 
 log = logging.getLogger("maxent_grpo")
 
 __all__ = [
-    "CORRECT_THRESHOLD", "eval_seed", "evaluate_prompts", "per_prompt_metrics", "per_task_means", "run_eval_cli", "select_eval_rows",
-    "write_eval_outputs",
+    "CORRECT_THRESHOLD", "eval_seed", "evaluate_prompts", "per_prompt_metrics", "per_task_means", "write_eval_outputs",
 ]
 
 # A completion is correct when the deciding reward function (the first one in the
@@ -200,58 +200,6 @@ def write_eval_outputs(out_dir: str | Path, summary: dict, records: list[dict]) 
         write_text_atomic(out / name, text)
 
 
-def select_eval_rows(dataset, eval_size: int, num_prompts: int, seed: int) -> list[dict]:
-    """The rows ``maxent-grpo eval`` evaluates.
-
-    With ``eval_size > 0``: the first ``num_prompts`` of the held-out split, the very
-    rows in-loop validation evaluates (never trained on). Otherwise the first
-    ``num_prompts`` rows of the dataset as configured: point ``data.source`` (or
-    ``data.split``) at a test set.
-    """
-    from maxent_grpo.training.data import split_train_eval
-
-    if isinstance(num_prompts, bool) or not isinstance(num_prompts, int) or num_prompts < 1:
-        raise ValueError(f"num_prompts must be a positive int, got {num_prompts!r}")
-    if eval_size:
-        _, held_out = split_train_eval(dataset, eval_size, seed)
-        return list(held_out)[:num_prompts]
-    return [dict(dataset[i]) for i in range(min(num_prompts, len(dataset)))]
-
-
-# Generated tasks are evaluated on problems drawn with this seed offset, never the run's own.
-FRESH_SEED_OFFSET = 1_000_003
-
-
-def fresh_task_rows(cfg, train_dataset, num_prompts: int) -> list[dict]:
-    """A reasoning-gym run without a held-out split: ``num_prompts`` problems generated from
-    another seed, leaving out any whose prompt the run trained on (small tasks repeat)."""
-    from maxent_grpo.training.data import load_prompt_dataset
-
-    seen = set(train_dataset["prompt"])
-    fresh = load_prompt_dataset(
-        cfg.data.source, size=max(4 * num_prompts, 64), seed=cfg.training.seed + FRESH_SEED_OFFSET,
-        instruction=cfg.data.instruction, task_kwargs=cfg.data.task_kwargs,
-    )
-    rows = [dict(r) for r in fresh if r["prompt"] not in seen][:num_prompts]
-    if not rows:
-        raise ConfigError(f"eval: every problem {cfg.data.source} generates is one the run trained on; "
-                          "set data.eval_size > 0 to hold some out")
-    return rows
-
-
-def warn_training_overlap(rows: list[dict], dataset, eval_size: int, seed: int, source: str) -> None:
-    """Warn when evaluation prompts are among the prompts the run trained on."""
-    from maxent_grpo.training.data import split_train_eval
-
-    train = split_train_eval(dataset, eval_size, seed)[0] if eval_size else dataset
-    seen = set(train["prompt"]) if isinstance(train[0]["prompt"], str) else {json.dumps(p) for p in train["prompt"]}
-    key = (lambda p: p) if isinstance(rows[0]["prompt"], str) else json.dumps
-    overlap = sum(key(r["prompt"]) in seen for r in rows)
-    if overlap:
-        log.warning("eval: %d of %d prompts are training rows of %s; set data.eval_size > 0 (a held-out split) "
-                    "or point data.source at a test set", overlap, len(rows), source)
-
-
 def per_task_means(per_prompt: list[dict]) -> dict[str, float]:
     """``<task>/<metric>``: each metric pooled over the prompts of each ModeBench task (empty without tasks)."""
     out: dict[str, float] = {}
@@ -260,58 +208,3 @@ def per_task_means(per_prompt: list[dict]) -> dict[str, float]:
         for name in [n for n in mine[0] if "@" in n and all(n in p for p in mine)]:
             out[f"{task}/{name}"] = sum(p[name] for p in mine) / len(mine)
     return out
-
-
-def run_eval_cli(args) -> int:
-    """``maxent-grpo eval MODEL --output DIR [--config FILE] [--set K=V] [-k K] [--num-prompts N]``.
-
-    Data, rewards and sampling settings come from the config (``--config``/``--set``);
-    the prompts from :func:`select_eval_rows`; correctness from the config's first
-    reward function (see the module docstring). Writes ``DIR/summary.json`` (the
-    metrics, ``num_prompts``, ``model``, the ``deciding_reward`` and, on ModeBench
-    rows, ``<task>/<metric>`` pooled per task), ``DIR/completions.jsonl`` (one record
-    per completion) and ``DIR/per_prompt.jsonl`` (every metric per prompt).
-    """
-    from maxent_grpo.models import load_model_and_tokenizer, parse_dtype, resolve_model_path
-    from maxent_grpo.rewards.registry import build_reward_spec
-    from maxent_grpo.rollout.hf import HFGenerationBackend
-    from maxent_grpo.training.config import load_config
-    from maxent_grpo.training.data import load_prompt_dataset
-    from maxent_grpo.training.precision import bf16_is_fast, resolve_precision
-
-    for flag, value in (("-k", args.k), ("--num-prompts", args.num_prompts)):
-        if value is not None and value < 1:
-            raise ConfigError(f"{flag} must be >= 1, got {value}")
-    cfg = resolve_precision(load_config(args.config, args.set), bf16_is_fast(torch.device("cpu")))
-    k = args.k if args.k is not None else cfg.eval.k
-    n = args.num_prompts if args.num_prompts is not None else cfg.eval.num_prompts
-    dataset = load_prompt_dataset(
-        cfg.data.source, split=cfg.data.split, prompt_column=cfg.data.prompt_column,
-        answer_column=cfg.data.answer_column, size=cfg.data.size, seed=cfg.training.seed,
-        instruction=cfg.data.instruction, task_kwargs=cfg.data.task_kwargs,
-    )
-    rows = select_eval_rows(dataset, cfg.data.eval_size, n, cfg.training.seed)
-    if not cfg.data.eval_size and cfg.data.source.startswith(RG_PREFIX):
-        rows = fresh_task_rows(cfg, dataset, n)
-    warn_training_overlap(rows, dataset, cfg.data.eval_size, cfg.training.seed, cfg.data.source)
-    spec = build_reward_spec(cfg.rewards)
-    model, tokenizer = load_model_and_tokenizer(resolve_model_path(args.model), dtype=cfg.model.dtype, device="cpu")
-    g = cfg.generation
-    sampling = SamplingParams(
-        max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, stop=tuple(g.stop),
-    )
-    backend = HFGenerationBackend(
-        model, tokenizer, batch_size=g.batch_size, dtype=None if g.dtype is None else parse_dtype(g.dtype),
-        share_prompts=cfg.training.share_prompts,
-    )
-    torch.manual_seed(eval_seed(cfg.training.seed))
-    summary, records = evaluate_prompts(
-        backend, tokenizer, rows, spec, k=k, sampling=sampling,
-        system_prompt=cfg.data.system_prompt, few_shot=cfg.data.few_shot,
-    )
-    summary.update(per_task_means(per_prompt_metrics(records, k)))
-    summary["model"] = str(args.model)
-    summary["deciding_reward"] = spec.names[0]
-    write_eval_outputs(args.output, summary, records)
-    print(json.dumps(summary, indent=2))
-    return 0

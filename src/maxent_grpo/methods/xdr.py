@@ -10,7 +10,7 @@ import torch
 
 from maxent_grpo.core.weighting import mode_adaptive_tau, xdr_multipliers, xdr_utilities
 from maxent_grpo.methods.registry import Method, MethodTargets, TargetInputs, register
-from maxent_grpo.rewards.answers import canonical_answer, extract_final_answer
+from maxent_grpo.tasks.answers import canonical_answer, extract_final_answer
 
 
 def distinct_best_answers(texts: list[str], total: torch.Tensor, g: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
-from maxent_grpo.rewards.answers import canonical_answer, completion_text, extract_boxed, extract_final_answer
+from maxent_grpo.tasks.answers import canonical_answer, completion_text, extract_boxed, extract_final_answer
 
 RewardFunction = Callable[..., list[float | None]]
 LengthUnit = Literal["chars", "tokens"]

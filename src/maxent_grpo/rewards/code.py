@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from maxent_grpo.rewards.answers import completion_text
+from maxent_grpo.tasks.answers import completion_text
 from maxent_grpo.rewards.builtin import RewardFunction, _column, _named
 from maxent_grpo.rewards.sandbox import SandboxLimits, SandboxResult, require_isolation, run_many
 

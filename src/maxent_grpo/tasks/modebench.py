@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from maxent_grpo.rewards.answers import completion_text, extract_final_answer
+from maxent_grpo.tasks.answers import completion_text, extract_final_answer
 from maxent_grpo.tasks import coloring, countdown, pair_sum
 
 __all__ = ["EVAL_SEED", "PREFIX", "TASKS", "Task", "mode_info", "modebench_reward", "modebench_rows", "row_mode_key"]

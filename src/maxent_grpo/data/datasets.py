@@ -1,4 +1,4 @@
-"""Prompt datasets: loading (files, hub cache, reasoning-gym), chat formatting, sampling.
+"""Prompt datasets: loading (files, hub cache, reasoning-gym, ModeBench, HumanEval), splitting, sampling.
 
 Every loader returns a `datasets.Dataset` with the standard columns `prompt`
 (a str, or a list of chat messages) and, when the source has one, `answer` (a
@@ -11,25 +11,20 @@ from __future__ import annotations
 
 import difflib
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from maxent_grpo.errors import UserError
-from maxent_grpo.training.config import FewShotExample
-from maxent_grpo.training.human_eval_data import HUMAN_EVAL_SOURCE, load_human_eval
+from maxent_grpo.data.human_eval import HUMAN_EVAL_SOURCE, load_human_eval
+from maxent_grpo.errors import DataError
 
 DEFAULT_INSTRUCTION = "Put your final answer within \\boxed{}."
 RG_PREFIX = "reasoning_gym:"
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 MODEBENCH_PREFIX = "modebench:"  # maxent_grpo.tasks.modebench: tasks with several valid answers
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-
-
-class DataError(UserError, ValueError):
-    """A dataset cannot be used; the one-line message names the file, column or row."""
 
 
 def _one_line(exc: BaseException) -> str:
@@ -254,46 +249,6 @@ def split_train_eval(dataset, eval_size: int | float, seed: int):
         raise ValueError(f"eval_size must be in [1, {n - 1}] for a dataset of {n} rows, got {eval_size}")
     split = dataset.train_test_split(test_size=eval_size, seed=seed, shuffle=True)
     return split["train"], split["test"]
-
-
-# -------------------------------------------------------------- formatting
-
-
-def format_prompt(
-    tokenizer,
-    prompt: str | Sequence[Mapping[str, str]],
-    *,
-    system_prompt: str | None = None,
-    few_shot: Sequence[FewShotExample] = (),
-) -> str:
-    """The prompt as the model sees it: the tokenizer's chat template applied with
-    the generation prompt opened. A str becomes one user message; a message list
-    is used as is. `system_prompt` is prepended (an error if the prompt has its own);
-    each `few_shot` example becomes a user turn and an assistant turn, after any
-    system message and before the prompt's own messages."""
-    if not tokenizer.chat_template:
-        raise ValueError(f"tokenizer of {tokenizer.name_or_path!r} has no chat template; prompts cannot be formatted")
-    if isinstance(prompt, str):
-        messages = [{"role": "user", "content": prompt}]
-    elif isinstance(prompt, Sequence) and all(isinstance(m, Mapping) for m in prompt):
-        messages = [dict(m) for m in prompt]
-    else:
-        raise ValueError(f"prompt must be a str or a list of messages, got {type(prompt).__name__}")
-    if system_prompt is not None:
-        if any(m.get("role") == "system" for m in messages):
-            raise ValueError("system_prompt is set but the prompt has its own system message")
-        messages = [{"role": "system", "content": system_prompt}, *messages]
-    if few_shot:
-        head = 1 if messages[0].get("role") == "system" else 0
-        turns = [
-            turn for ex in few_shot
-            for turn in ({"role": "user", "content": ex.prompt}, {"role": "assistant", "content": ex.completion})
-        ]
-        messages = [*messages[:head], *turns, *messages[head:]]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    if not isinstance(text, str):
-        raise ValueError(f"chat template of {tokenizer.name_or_path!r} returned {type(text).__name__}, not a str")
-    return text
 
 
 # ---------------------------------------------------------------- sampling

@@ -1,4 +1,4 @@
-"""Final-answer extraction and canonicalisation, shared by rewards and SEED clustering.
+"""Final-answer extraction and canonicalisation, shared by tasks, rewards, evaluation and SEED clustering.
 
 Pure string functions: no model, no math-verify. `extract_final_answer` finds what
 a completion claims as its answer; `canonical_answer` maps equal answers written

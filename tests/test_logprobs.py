@@ -468,3 +468,14 @@ def test_benchmark_script_smoke_run():
         capture_output=True, text=True, timeout=300, check=True,
     )
     _check_table(out.stdout)
+
+
+def test_per_token_logp_is_the_mean_per_token_and_keeps_empty_completions_at_zero():
+    from maxent_grpo.core.logprobs import per_token_logp
+
+    sums = torch.tensor([[-6.0, -9.0], [0.0, -2.5]], dtype=torch.float64)
+    counts = torch.tensor([[3, 2], [0, 5]])
+    assert per_token_logp(sums, counts).tolist() == [[-2.0, -4.5], [0.0, -0.5]]
+    assert per_token_logp(sums, counts).dtype == torch.float64
+    with pytest.raises(ValueError, match="shape"):
+        per_token_logp(sums, counts[0])

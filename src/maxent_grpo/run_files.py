@@ -26,7 +26,12 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a folder's entries (a rename into it, a new file) durable."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

@@ -33,8 +33,23 @@ __all__ = [
     "compute_per_token_logps_and_entropies",
     "get_per_token_logps",
     "get_per_token_logps_and_entropies",
+    "per_token_logp",
     "selective_logps",
 ]
+
+
+def per_token_logp(seq_logp_sum: torch.Tensor, token_counts: torch.Tensor) -> torch.Tensor:
+    """The one length normalisation of a sequence log-prob: its mean per completion token.
+
+    ``seq_logp_sum`` (any shape) is summed over ``token_counts`` (same shape) tokens. The
+    raw sum favours short completions; the listwise reference term, xDr's reference
+    anchor and SEED's cluster masses all use this mean instead. A completion with no
+    token counts as one, so its sum (0) stays 0.
+    """
+    if token_counts.shape != seq_logp_sum.shape:
+        raise ValueError(f"token_counts {tuple(token_counts.shape)} must have the shape of "
+                         f"seq_logp_sum {tuple(seq_logp_sum.shape)}")
+    return seq_logp_sum / token_counts.to(seq_logp_sum.dtype).clamp(min=1)
 
 
 def _check_prompt_length(prompt_length: int, seq_len: int) -> int:

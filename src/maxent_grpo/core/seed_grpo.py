@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from maxent_grpo.core.logprobs import per_token_logp
+
 __all__ = ["cluster_ids_from_answers", "semantic_entropy", "seed_grpo_scales"]
 
 
@@ -73,7 +75,7 @@ def semantic_entropy(
     _check_inputs(cluster_ids, seq_logps, token_counts, length_normalize)
     l = seq_logps.detach()
     if length_normalize:
-        l = l / token_counts.to(l.dtype).clamp(min=1)
+        l = per_token_logp(l, token_counts)
     log_total = torch.logsumexp(l, dim=-1, keepdim=True)  # [P, 1]
     same = cluster_ids[:, :, None] == cluster_ids[:, None, :]  # [P, G, G]: j in cluster of i
     in_cluster = torch.where(same, l[:, None, :], torch.full_like(same, float("-inf"), dtype=l.dtype))

@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from maxent_grpo.core.logprobs import per_token_logp
+
 __all__ = [
     "q_distribution",
     "listwise_weights",
@@ -119,7 +121,7 @@ def listwise_weights(
         return _argmax_set_uniform(log_q)
     logits = log_q
     if use_ref:
-        lref = ref_logp / token_counts.clamp(min=1) if length_normalize else ref_logp
+        lref = per_token_logp(ref_logp, token_counts) if length_normalize else ref_logp
         logits = logits + beta * lref
     return torch.softmax(logits / denom, dim=-1)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from maxent_grpo.core.logprobs import per_token_logp
 from maxent_grpo.core.weighting import mode_adaptive_tau, xdr_multipliers, xdr_utilities
 from maxent_grpo.methods.registry import Method, MethodTargets, TargetInputs, register
 from maxent_grpo.tasks.answers import canonical_answer, extract_final_answer
@@ -39,7 +40,7 @@ def xdr_targets(inputs: TargetInputs) -> MethodTargets:
         tau = mode_adaptive_tau(cfg.xdr.tau, distinct_best_answers(inputs.completion_texts, rc.total, g))
     ref_seq = None
     if inputs.ref_logp_sum is not None and cfg.xdr.lam > 0:
-        ref_seq = (inputs.ref_logp_sum / inputs.lengths.clamp(min=1)).view(-1, g)
+        ref_seq = per_token_logp(inputs.ref_logp_sum, inputs.lengths).view(-1, g)
     weights = xdr_multipliers(util, lengths > 0, tau, lam=cfg.xdr.lam, ref_logp=ref_seq)
     return MethodTargets(row_weights=weights.reshape(-1))
 

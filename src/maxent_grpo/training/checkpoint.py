@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from maxent_grpo.errors import UserError
+from maxent_grpo.run_files import fsync_dir, write_text_atomic
 
 __all__ = [
     "CHECKPOINTS_DIRNAME",
@@ -125,11 +126,11 @@ def save_checkpoint(
         displaced = root / f".tmp-replaced-step-{step}-{os.getpid()}"
         os.rename(final, displaced)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         shutil.rmtree(displaced)
     else:
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
 
     if keep_last is not None:
         _prune(root, keep_last=keep_last, keep=final)
@@ -160,10 +161,10 @@ def _write_contents(tmp: Path, step: int, model, tokenizer, optimizer, lr_schedu
         files[path.relative_to(tmp).as_posix()] = {"size": size, "sha256": digest}
     manifest = {"version": MANIFEST_VERSION, "step": step, "model_format": model_format, "files": files}
     # The manifest goes last: a folder with a manifest has everything the manifest lists.
-    _write_synced(tmp / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True))
+    write_text_atomic(tmp / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True))
     for sub in sorted((p for p in tmp.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
-        _fsync_dir(sub)
-    _fsync_dir(tmp)
+        fsync_dir(sub)
+    fsync_dir(tmp)
 
 
 def _is_peft_model(model: Any) -> bool:
@@ -229,21 +230,6 @@ def _fsync_and_hash(path: Path) -> tuple[int, str]:
             size += len(chunk)
         os.fsync(f.fileno())
     return size, digest.hexdigest()
-
-
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _prune(root: Path, *, keep_last: int, keep: Path) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from maxent_grpo.core.logprobs import per_token_logp
 from maxent_grpo.core.weighting import listwise_weights, weight_entropy
 from maxent_grpo.rewards.maxent.reward_stats import RewardComputation
 from maxent_grpo.rewards.maxent.shapes import grouped
@@ -36,7 +37,7 @@ class ReferenceLogprobs:
     @property
     def ref_logp_per_token(self) -> torch.Tensor:
         """Length-normalised log-probs ``sum / max(T, 1)``."""
-        return self.ref_logp_sum / self.ref_tok_counts.to(self.ref_logp_sum.dtype).clamp(min=1)
+        return per_token_logp(self.ref_logp_sum, self.ref_tok_counts)
 
     @property
     def ref_logp_mean(self) -> float:

@@ -6,11 +6,13 @@ import json
 import random
 
 import pytest
+import torch
 
 from maxent_grpo.core.eval_metrics import coverage_at_k, distinct_at_k
 from maxent_grpo.rewards.registry import REWARD_FUNCTIONS
 from maxent_grpo.tasks import coloring, countdown, pair_sum
-from maxent_grpo.tasks.modebench import TASKS, mode_info, modebench_rows
+from maxent_grpo.methods.xdr import distinct_best_answers
+from maxent_grpo.tasks.modebench import TASKS, answer_key, mode_info, modebench_rows
 from maxent_grpo.data.datasets import load_prompt_dataset
 from maxent_grpo.errors import DataError
 
@@ -161,6 +163,21 @@ def test_reward_and_mode_keyed_coverage():
     # Two modes among four samples, of n // 2 valid ones.
     distinct = distinct_at_k(keys, [s == 1.0 for s in scores], 4)
     assert distinct == 2 and coverage_at_k(distinct, mode_info(row, texts[0])[1]) == 2 / (n // 2)
+
+
+def test_seed_clusters_and_mode_adaptive_kappa_count_modes():
+    """SEED's clusters and xDr's kappa use the mode key on ModeBench rows: `1 + n-1` and
+    `n-1+1` are one answer there; elsewhere the canonical final answer decides."""
+    row = modebench_rows("pair_sum", size=1, seed=0, split="eval")[0]
+    n = json.loads(row["mb_problem"])["target"]
+    texts = [f"\\boxed{{1 + {n - 1}}}", f"\\boxed{{{n - 1}+1}}", f"\\boxed{{2 + {n - 2}}}", "\\boxed{1 + 1}"]
+    keys = [answer_key(row, t) for t in texts]
+    assert keys[0] == keys[1] != keys[2] and keys[3] is None
+    total = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0])  # two groups of four
+    assert distinct_best_answers(keys + keys, total, 4).tolist() == [1.0, 2.0]
+    plain = {"prompt": "2 + 2?", "answer": "4"}
+    assert answer_key(plain, "so \\boxed{4.0}") == answer_key(plain, "\\boxed{4}") == "4"
+    assert answer_key(plain, "no answer") is None
 
 
 def test_data_source():

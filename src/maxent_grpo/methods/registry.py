@@ -32,6 +32,7 @@ class TargetInputs:
     weighting: WeightingSettings
     reward_comp: RewardComputation
     completion_texts: list[str]
+    answer_keys: list[str | None]  # [N] tasks.modebench.answer_key of each completion
     num_generations: int
     lengths: torch.Tensor  # [N] completion tokens
     ref_logp_sum: torch.Tensor | None  # [N] reference log-probs summed over completion tokens

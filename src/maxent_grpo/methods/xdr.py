@@ -1,7 +1,8 @@
 """xDr (ALGORITHMS.md §5): Dr.GRPO plus a tempered group aggregation. Each completion's
 token term is multiplied by ``G * softmax(U / tau)`` within its group, ``U_i = A_i T_i / L_max``
 (frozen at the rollout policy); mode-adaptive xDr divides tau by ``ln(1 + kappa)``, kappa
-the number of distinct best answers in the group. The preset is Dr.GRPO's, as published.
+the number of distinct best answers in the group (a ModeBench row's
+answers compared by mode key). The preset is Dr.GRPO's, as published.
 """
 
 from __future__ import annotations
@@ -11,22 +12,16 @@ import torch
 from maxent_grpo.core.logprobs import per_token_logp
 from maxent_grpo.core.weighting import mode_adaptive_tau, xdr_multipliers, xdr_utilities
 from maxent_grpo.methods.registry import Method, MethodTargets, TargetInputs, register
-from maxent_grpo.tasks.answers import canonical_answer, extract_final_answer
 
 
-def distinct_best_answers(texts: list[str], total: torch.Tensor, g: int) -> torch.Tensor:
-    """``[P]`` kappa: distinct final answers among each group's top-reward completions (top > 0)."""
+def distinct_best_answers(keys: list[str | None], total: torch.Tensor, g: int) -> torch.Tensor:
+    """``[P]`` kappa: distinct answer keys among each group's top-reward completions (top > 0)."""
     grouped = total.view(-1, g)
     best = grouped.max(dim=1).values
-    kappa = []
-    for p in range(grouped.shape[0]):
-        answers = set()
-        for i in range(g):
-            if best[p] > 0 and grouped[p, i] == best[p]:
-                answer = extract_final_answer(texts[p * g + i])
-                if answer is not None:
-                    answers.add(canonical_answer(answer))
-        kappa.append(len(answers))
+    kappa = [
+        len({keys[p * g + i] for i in range(g) if best[p] > 0 and grouped[p, i] == best[p]} - {None})
+        for p in range(grouped.shape[0])
+    ]
     return torch.tensor(kappa, dtype=torch.float64)
 
 
@@ -37,7 +32,7 @@ def xdr_targets(inputs: TargetInputs) -> MethodTargets:
     util = xdr_utilities(rc.advantages.view(-1, g), lengths, cfg.generation.max_new_tokens)
     tau: float | torch.Tensor = cfg.xdr.tau
     if cfg.xdr.mode_adaptive:
-        tau = mode_adaptive_tau(cfg.xdr.tau, distinct_best_answers(inputs.completion_texts, rc.total, g))
+        tau = mode_adaptive_tau(cfg.xdr.tau, distinct_best_answers(inputs.answer_keys, rc.total, g))
     ref_seq = None
     if inputs.ref_logp_sum is not None and cfg.xdr.lam > 0:
         ref_seq = per_token_logp(inputs.ref_logp_sum, inputs.lengths).view(-1, g)

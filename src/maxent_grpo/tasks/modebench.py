@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from maxent_grpo.tasks.answers import completion_text, extract_final_answer
+from maxent_grpo.tasks.answers import canonical_answer, completion_text, extract_final_answer
 from maxent_grpo.tasks import coloring, countdown, pair_sum
 
 __all__ = ["EVAL_SEED", "PREFIX", "TASKS", "Task", "mode_info", "modebench_reward", "modebench_rows", "row_mode_key"]
@@ -174,6 +174,17 @@ def mode_info(row: Mapping[str, Any], completion: str) -> tuple[str | None, int]
         return None
     problem = json.loads(row["mb_problem"])
     return TASKS[row["mb_task"]].mode_key(extract_final_answer(completion), problem), int(problem["num_valid"])
+
+
+def answer_key(row: Mapping[str, Any], completion: str) -> str | None:
+    """What makes two completions one answer: on a ModeBench row its task's mode key (``3 + 4``
+    and ``4+3`` are one mode of pair_sum), else the canonical final answer; None without one.
+    SEED's clusters and mode-adaptive xDr's kappa count answers by it."""
+    modes = mode_info(row, completion)
+    if modes is not None:
+        return modes[0]
+    answer = extract_final_answer(completion)
+    return None if answer is None else canonical_answer(answer)
 
 
 def make_modebench_reward() -> Callable[..., list[float | None]]:

@@ -23,7 +23,7 @@ from maxent_grpo.core.logprobs import get_per_token_logps_and_entropies
 from maxent_grpo.core.seed_grpo import cluster_ids_from_answers
 from maxent_grpo.core.step import MicroBatch
 from maxent_grpo.methods import Method, TargetInputs
-from maxent_grpo.tasks.answers import canonical_answer, extract_final_answer
+from maxent_grpo.tasks.modebench import answer_key
 from maxent_grpo.rewards.maxent import (
     RewardComputation,
     SeedGrpoInputs,
@@ -209,13 +209,6 @@ def _rollout_and_rewards(ctx: PipelineContext, rows: list[dict], more_rows: Call
     return kept_rows, rollout, per_fn, {"dynamic_sampling/groups_seen": float(seen)}
 
 
-def _final_answers(texts: list[str], g: int) -> list[list[str | None]]:
-    """Canonical final answer of each completion, grouped ``[P][G]`` (None when there is none)."""
-    answers = [extract_final_answer(t) for t in texts]
-    canon = [canonical_answer(a) if a is not None else None for a in answers]
-    return [canon[i : i + g] for i in range(0, len(canon), g)]
-
-
 def score_rows(ctx: PipelineContext, packed: PackedRollout, fn, with_entropy: bool = False):
     """Run ``fn`` (a model scorer) over micro-batches under no_grad; concatenate. The one chunked
     scoring loop: reference, pre-update policy (``num_iterations > 1``) and policy entropy use it."""
@@ -247,15 +240,14 @@ def _policy_entropy(ctx: PipelineContext, packed: PackedRollout) -> torch.Tensor
     return ((ent * m).sum(1) / m.sum(1).clamp(min=1)).cpu()
 
 
-def _seed_inputs(ctx: PipelineContext, rollout: RolloutBatch, packed: PackedRollout):
+def _seed_inputs(ctx: PipelineContext, keys: list[str | None], packed: PackedRollout, g: int):
     if not ctx.method.seed_scaling:
         return None
     if packed.behaviour_logps is None:
         raise SkipBatch("seed_grpo", "the generator returned no behaviour log-probs")
     sg = ctx.cfg.seed_grpo
-    answers = _final_answers(rollout.completion_texts, rollout.num_generations)
     return SeedGrpoInputs(
-        cluster_ids=cluster_ids_from_answers(answers).reshape(-1),
+        cluster_ids=cluster_ids_from_answers([keys[i : i + g] for i in range(0, len(keys), g)]).reshape(-1),
         seq_logps=(packed.behaviour_logps * packed.completion_mask).sum(1).cpu(),
         token_counts=packed.completion_mask.sum(1).cpu(),
         alpha=sg.alpha,
@@ -315,6 +307,7 @@ def _score_and_weight(ctx: PipelineContext, rows, rollout, per_fn, stats, timing
         packed.completion_mask[packed.truncated] = 0.0
     g = rollout.num_generations
     t1 = time.perf_counter()
+    keys = [answer_key(rows[i // g], text) for i, text in enumerate(rollout.completion_texts)]
     reward_comp = compute_reward_statistics(
         per_fn, ctx.reward_spec.weight_tensor(), g,
         names=ctx.reward_spec.names,
@@ -324,7 +317,7 @@ def _score_and_weight(ctx: PipelineContext, rows, rollout, per_fn, stats, timing
         advantage_estimator=cfg.loss.advantage_estimator,
         truncated=packed.truncated.cpu(),
         zero_truncated_completion_rewards=cfg.loss.zero_truncated_completion_rewards,
-        seed_grpo=_seed_inputs(ctx, rollout, packed),
+        seed_grpo=_seed_inputs(ctx, keys, packed, g),
     )
     if cfg.loss.policy_entropy_bonus_coef > 0:
         reward_comp = apply_policy_entropy_bonus(
@@ -341,7 +334,7 @@ def _score_and_weight(ctx: PipelineContext, rows, rollout, per_fn, stats, timing
     counts = packed.completion_mask.sum(1).cpu()
     targets = ctx.method.targets(TargetInputs(
         cfg=cfg, weighting=ctx.weighting, reward_comp=reward_comp, completion_texts=rollout.completion_texts,
-        num_generations=g, lengths=counts,
+        answer_keys=keys, num_generations=g, lengths=counts,
         ref_logp_sum=None if ref_logps is None else (ref_logps * packed.completion_mask).sum(1).cpu(),
     ))
     groups = [rollout.completion_ids[i : i + g] for i in range(0, len(rollout.completion_ids), g)]

@@ -1,11 +1,13 @@
 """FSDP2 (``training.strategy: fsdp2``) on 2 gloo processes: the single-process gradient,
-the gathered weights, exact resume and a checkpoint ``from_pretrained`` loads; and the
-config combinations it refuses."""
+the gathered weights, exact resume, a checkpoint ``from_pretrained`` loads and a save that
+fails cleanly; and the config combinations it refuses."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from maxent_grpo.training.checkpoint import verify_checkpoint
 from maxent_grpo.training.config import ConfigError, GenerationConfig, load_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -90,6 +93,59 @@ def test_fsdp2_run_trains_resumes_exactly_and_saves_a_hugging_face_model(tiny_mo
     # The resumed run ends on the same weights.
     resumed = AutoModelForCausalLM.from_pretrained(part / "checkpoints" / "step-3")
     assert all(torch.equal(p, q) for p, q in zip(trained.parameters(), resumed.parameters()))
+
+
+# The CLI as torchrun's -m starts it, after lowering the file-size limit of the ranks listed in
+# SMALL_FILE_RANKS: a write past it fails with EFBIG (Python ignores SIGXFSZ), as on a full disk.
+_CLI_WITH_SMALL_FILES = """\
+import os, resource, runpy
+if os.environ["RANK"] in os.environ["SMALL_FILE_RANKS"].split(","):
+    limit = int(os.environ["SMALL_FILE_LIMIT"])
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+runpy.run_module("maxent_grpo.cli", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", ["0,1", "1"], ids=["every-rank", "rank-1-only"])
+def test_a_failing_fsdp2_save_stops_every_rank_with_one_line_and_keeps_the_earlier_checkpoint(
+    ranks, tiny_model_dir, tmp_path
+):
+    """The optimizer shards of step 2 (DCP) do not fit, on every rank or on one: no rank hangs or
+    prints a traceback, no staging folder is left, and step 1 is named and intact."""
+    out, logs = tmp_path / "run", tmp_path / "logs"
+    fsdp2 = ("training.strategy=fsdp2",)
+    proc = _torchrun(_args(tiny_model_dir, out, 1, *fsdp2))
+    assert proc.returncode == 0, _rank_errors(proc)
+    previous = out / "checkpoints" / "step-1"
+    # As in test_run_safety: half the weights file. Each rank's optimizer shard is larger (AdamW keeps
+    # two values per weight of its half), so step 2 fails in dcp.save, before rank 0 writes the weights.
+    limit = (previous / "model.safetensors").stat().st_size // 2
+    env = {**os.environ, "MAXENT_GRPO_LOG": "WARNING", "OMP_NUM_THREADS": "1",
+           "SMALL_FILE_RANKS": ranks, "SMALL_FILE_LIMIT": str(limit)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           # Each rank's output in its own file: torchrun's report of a failed worker is a traceback of its own.
+           "--log-dir", str(logs), "--redirects", "3",
+           "--no-python", sys.executable, "-c", _CLI_WITH_SMALL_FILES,
+           *_args(tiny_model_dir, out, 3, *fsdp2), "--resume"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, launcher_err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and the workers
+        proc.communicate()
+        pytest.fail("the run hung after the failed save")
+    assert proc.returncode != 0, launcher_err[-3000:]
+
+    for rank in (0, 1):
+        err = next(logs.rglob(f"attempt_0/{rank}/stderr.log")).read_text()
+        assert "Traceback" not in err, err
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("maxent-grpo: error: could not save the checkpoint of step 2: "), err
+        assert "File too large" in last and last.endswith(f"the latest complete checkpoint is {previous}"), last
+    assert verify_checkpoint(previous)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1"]  # no .tmp-* folders
 
 
 @pytest.mark.parametrize(

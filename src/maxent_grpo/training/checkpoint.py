@@ -137,6 +137,25 @@ def save_checkpoint(
     return final
 
 
+def describe_write_error(err: BaseException, where: str | Path) -> str:
+    """One line for a write the machine refused (a full disk, EFBIG, permissions): the
+    reason and the file, or ``where`` when the error names none."""
+    if isinstance(err, OSError):
+        return f"{err.strerror or err} ({err.filename or where})"
+    # safetensors reports the same I/O errors as its own SafetensorError; torch.save's zip writer
+    # (inside DCP) as a RuntimeError
+    text = str(err).removeprefix("Error while serializing: ").strip()
+    return f"{text.splitlines()[0] if text else type(err).__name__} ({where})"
+
+
+def save_failed(output_dir: str | Path, step: int, failure: str) -> CheckpointError:
+    """The error of a save that failed with ``failure`` (every process raises the same): it names
+    the step and the checkpoint to resume from, which the failed save has left intact."""
+    latest = find_latest_checkpoint(output_dir)
+    kept = f"the latest complete checkpoint is {latest}" if latest else "there is no earlier checkpoint"
+    return CheckpointError(f"could not save the checkpoint of step {step}: {failure}; {kept}")
+
+
 def _write_contents(tmp: Path, step: int, model, tokenizer, optimizer, lr_scheduler, state_text: str,
                     model_state_dict, sharded_optimizer) -> None:
     model_format = "peft" if _is_peft_model(model) else "full"

@@ -22,7 +22,10 @@ from maxent_grpo.rewards.registry import build_reward_spec
 from maxent_grpo.rollout.backend import SamplingParams
 from maxent_grpo.rollout.hf import HFGenerationBackend
 from maxent_grpo.run_files import write_text_atomic
-from maxent_grpo.training.checkpoint import CheckpointError, find_latest_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
+from maxent_grpo.training.checkpoint import (
+    CheckpointError, describe_write_error, find_latest_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint,
+    save_failed,
+)
 from maxent_grpo.training.config import ConfigError, TrainConfig, save_config, to_dict
 from maxent_grpo.data.datasets import PromptSampler, load_prompt_dataset, split_train_eval
 from maxent_grpo.training.distributed import DataParallelPolicy, Dist
@@ -97,16 +100,14 @@ class Run:
                     optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
                     trainer_state=state, keep_last=self.cfg.checkpoint.keep_last,
                 )
-            except OSError as err:  # disk full, permissions: the earlier checkpoints are untouched
-                failure = f"{err.strerror or err} ({err.filename or self.output_dir})"
-            except SafetensorError as err:  # safetensors reports the same I/O errors as its own
-                failure = f"{str(err).removeprefix('Error while serializing: ')} ({self.output_dir})"
+            # Disk full, permissions (safetensors reports the same I/O errors as its own): the
+            # earlier checkpoints are untouched.
+            except (OSError, SafetensorError) as err:
+                failure = describe_write_error(err, self.output_dir)
         # Also the barrier: every rank learns whether the save worked.
         failure = self.ctx.dist.broadcast_object(failure)
         if failure is not None:
-            latest = find_latest_checkpoint(self.output_dir)
-            kept = f"the latest complete checkpoint is {latest}" if latest else "there is no earlier checkpoint"
-            raise CheckpointError(f"could not save the checkpoint of step {step}: {failure}; {kept}")
+            raise save_failed(self.output_dir, step, failure)
         return path
 
     def finish(self) -> None:

@@ -8,27 +8,34 @@ moves into the checkpoint as ``optimizer/`` before writing the manifest, so the
 checkpoint is still published by one atomic rename. The folder must be on a
 file system every rank sees (one machine, or a shared one across nodes).
 
-Both functions are collectives: every rank calls them.
+Both functions are collectives: every rank calls them. A save that fails (a full
+disk, on any rank) fails on every rank alike, with a ``CheckpointError`` naming
+the latest complete checkpoint, and leaves no staging folder behind.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from maxent_grpo.training.checkpoint import (
     CheckpointError,
     CHECKPOINTS_DIRNAME,
     SHARDED_OPTIMIZER_DIR,
+    describe_write_error,
     read_full_weights,
     restore_run_state,
     save_checkpoint,
+    save_failed,
     verify_checkpoint,
 )
 from maxent_grpo.training.sharding import full_state_dict, load_full_state_dict
@@ -57,15 +64,40 @@ def save_sharded_checkpoint(
     name = [str(Path(output_dir) / CHECKPOINTS_DIRNAME / f".tmp-optimizer-step-{step}-{os.getpid()}")]
     dist.broadcast_object_list(name, src=0)
     staging = Path(name[0])
-    dcp.save(optim_state, checkpoint_id=staging)
+    failure = None
+    try:
+        dcp.save(optim_state, checkpoint_id=staging)
+    except CheckpointException as err:
+        # DCP gathers every rank's write error and raises them on all ranks, once all are done writing.
+        failure = "; ".join(f"rank {rank}: {describe_write_error(exc, output_dir)}"
+                            for rank, (exc, _) in sorted(err.failures.items()))
     path = None
     if dist.get_rank() == 0:
-        path = save_checkpoint(
-            output_dir, step, model=model, tokenizer=tokenizer, optimizer=None, lr_scheduler=lr_scheduler,
-            trainer_state=trainer_state, keep_last=keep_last, model_state_dict=weights, sharded_optimizer=staging,
-        )
-    dist.barrier()
+        if failure is None:
+            try:
+                path = save_checkpoint(
+                    output_dir, step, model=model, tokenizer=tokenizer, optimizer=None, lr_scheduler=lr_scheduler,
+                    trainer_state=trainer_state, keep_last=keep_last, model_state_dict=weights,
+                    sharded_optimizer=staging,
+                )
+            except (OSError, SafetensorError) as err:  # its .tmp folder is removed, the older checkpoints kept
+                failure = describe_write_error(err, output_dir)
+        if failure is not None:
+            # The shards written before the failure (save_checkpoint removes them once it has moved them).
+            shutil.rmtree(staging, ignore_errors=True)
+    # Instead of a barrier, which would hang the other ranks if rank 0 had failed: every rank
+    # learns of a failure on any rank, and all raise the same error.
+    failure = _first_failure(failure)
+    if failure is not None:
+        raise save_failed(output_dir, step, failure)
     return path
+
+
+def _first_failure(failure: str | None) -> str | None:
+    """The first rank's failure (None on every rank when no rank failed); a collective."""
+    failures: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    return next((f for f in failures if f is not None), None)
 
 
 def _tied_copies(model: torch.nn.Module) -> list[str]:

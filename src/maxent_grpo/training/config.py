@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import types
 import typing
 from pathlib import Path

@@ -175,7 +175,7 @@ class MaxEntConfig:
 
 @dataclass
 class XdrConfig:
-    tau: float = 1.0
+    tau: float = 0.05  # the paper's best; tau >= 0.5 is null there (recipes/xdr.yaml)
     lam: float = 0.0
     mode_adaptive: bool = False
 

@@ -241,14 +241,15 @@ print(json.dumps(out))
 
 @needs_namespaces
 def test_timeouts_output_cap_and_memory_limit():
+    # Bounds are the properties, not timings: on a loaded machine a second of CPU takes longer.
     start = time.monotonic()
     loop = run_sandboxed("import time\nwhile True: time.sleep(1)", timeout_s=1.5)
-    assert loop.timed_out and not loop.passed and time.monotonic() - start < 3.5
+    assert loop.timed_out and not loop.passed and time.monotonic() - start < 15  # killed at the wall limit
     spin = run_sandboxed("while True: pass", timeout_s=20, cpu_s=1)
-    assert not spin.passed and not spin.timed_out and spin.duration_s < 5  # RLIMIT_CPU killed it
+    assert not spin.passed and not spin.timed_out  # RLIMIT_CPU killed it, long before the 20 s wall limit
     flood = run_sandboxed("import sys\nwhile True: sys.stdout.write('y' * 100_000)", timeout_s=20,
                           file_size_mb=4, max_output_bytes=1000)
-    assert flood.output_overflow and not flood.passed and len(flood.stdout) == 1000 and flood.duration_s < 10
+    assert flood.output_overflow and not flood.passed and len(flood.stdout) == 1000 and not flood.timed_out
     memory = run_sandboxed("x = bytearray(10 * 1024 ** 3)", memory_mb=256)
     assert not memory.passed and "MemoryError" in memory.stderr
     bigfile = run_sandboxed("open('f', 'wb').write(b'z' * (8 << 20))", file_size_mb=2)

@@ -46,6 +46,17 @@ ARMS: dict[str, dict] = {
     "seed_dr_grpo": {"method": "seed_grpo", **DR_GRPO_LOSS, "seed_grpo.alpha": 1.0},
     "token_maxent": {"method": "maxent_entropy", **DR_GRPO_LOSS, "loss.entropy_coef": 0.01},
 }
+# A screen for MaxEnt listwise's best configuration at this budget (not in the default study):
+# python -m benchmarks.modebench run --arms listwise_ce,... --seeds 0 --results benchmarks/results/modebench_listwise
+LISTWISE = {"method": "maxent_listwise", **DR_GRPO_LOSS}
+LISTWISE_SCREEN: dict[str, dict] = {
+    "listwise_ce": {**LISTWISE, "maxent.tau": 0.5, "maxent.listwise_loss": "cross_entropy"},
+    **{f"listwise_tau{t}": {**LISTWISE, "maxent.tau": t, "maxent.listwise_loss": "weighted_mle"} for t in (0.1, 0.25)},
+    # The tau controller steering the weight entropy toward 1.0 nats (uniform over 8 is 2.08).
+    "listwise_controller": {**LISTWISE, "maxent.tau": 0.5, "maxent.listwise_loss": "weighted_mle",
+                            "maxent.tau_target_entropy": 1.0, "maxent.tau_lr": 0.5},
+}
+ALL_ARMS = {**ARMS, **LISTWISE_SCREEN}
 TRAIN_SEEDS = (0, 1, 2)
 EVAL_SEEDS = (0, 1)
 EVAL_PROBLEMS_PER_TASK = 4  # pair_sum has only 4 eval problems (n = 6, 9, 12, 15)
@@ -97,7 +108,7 @@ def run_one(arm: str, seed: int, *, results: Path, work: Path, base: list[str], 
     run_dir = work / arm / f"seed{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
     log = out / "log.txt"
-    overrides = {**ARMS[arm], "training.seed": seed, "logging.report_to": [], "logging.progress_bar": False,
+    overrides = {**ALL_ARMS[arm], "training.seed": seed, "logging.report_to": [], "logging.progress_bar": False,
                  "checkpoint.save_steps": 0, "eval.every_steps": 0}
     t0 = time.time()
     if arm == START:  # the start model, untrained: evaluated like every arm
@@ -141,9 +152,9 @@ def _env(threads: int | None) -> dict:
 
 def cmd_run(args) -> int:
     arms = args.arms.split(",") if args.arms else list(ARMS)
-    unknown = [a for a in arms if a not in ARMS]
+    unknown = [a for a in arms if a not in ALL_ARMS]
     if unknown:
-        raise ValueError(f"--arms: unknown {unknown}; choose from {list(ARMS)}")
+        raise ValueError(f"--arms: unknown {unknown}; choose from {list(ALL_ARMS)}")
     seeds = [int(s) for s in args.seeds.split(",")]
     base = ["--config", str(args.config), *[a for kv in args.set for a in ("--set", kv)]]
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="modebench-"))
@@ -180,7 +191,7 @@ def cmd_eval_child(args) -> int:
 def cmd_analyze(args) -> int:
     from benchmarks.modebench_stats import analyze
 
-    print(analyze(args.results, args.plots or args.results, baseline="dr_grpo", arms=ARMS))
+    print(analyze(args.results, args.plots or args.results, baseline="dr_grpo", arms=ALL_ARMS))
     return 0
 
 
@@ -214,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="train and evaluate every (arm, seed) not in the results yet")
-    run.add_argument("--arms", help=f"comma-separated subset of {list(ARMS)}")
+    run.add_argument("--arms", help=f"comma-separated, of {list(ALL_ARMS)} (default: the study's {list(ARMS)})")
     run.add_argument("--seeds", default=",".join(map(str, TRAIN_SEEDS)), help="training seeds")
     run.add_argument("--eval-seeds", default=",".join(map(str, EVAL_SEEDS)), help="evaluation seeds")
     run.add_argument("--eval-problems", type=int, default=EVAL_PROBLEMS_PER_TASK, help="eval problems per task")

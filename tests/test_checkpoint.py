@@ -251,8 +251,24 @@ KILL_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
-def test_sigkill_during_saves_never_leaves_an_accepted_but_unloadable_checkpoint(tmp_path):
+def _check_after_kill(out, saver, last_step: int) -> int:
+    """What a SIGKILL at any moment must leave: the latest checkpoint loads, exactly, and is newer
+    than ``last_step``; the dead writer's staging folder is cleaned up. Returns its step."""
+    model, optimizer, scheduler = saver.make()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an atomic save never leaves a damaged step-N behind
+        latest = find_latest_checkpoint(out)
+    assert latest is not None
+    state = load_checkpoint(latest, model=model, optimizer=optimizer, lr_scheduler=scheduler, verify=False)
+    assert state["step"] == int(latest.name[5:]) > last_step
+    assert len(state["blob"]) == 20000
+    assert optimizer.state[model.weight]["step"].item() == state["step"]
+    assert len(list_checkpoints(out)) <= 3
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+    return state["step"]
+
+
+def _saver(tmp_path):
     import importlib.util
 
     script = tmp_path / "saver.py"
@@ -260,33 +276,46 @@ def test_sigkill_during_saves_never_leaves_an_accepted_but_unloadable_checkpoint
     spec = importlib.util.spec_from_file_location("saver", script)
     saver = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(saver)
-    model, optimizer, scheduler = saver.make()
+    return script, saver
+
+
+@pytest.mark.slow
+def test_sigkill_inside_each_phase_of_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    """The writer kills itself at a named point of a save (kill_points): after the first file,
+    between two files, and with the folder complete but not yet renamed. Each kill lands inside
+    the save, whatever the machine's speed."""
+    script, saver = _saver(tmp_path)
+    out = tmp_path / "run"
+    last_step = 0
+    for point in ("save.after_first_file", "save.between_files", "save.before_rename"):
+        target = last_step + 2  # the save of last_step + 1 completes first
+        env = {**os.environ, "MAXENT_GRPO_KILL_AT": f"{point}@{target}"}
+        proc = subprocess.Popen([sys.executable, str(script), str(out)], env=env)
+        assert proc.wait(timeout=600) == -signal.SIGKILL, f"{point}: the saver was not killed there"
+        # The save of `target` was under way: its staging folder carries the dead writer's pid.
+        assert (out / "checkpoints" / f".tmp-step-{target}-{proc.pid}").is_dir(), point
+        assert not (out / "checkpoints" / f"step-{target}").exists()
+        last_step = _check_after_kill(out, saver, last_step)
+        assert last_step == target - 1
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_during_saves_never_leaves_an_unloadable_checkpoint(tmp_path):
+    """Extra coverage at moments nobody chose: wherever each kill lands (in a save or between
+    two), the latest checkpoint loads exactly."""
+    script, saver = _saver(tmp_path)
     out = tmp_path / "run"
     rng = random.Random(0)
     last_step = 0
-    interrupted_saves = 0
-    for _ in range(3):
+    for _ in range(2):
         proc = subprocess.Popen([sys.executable, str(script), str(out)])
-        deadline = time.monotonic() + 120
-        # Wait until this process has written something new, then kill it at a random moment.
+        # Wait (for an event, not a time) until this process has written something new.
+        deadline = time.monotonic() + 600  # only a hung saver reaches it
         while not list_checkpoints(out) or int(list_checkpoints(out)[-1].name[5:]) <= last_step:
             assert proc.poll() is None, "saver exited early"
-            assert time.monotonic() < deadline, "saver wrote no checkpoint in time"
+            assert time.monotonic() < deadline, "saver wrote no checkpoint"
             time.sleep(0.01)
         time.sleep(rng.uniform(0.0, 0.8))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        interrupted_saves += any(p.name.startswith(".tmp") for p in (out / "checkpoints").iterdir())
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # an atomic save never leaves a damaged step-N behind
-            latest = find_latest_checkpoint(out)
-        assert latest is not None
-        state = load_checkpoint(latest, model=model, optimizer=optimizer, lr_scheduler=scheduler, verify=False)
-        assert state["step"] == int(latest.name[5:]) > last_step
-        assert len(state["blob"]) == 20000
-        assert optimizer.state[model.weight]["step"].item() == state["step"]
-        last_step = state["step"]
-        assert len(list_checkpoints(out)) <= 3
-        assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp")]
-    # Saves are most of the loop's time: some kill must have landed in the middle of one.
-    assert interrupted_saves >= 1
+        last_step = _check_after_kill(out, saver, last_step)

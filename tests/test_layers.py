@@ -14,7 +14,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Lowest first. A module's floor is that of its longest matching prefix.
 FLOORS = [
-    ("maxent_grpo.errors", "maxent_grpo.run_files"),
+    ("maxent_grpo.errors", "maxent_grpo.run_files", "maxent_grpo.kill_points"),
     ("maxent_grpo.core",),
     ("maxent_grpo.rollout", "maxent_grpo.tasks"),
     ("maxent_grpo.rewards",),  # the reward functions

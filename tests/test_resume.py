@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -72,50 +70,25 @@ def _latest_step(out) -> int:
     return int(latest.name.split("-")[1]) if latest is not None else 0
 
 
-def _kill_when(proc, ready, delay: float = 0.0) -> bool:
-    """SIGKILL ``proc`` ``delay`` seconds after ``ready()`` first holds; False if it exited first."""
-    while proc.poll() is None:
-        if ready():
-            time.sleep(delay)
-            if proc.poll() is None:
-                proc.kill()
-                return True
-            return False
-        time.sleep(0.002)
-    return False
-
-
 @pytest.mark.slow
-def test_sigkill_at_random_moments_then_resume(tiny_model_dir, reference_run, tmp_path):
-    """Kill the run at moments chosen by what it is doing, not by the clock (a fast machine
-    finishes before any fixed delay): at a random point of the step after a checkpoint
-    (generation, backward, metrics), and while a checkpoint is being written. Resume each time."""
-    ref_dir, expected = reference_run
-    step_time = max(r["step_time"] for r in read_metrics(ref_dir / "metrics.jsonl"))
-    out, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    rng = random.Random(0)
-    env = {**os.environ, "MAXENT_GRPO_LOG": "WARNING"}
-    plans = ["mid-step", "mid-save", "mid-step", "mid-save"]
-    kills = 0
-    for attempt in range(len(plans) + 1):
-        args = _args(tiny_model_dir, out, 6) + (["--resume"] if attempt else [])
+def test_sigkill_at_named_points_then_resume(tiny_model_dir, reference_run, tmp_path):
+    """The run kills itself (kill_points) mid-step after the backward, inside a save between two
+    files, halfway through a metrics line, and with a complete save not yet renamed; it is resumed
+    each time and ends where the unbroken run ends, with the same metrics."""
+    _, expected = reference_run
+    out = tmp_path / "run"
+    points = ["step.after_backward", "save.between_files", "metrics.mid_line", "save.before_rename"]
+    for attempt, point in enumerate(points):
         start = _latest_step(out)
-        proc = subprocess.Popen([sys.executable, "-m", "maxent_grpo.cli", *args], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if attempt < len(plans) and plans[attempt] == "mid-step":
-            kills += _kill_when(proc, lambda: (ckpts / f"step-{start + 1}").is_dir(), rng.uniform(0, step_time))
-        elif attempt < len(plans):
-            # The folder a save is being written into carries the writer's pid.
-            kills += _kill_when(proc, lambda: any(ckpts.glob(f".tmp-step-*-{proc.pid}")))
-        _, err = proc.communicate(timeout=600)
-        if proc.returncode == 0:
-            break
-        assert proc.returncode == -signal.SIGKILL, err
-    else:
-        pytest.fail("the run never completed")
-    assert kills >= 3, f"only {kills} of the kills landed before the run finished"
-    got = _comparable(read_metrics(out / "metrics.jsonl"))
-    assert got == expected
+        target = start + 2  # the step after `start + 1`, which completes with its checkpoint
+        env = {**os.environ, "MAXENT_GRPO_LOG": "WARNING", "MAXENT_GRPO_KILL_AT": f"{point}@{target}"}
+        args = _args(tiny_model_dir, out, 6) + (["--resume"] if attempt else [])
+        proc = subprocess.run([sys.executable, "-m", "maxent_grpo.cli", *args], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=600)
+        assert proc.returncode == -signal.SIGKILL, f"{point}@{target}: {proc.stderr[-3000:]}"
+        assert _latest_step(out) == target - 1, point
+    assert main([*_args(tiny_model_dir, out, 6), "--resume"]) == 0
+    assert _comparable(read_metrics(out / "metrics.jsonl")) == expected
     assert find_latest_checkpoint(out).name == "step-6"
 
 

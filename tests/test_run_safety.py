@@ -135,7 +135,7 @@ def test_two_runs_cannot_share_a_folder(tiny_model_dir, tmp_path, capsys):
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from pathlib import Path; "
          "from maxent_grpo.training.run_dir import claim_output_dir; "
-         "lock = claim_output_dir(Path(sys.argv[1]), resume=False, overwrite=False); print('held', flush=True); time.sleep(60)",
+         "lock = claim_output_dir(Path(sys.argv[1]), resume=False, overwrite=False); print('held', flush=True); time.sleep(3600)",
          str(out)], stdout=subprocess.PIPE, text=True,
     )
     try:

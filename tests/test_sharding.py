@@ -106,6 +106,35 @@ runpy.run_module("maxent_grpo.cli", run_name="__main__", alter_sys=True)
 """
 
 
+_PROCESS_GROUP_WORKER = """\
+import os, sys
+import torch.distributed as dist
+from maxent_grpo.training.distributed import process_group
+
+try:
+    with process_group() as d:
+        d.barrier()
+        if sys.argv[1] == "error":
+            raise RuntimeError("a failing run")
+except RuntimeError:
+    pass
+assert not dist.is_initialized()
+os.write(1, f"left {d.rank}\\n".encode())  # one write: the ranks share the pipe
+"""
+
+
+@pytest.mark.parametrize("how", ["success", "error"])
+def test_a_run_leaves_its_process_group_on_success_and_on_error(how):
+    """The group is destroyed while the interpreter is whole: a gloo group left for exit to destroy
+    aborts a rank now and then (``terminate called without an active exception``, SIGABRT)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "--no-python", sys.executable, "-c", _PROCESS_GROUP_WORKER, how]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(proc.stdout.split("\n")[:-1]) == ["left 0", "left 1"], proc.stdout
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", ["0,1", "1"], ids=["every-rank", "rank-1-only"])
 def test_a_failing_fsdp2_save_stops_every_rank_with_one_line_and_keeps_the_earlier_checkpoint(
@@ -137,6 +166,7 @@ def test_a_failing_fsdp2_save_stops_every_rank_with_one_line_and_keeps_the_earli
         proc.communicate()
         pytest.fail("the run hung after the failed save")
     assert proc.returncode != 0, launcher_err[-3000:]
+    assert "SIGABRT" not in launcher_err, launcher_err[-3000:]  # no rank died in teardown
 
     for rank in (0, 1):
         err = next(logs.rglob(f"attempt_0/{rank}/stderr.log")).read_text()

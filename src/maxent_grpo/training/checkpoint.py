@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from maxent_grpo.errors import UserError
+from maxent_grpo.kill_points import kill_point
 from maxent_grpo.run_files import fsync_dir, write_text_atomic
 
 __all__ = [
@@ -120,6 +121,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # a failed save (disk full...) leaves no debris
         raise
 
+    kill_point("save.before_rename", step)
     if final.exists():
         # Re-saving a step (after resuming from an earlier one): move the old one out of
         # the way first, so a crash in between leaves the older checkpoints intact.
@@ -163,12 +165,14 @@ def _write_contents(tmp: Path, step: int, model, tokenizer, optimizer, lr_schedu
         model.save_pretrained(tmp)
     else:
         model.save_pretrained(tmp, state_dict=model_state_dict)
+    kill_point("save.after_first_file", step)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     if sharded_optimizer is not None:
         os.rename(sharded_optimizer, tmp / SHARDED_OPTIMIZER_DIR)
     else:
         torch.save(optimizer.state_dict(), tmp / OPTIMIZER_NAME)
+    kill_point("save.between_files", step)
     if lr_scheduler is not None:
         torch.save(lr_scheduler.state_dict(), tmp / SCHEDULER_NAME)
     torch.save(_capture_rng_state(), tmp / RNG_STATE_NAME)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +95,25 @@ class Dist:
         out: list = [None] * self.world_size
         dist.all_gather_object(out, list(values))
         return [v for part in out for v in part]
+
+
+@contextmanager
+def process_group() -> Iterator[Dist]:
+    """Join the launcher's process group for the block and leave it at the block's end, on
+    success and on error alike.
+
+    A gloo group left for the interpreter's exit to destroy can abort the process
+    (``terminate called without an active exception``, SIGABRT): its worker threads still
+    hold work objects whose tensors are freed while Python is being torn down (pytorch
+    #179291, #190489). Destroying it while the interpreter is whole avoids that. A group
+    that was already joined when the block started (by the caller) is the caller's to leave.
+    """
+    joined_here = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not (dist.is_available() and dist.is_initialized())
+    try:
+        yield Dist.init()
+    finally:
+        if joined_here and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 class DataParallelPolicy(torch.nn.parallel.DistributedDataParallel):

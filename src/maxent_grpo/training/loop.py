@@ -17,9 +17,11 @@ from tqdm.auto import tqdm
 from maxent_grpo.core.logprobs import get_per_token_logps
 from maxent_grpo.core.step import grpo_step, optimizer_update
 from maxent_grpo.errors import UserError
+from maxent_grpo.kill_points import kill_point
 from maxent_grpo.rewards.maxent import controller_state_dict, update_controllers
 from maxent_grpo.training.config import TrainConfig
 from maxent_grpo.training.checkpoint import find_latest_checkpoint
+from maxent_grpo.training.distributed import process_group
 from maxent_grpo.training.interrupt import RunInterrupted, StopSignals
 from maxent_grpo.training.metrics import MetricsLog, log_training_step, read_metrics, summarize_weight_stats
 from maxent_grpo.training.pipeline import prepare_training_batch, score_rows
@@ -48,13 +50,14 @@ def train(
 ) -> RunSummary:
     """Train according to ``cfg``. Raises :class:`RunInterrupted` on SIGINT/SIGTERM (after
     saving), :class:`TrainingError` when batches keep failing (after saving)."""
-    run = build_run(cfg, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change)
-    stop = StopSignals.install()
-    try:
-        return _train(run, stop)
-    finally:
-        run.finish()
-        stop.restore()
+    with process_group():
+        run = build_run(cfg, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change)
+        stop = StopSignals.install()
+        try:
+            return _train(run, stop)
+        finally:
+            run.finish()
+            stop.restore()
 
 
 def _train(run: Run, stop: StopSignals) -> RunSummary:
@@ -114,7 +117,7 @@ def _update_and_log(run: Run, prepared, step: int, t_start: float, cpu_start: fl
     cfg, ctx = run.cfg, run.ctx
     timings = dict(prepared.timings)
     t_policy = time.perf_counter()
-    result = _policy_update(run, prepared, timings)
+    result = _policy_update(run, prepared, step + 1, timings)
     ctx.backend.sync_weights(ctx.model)
     timings["time/policy"] = time.perf_counter() - t_policy - timings["time/optimizer"]
     step += 1
@@ -140,11 +143,13 @@ def _update_and_log(run: Run, prepared, step: int, t_start: float, cpu_start: fl
     return step
 
 
-def _policy_update(run: Run, prepared, timings: dict):
+def _policy_update(run: Run, prepared, step: int, timings: dict):
+    """Train on ``prepared`` as optimizer step ``step``."""
     cfg, ctx = run.cfg, run.ctx
     timings["time/optimizer"] = 0.0
 
     def timed_update(*args):
+        kill_point("step.after_backward", step)
         t0 = time.perf_counter()
         try:
             return optimizer_update(*args)

@@ -28,6 +28,7 @@ import torch
 from maxent_grpo.core.rollout_correction import MismatchSums, combine_mismatch_sums, mismatch_metrics
 from maxent_grpo.core.step import StepResult
 from maxent_grpo.training.distributed import Dist
+from maxent_grpo.kill_points import kill_point
 from maxent_grpo.run_files import read_metrics, write_text_atomic
 from maxent_grpo.rewards.maxent import RewardComputation, WeightLoggingView, WeightStats
 from maxent_grpo.training.pipeline import PreparedBatch
@@ -189,6 +190,11 @@ class MetricsLog:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         line = json.dumps(clean, allow_nan=False, default=float)
         with open(self.path, "a") as fh:
-            fh.write(line + "\n")
+            # In two writes so that a crash-safety test can kill the run between them (kill_points).
+            half = len(line) // 2
+            fh.write(line[:half])
+            fh.flush()
+            kill_point("metrics.mid_line", record["step"])
+            fh.write(line[half:] + "\n")
             fh.flush()
             os.fsync(fh.fileno())

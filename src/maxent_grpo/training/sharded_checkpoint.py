@@ -87,12 +87,11 @@ def save_sharded_checkpoint(
             shutil.rmtree(staging, ignore_errors=True)
     # Instead of a barrier, which would hang the other ranks if rank 0 had failed: every rank
     # learns of a failure on any rank, and all raise the same error.
+    # The all-gather is also the save's closing synchronisation: no rank goes on before rank 0
+    # has published the checkpoint.
     failure = _first_failure(failure)
     if failure is not None:
         raise save_failed(output_dir, step, failure)
-    # The barrier the save always ended with, kept after the all-gather: without it one fresh-clone
-    # CI run saw a rank abort (SIGABRT) at the end of a 1-step run; the cause is not established.
-    dist.barrier()
     return path
 
 

@@ -316,6 +316,12 @@ def validate(cfg: TrainConfig) -> None:
         _check(r.timeout_s is None or r.timeout_s > 0, f"rewards[{i}].timeout_s", f"must be > 0, got {r.timeout_s}")
     _check(cfg.eval.k >= 1, "eval.k", "must be >= 1")
     _check(
+        not (cfg.model.dtype == "bfloat16" and t.autocast_bf16 is False),
+        "training.autocast_bf16",
+        "false contradicts model.dtype: bfloat16 (bf16 compute by autocast over float32 master weights); "
+        "for float32 compute set model.dtype: float32",
+    )
+    _check(
         g.dtype in (None, "auto") or not cfg.model.lora.enabled,
         "generation.dtype",
         "a separate generation copy is not supported with model.lora.enabled; set it to null",

@@ -14,7 +14,7 @@ from maxent_grpo.training.config import TrainConfig
 HELP: dict[str, str] = {
     "method": "training method, one of maxent_grpo.methods: " + ", ".join(sorted(METHODS)) + " (each brings its preset; see README)",
     "model.name_or_path": "local folder, hub name, or smollm2-135m-instruct (the packaged model)",
-    "model.dtype": "dtype of the trained weights",
+    "model.dtype": "compute dtype; trained weights stay float32 (fp32 master weights), bfloat16 means bf16 autocast",
     "model.lora.enabled": "train LoRA adapters (peft); the reference is the base model with adapters off",
     "model.lora.r": "LoRA rank",
     "model.lora.alpha": "LoRA scaling alpha",

@@ -1,4 +1,14 @@
-"""Resolve ``auto`` precision settings against the device the run is on.
+"""Precision: the dtype the trained weights live in, and ``auto`` resolved against the device.
+
+``model.dtype`` is the compute dtype. The weights that are trained are kept and
+updated in float32 (fp32 master weights, as TRL, verl, NeMo-RL and prime-rl do):
+AdamW on bf16 weights loses its updates, since a bf16 weight ``w`` can only move
+by steps larger than about ``|w| * 2**-9``, and a first step moves each weight by
+about the learning rate (at lr 1e-6, 2% of the tiny model's weights moved at
+all). ``model.dtype: bfloat16`` therefore means bf16 compute: autocast under DDP
+and on one process, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
+under FSDP2 on a GPU. Frozen weights (a LoRA base, the reference model) are
+stored in ``model.dtype``; LoRA adapters stay float32 (peft upcasts them).
 
 bfloat16 sampling (``generation.dtype``) and bf16 autocast
 (``training.autocast_bf16``) pay off only where the hardware multiplies bf16
@@ -28,15 +38,24 @@ def bf16_is_fast(device: torch.device) -> bool:
     return False
 
 
+def master_dtype(model_dtype: str, lora: bool) -> str:
+    """The dtype the policy is loaded in: float32 for weights that are trained (float64 when
+    asked for), ``model_dtype`` for a LoRA base (frozen; its adapters are float32)."""
+    if lora or model_dtype == "float64":
+        return model_dtype
+    return "float32"
+
+
 def resolve_precision(cfg: TrainConfig, fast_bf16: bool) -> TrainConfig:
-    """``cfg`` with every ``auto`` precision replaced: bf16 when ``fast_bf16``, else float32."""
+    """``cfg`` with every ``auto`` precision replaced: bf16 when ``fast_bf16``, else float32;
+    bf16 autocast whenever ``model.dtype`` is bfloat16 (the compute dtype)."""
     g, t = cfg.generation, cfg.training
     # A LoRA policy, or an FSDP2 policy sampled by HF generate, samples from itself
     # (config.validate): no copy to make. A vLLM engine always holds its own weights.
     own = cfg.model.lora.enabled or (t.strategy == "fsdp2" and g.backend == "hf")
     auto_dtype = "bfloat16" if fast_bf16 and not own else None
     dtype = auto_dtype if g.dtype == "auto" else g.dtype
-    autocast = fast_bf16 if t.autocast_bf16 == "auto" else t.autocast_bf16
+    autocast = (fast_bf16 or cfg.model.dtype == "bfloat16") if t.autocast_bf16 == "auto" else t.autocast_bf16
     if (dtype, autocast) == (g.dtype, t.autocast_bf16):
         return cfg
     log.info("precision auto (%s bf16): generation.dtype=%s, training.autocast_bf16=%s",

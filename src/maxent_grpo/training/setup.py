@@ -31,7 +31,7 @@ from maxent_grpo.data.datasets import PromptSampler, load_prompt_dataset, split_
 from maxent_grpo.training.distributed import DataParallelPolicy, Dist
 from maxent_grpo.methods import get_method
 from maxent_grpo.training.pipeline import PipelineContext
-from maxent_grpo.training.precision import bf16_is_fast, resolve_precision
+from maxent_grpo.training.precision import bf16_is_fast, master_dtype, resolve_precision
 from maxent_grpo.training.run_dir import (
     RunDirError, RunLock, claim_output_dir, config_history, history_line, resume_changes,
 )
@@ -243,7 +243,9 @@ def build_run(
         ))
     log.info("method %s: family=%s loss=%s weighting=%s", method.name, method.family, method.policy_loss(cfg), method.weighting)
 
-    model, tokenizer = load_model_and_tokenizer(model_path, dtype=cfg.model.dtype, device=dist.device)
+    model, tokenizer = load_model_and_tokenizer(
+        model_path, dtype=master_dtype(cfg.model.dtype, cfg.model.lora.enabled), device=dist.device,
+    )
     if cfg.model.lora.enabled:
         lc = cfg.model.lora
         model = apply_lora(model, r=lc.r, alpha=lc.alpha, dropout=lc.dropout, target_modules=lc.target_modules)

@@ -1,8 +1,8 @@
 """Synthetic GRPO batches for the step tests, and a 2-process DDP step (run with torchrun).
 
 ``python -m torch.distributed.run --standalone --nproc_per_node 2 ddp_step_worker.py MODEL_DIR OUT``
-runs one ``grpo_step`` with the rows split over the ranks and writes rank 0's
-parameter update (SGD, lr=1, so it equals minus the gradient) to ``OUT``.
+runs ``grpo_step`` with the rows split over the ranks (two micro-batches each) and writes rank 0's
+parameter update (SGD, lr=1, so it equals minus the gradient) and all-reduce count to ``OUT``.
 """
 
 from __future__ import annotations
@@ -66,37 +66,45 @@ def micro_batches(rows: dict[str, torch.Tensor], bounds, **extra: torch.Tensor) 
 
 
 def main(model_dir: str, out_path: str) -> None:
+    """One step with the gradient reduced once (``ddp_gradient_sync``, as the trainer runs it) and
+    one with it reduced after every micro-batch; DDP's comm hook counts the all-reduces of each."""
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     from maxent_grpo.core.step import grpo_step
-
-    class DDPWithConfig(DistributedDataParallel):
-        # get_per_token_logps_and_entropies reads model.config.
-        @property
-        def config(self):
-            return self.module.config
+    from maxent_grpo.training.distributed import DataParallelPolicy, ddp_gradient_sync
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = load_model(model_dir)
-    rows = build_rows(model)
-    half = len(LENGTHS) // world
-    lo = rank * half
-    mine = micro_batches(rows, [(lo, lo + half // 2), (lo + half // 2, lo + half)])
-    ddp = DDPWithConfig(model)
-    before = [p.detach().clone() for p in model.parameters()]
 
     def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(t)
         return t
 
-    result = grpo_step(ddp, torch.optim.SGD(ddp.parameters(), lr=1.0), mine, num_generations=4,
-                       beta=0.05, loss_type="dapo", all_reduce_sum=all_reduce_sum, world_size=world,
-                       share_prompts=False)  # the test compares to 1e-10 (see test_step._step)
+    saved = {}
+    for name, once in (("once", True), ("every", False)):
+        model = load_model(model_dir)
+        rows = build_rows(model)
+        half = len(LENGTHS) // world
+        lo = rank * half
+        mine = micro_batches(rows, [(lo, lo + half // 2), (lo + half // 2, lo + half)])
+        ddp = DataParallelPolicy(model, gradient_as_bucket_view=True)
+        all_reduces = []
+
+        def counting_hook(state, bucket, calls=all_reduces):
+            calls.append(bucket.index())
+            return allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(None, counting_hook)
+        before = [p.detach().clone() for p in model.parameters()]
+        result = grpo_step(ddp, torch.optim.SGD(ddp.parameters(), lr=1.0), mine, num_generations=4,
+                           beta=0.05, loss_type="dapo", all_reduce_sum=all_reduce_sum, world_size=world,
+                           share_prompts=False,  # the test compares to 1e-10 (see test_step._step)
+                           gradient_sync=ddp_gradient_sync(ddp) if once else None)
+        saved[name] = {"grads": [b - p.detach() for b, p in zip(before, model.parameters())], "loss": result.loss,
+                       "metrics": result.metrics, "all_reduces": len(all_reduces), "buckets": len(set(all_reduces))}
     if rank == 0:
-        delta = [b - p.detach() for b, p in zip(before, model.parameters())]
-        torch.save({"grads": delta, "loss": result.loss, "metrics": result.metrics}, out_path)
+        torch.save(saved, out_path)
     dist.destroy_process_group()
 
 

@@ -30,7 +30,9 @@ def main(model_dir: str, out_path: str) -> None:
 
     from maxent_grpo.core.step import grpo_step
     from maxent_grpo.rollout.vllm_common import full_state_items
-    from maxent_grpo.training.sharding import full_state_dict, shard_model
+    from torch.distributed.fsdp import FSDPModule
+
+    from maxent_grpo.training.sharding import fsdp2_gradient_sync, full_state_dict, shard_model
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -48,16 +50,47 @@ def main(model_dir: str, out_path: str) -> None:
         dist.all_reduce(t)
         return t
 
+    reduce_scatters = _count_reduce_scatters(model)
     result = grpo_step(model, torch.optim.SGD(model.parameters(), lr=1.0), mine, num_generations=4,
-                       beta=0.05, loss_type="dapo", all_reduce_sum=all_reduce_sum, world_size=world)
+                       beta=0.05, loss_type="dapo", all_reduce_sum=all_reduce_sum, world_size=world,
+                       gradient_sync=fsdp2_gradient_sync(model))
     after = full_state_dict(model)
+    # The same step reducing after every micro-batch: the reduce-scatters the trainer's sync saves.
+    every = load_model(model_dir)
+    shard_model(every)
+    every_reduce_scatters = _count_reduce_scatters(every)
+    grpo_step(every, torch.optim.SGD(every.parameters(), lr=1.0), mine, num_generations=4,
+              beta=0.05, loss_type="dapo", all_reduce_sum=all_reduce_sum, world_size=world)
+    every_after = full_state_dict(every)
     if rank == 0:
         torch.save({
             "loaded": loaded, "gathered": before, "streamed": streamed,
             "grads": {k: before[k] - after[k] for k in before},
+            "grads_every": {k: before[k] - every_after[k] for k in before},
             "loss": result.loss, "metrics": result.metrics,
+            "reduce_scatters": len(reduce_scatters), "every_reduce_scatters": len(every_reduce_scatters),
+            "units": sum(isinstance(m, FSDPModule) for m in model.modules()),
         }, out_path)
     dist.destroy_process_group()
+
+
+def _count_reduce_scatters(model: torch.nn.Module) -> list:
+    """Route every FSDP2 unit's gradient reduce-scatter through a counting copy of the default one
+    (FSDP2's own hook for a custom reduce-scatter); returns the list it appends to."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    calls: list = []
+
+    class Counting(DefaultReduceScatter):
+        def __call__(self, *args, **kwargs):
+            calls.append(1)
+            return super().__call__(*args, **kwargs)
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_reduce_scatter(Counting())
+    return calls
 
 
 if __name__ == "__main__":

@@ -55,6 +55,11 @@ def test_two_fsdp2_processes_give_the_single_process_gradient_and_the_full_weigh
     assert max(float(g.abs().max()) for g in grads.values()) > 1e-3
     assert max(float((sharded["grads"][k] - grads[k]).abs().max()) for k in grads) < 1e-6
     assert sharded["loss"] == pytest.approx(single.loss, rel=1e-5)
+    # Gradients reduce-scattered once per step (the trainer's gradient_sync), not after each of
+    # the two micro-batches, and the same update either way.
+    units = sharded["units"]
+    assert (sharded["reduce_scatters"], sharded["every_reduce_scatters"]) == (units, 2 * units)
+    assert max(float((sharded["grads_every"][k] - sharded["grads"][k]).abs().max()) for k in grads) < 1e-6
     assert sharded["metrics"]["grad_norm"] == pytest.approx(single.metrics["grad_norm"], rel=1e-5)
 
 

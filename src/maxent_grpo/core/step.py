@@ -10,6 +10,7 @@ gradients are accumulated by backward per micro-batch. Under DDP, which
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -265,6 +266,7 @@ def grpo_step(
     world_size: int = 1,
     share_prompts: bool = True,
     update: Callable[..., torch.Tensor] = optimizer_update,
+    gradient_sync: Callable[[bool], AbstractContextManager] | None = None,
 ) -> StepResult:
     """Forward/backward every micro-batch, clip, step the optimizer and scheduler, zero the grads.
 
@@ -276,6 +278,9 @@ def grpo_step(
     ``share_prompts``: each distinct prompt of a micro-batch runs once (``completion_logits``).
     ``update(model, optimizer, lr_scheduler, max_grad_norm)`` applies the gradients
     (:func:`optimizer_update`; the trainer passes a timed one: the core keeps no clock).
+    ``gradient_sync(is_last)`` is entered around each micro-batch's forward and backward: with
+    several processes it turns the gradient reduction off for all but the last (DDP ``no_sync``,
+    FSDP2 ``set_requires_gradient_sync``), so gradients cross the network once per step.
     """
     cfg = loss_config if loss_config is not None else LossConfig()
     eps_high = epsilon if epsilon_high is None else epsilon_high
@@ -292,53 +297,56 @@ def grpo_step(
 
     threshold = _step_entropy_threshold(model, micro_batches, top_entropy_quantile, cfg, share_prompts)
     optimizer.zero_grad()
-    for mb in micro_batches:
-        logp, ent = get_per_token_logps_and_entropies(
-            model, mb.input_ids, mb.attention_mask, mb.prompt_length,
-            temperature=cfg.temperature, with_entropy=True, share_prompts=share_prompts,
-        )
-        mask = mb.completion_mask.to(logp.dtype)
-        old = logp.detach() if mb.old_logps is None else mb.old_logps
-        policy_mask = mask if threshold is None else top_entropy_mask(ent, mask, top_entropy_quantile, threshold)
-        term = policy_loss(
-            PolicyInputs(
-                logp=logp, old_logp=old, mask=mask, policy_mask=policy_mask,
-                advantages=mb.advantages, num_generations=num_generations, clip=clip,
-                row_weights=mb.row_weights, listwise_weights=mb.listwise_weights,
-                listwise_active=mb.listwise_active, listwise_clip_coef=cfg.listwise_clip_coef,
-            ),
-            norm,
-        )
-        per_token_policy = term.per_token_loss
-        if mb.behaviour_logps is not None:
-            mismatch.append(rollout_mismatch_sums(old, mb.behaviour_logps, mask, level=ratio_level))
-            if cfg.rollout_correction != "none":
-                per_token_policy = per_token_policy * rollout_correction_weights(
-                    old, mb.behaviour_logps, mask, cfg.rollout_correction, cfg.rollout_correction_cap
-                ).to(per_token_policy.dtype)
-        policy_part = aggregate(per_token_policy, mask, loss_type, norm) + term.sequence_loss
-        contribution = policy_part
-        kl_sum = logp.new_zeros(())
-        if mb.ref_logps is not None:
-            # Measured whenever a reference is scored (the KL controller and the logs need it),
-            # added to the loss only with beta > 0.
-            kl = kl_penalty(logp, mb.ref_logps, cfg.kl_estimator)
-            if beta > 0:
-                contribution = contribution + aggregate(beta * kl, mask, loss_type, norm)
-            kl_sum = (kl.detach() * mask).sum()
-        bonus = logp.new_zeros(())
-        if cfg.entropy_coef > 0:
-            bonus = entropy_bonus(ent, mask, vocab_size, loss_type, norm)
-            contribution = contribution - cfg.entropy_coef * bonus
-        (contribution * world_size).backward()
+    last = len(micro_batches) - 1
+    for i, mb in enumerate(micro_batches):
+        # Gradients are reduced over ranks once, in the last micro-batch's backward.
+        with nullcontext() if gradient_sync is None else gradient_sync(i == last):
+            logp, ent = get_per_token_logps_and_entropies(
+                model, mb.input_ids, mb.attention_mask, mb.prompt_length,
+                temperature=cfg.temperature, with_entropy=True, share_prompts=share_prompts,
+            )
+            mask = mb.completion_mask.to(logp.dtype)
+            old = logp.detach() if mb.old_logps is None else mb.old_logps
+            policy_mask = mask if threshold is None else top_entropy_mask(ent, mask, top_entropy_quantile, threshold)
+            term = policy_loss(
+                PolicyInputs(
+                    logp=logp, old_logp=old, mask=mask, policy_mask=policy_mask,
+                    advantages=mb.advantages, num_generations=num_generations, clip=clip,
+                    row_weights=mb.row_weights, listwise_weights=mb.listwise_weights,
+                    listwise_active=mb.listwise_active, listwise_clip_coef=cfg.listwise_clip_coef,
+                ),
+                norm,
+            )
+            per_token_policy = term.per_token_loss
+            if mb.behaviour_logps is not None:
+                mismatch.append(rollout_mismatch_sums(old, mb.behaviour_logps, mask, level=ratio_level))
+                if cfg.rollout_correction != "none":
+                    per_token_policy = per_token_policy * rollout_correction_weights(
+                        old, mb.behaviour_logps, mask, cfg.rollout_correction, cfg.rollout_correction_cap
+                    ).to(per_token_policy.dtype)
+            policy_part = aggregate(per_token_policy, mask, loss_type, norm) + term.sequence_loss
+            contribution = policy_part
+            kl_sum = logp.new_zeros(())
+            if mb.ref_logps is not None:
+                # Measured whenever a reference is scored (the KL controller and the logs need it),
+                # added to the loss only with beta > 0.
+                kl = kl_penalty(logp, mb.ref_logps, cfg.kl_estimator)
+                if beta > 0:
+                    contribution = contribution + aggregate(beta * kl, mask, loss_type, norm)
+                kl_sum = (kl.detach() * mask).sum()
+            bonus = logp.new_zeros(())
+            if cfg.entropy_coef > 0:
+                bonus = entropy_bonus(ent, mask, vocab_size, loss_type, norm)
+                contribution = contribution - cfg.entropy_coef * bonus
+            (contribution * world_size).backward()
 
-        s = term.surrogate
-        zero = logp.new_zeros(())
-        clip_counts = (zero, zero, zero) if s is None else (
-            s.low_clipped.sum(), s.high_clipped.sum(), s.region_clipped.sum()
-        )
-        values = (contribution, policy_part, kl_sum, (ent * mask).sum(), *clip_counts, bonus)
-        sums += torch.stack([v.detach().to(sums.dtype) for v in values])
+            s = term.surrogate
+            zero = logp.new_zeros(())
+            clip_counts = (zero, zero, zero) if s is None else (
+                s.low_clipped.sum(), s.high_clipped.sum(), s.region_clipped.sum()
+            )
+            values = (contribution, policy_part, kl_sum, (ent * mask).sum(), *clip_counts, bonus)
+            sums += torch.stack([v.detach().to(sums.dtype) for v in values])
 
     if all_reduce_sum is not None:
         sums = all_reduce_sum(sums)

@@ -270,6 +270,7 @@ def validate(cfg: TrainConfig) -> None:
     _check(g.backend == "hf" or not cfg.model.lora.enabled, "generation.backend",
            f"{g.backend} cannot push LoRA adapters to the engine yet; use hf with model.lora.enabled")
     _check(t.max_steps >= 1, "training.max_steps", f"must be >= 1, got {t.max_steps}")
+    _check(t.dist_timeout_minutes > 0, "training.dist_timeout_minutes", f"must be > 0, got {t.dist_timeout_minutes}")
     if t.batch_size is not None:
         _check(
             t.batch_size > 0 and t.batch_size % g.num_generations == 0,

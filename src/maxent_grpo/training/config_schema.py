@@ -215,6 +215,9 @@ class TrainingConfig:
     # How several processes share the work: ddp (each holds the whole model) or fsdp2
     # (each holds 1/world_size of the weights, gradients and optimizer state; training/sharding.py).
     strategy: Literal["ddp", "fsdp2"] = "ddp"
+    # How long a collective may wait for the other processes before the run fails (torch's
+    # default of 10 minutes is shorter than hashing a large checkpoint or pushing weights to disk).
+    dist_timeout_minutes: float = 60.0
     # Batches in a row that may fail (a stage raised, or no learning signal) before the
     # run saves a checkpoint and stops with the last error.
     max_consecutive_skips: int = 5

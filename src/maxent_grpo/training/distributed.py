@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("maxent_grpo")
 
 
 @dataclass(frozen=True)
@@ -17,12 +23,18 @@ class Dist:
     world_size: int = 1
 
     @classmethod
-    def init(cls) -> "Dist":
-        """Join the process group that torchrun / accelerate launch describe in the environment."""
+    def init(cls, timeout_minutes: float = 60.0) -> "Dist":
+        """Join the process group that torchrun / accelerate launch describe in the environment;
+        a collective that waits longer than ``timeout_minutes`` for the others fails."""
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+            timeout = timedelta(minutes=timeout_minutes)
             if torch.cuda.is_available():
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+                device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+                torch.cuda.set_device(device)
+                # device_id: NCCL connects now, so a broken rank fails here and not at the first collective.
+                dist.init_process_group(backend="nccl", timeout=timeout, device_id=device)
+            else:
+                dist.init_process_group(backend="gloo", timeout=timeout)
         return cls.current()
 
     @classmethod
@@ -97,8 +109,27 @@ class Dist:
         return [v for part in out for v in part]
 
 
+def log_device(d: Dist) -> None:
+    """Say where the run trains; warn when a GPU is there (``nvidia-smi`` lists one) but this torch
+    cannot use it (a CPU-only build, a driver too old for its CUDA), since the run would go on
+    on the CPU, many times slower, without a word."""
+    log.info("training on %s (%d process%s, torch %s)", d.device, d.world_size, "es" if d.world_size > 1 else "",
+             torch.__version__)
+    if d.device.type == "cuda" or shutil.which("nvidia-smi") is None:
+        return
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return  # no answer from the driver: nothing to say about the GPU
+    gpus = [line for line in listed.splitlines() if line.startswith("GPU ")]
+    if gpus:
+        log.warning("nvidia-smi lists %d GPU(s) but torch %s cannot use them (torch.version.cuda=%s): training on "
+                    "the CPU. Install a CUDA build of torch that matches the driver.",
+                    len(gpus), torch.__version__, torch.version.cuda)
+
+
 @contextmanager
-def process_group() -> Iterator[Dist]:
+def process_group(timeout_minutes: float = 60.0) -> Iterator[Dist]:
     """Join the launcher's process group for the block and leave it at the block's end, on
     success and on error alike.
 
@@ -110,7 +141,7 @@ def process_group() -> Iterator[Dist]:
     """
     joined_here = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not (dist.is_available() and dist.is_initialized())
     try:
-        yield Dist.init()
+        yield Dist.init(timeout_minutes)
     finally:
         if joined_here and dist.is_initialized():
             dist.destroy_process_group()
@@ -122,3 +153,9 @@ class DataParallelPolicy(torch.nn.parallel.DistributedDataParallel):
     @property
     def config(self):
         return self.module.config
+
+
+def ddp_gradient_sync(model: torch.nn.parallel.DistributedDataParallel) -> Callable[[bool], AbstractContextManager]:
+    """``grpo_step``'s ``gradient_sync`` for DDP: ``no_sync`` on every micro-batch but the last, so
+    the accumulated gradients are all-reduced once per optimizer step."""
+    return lambda is_last: nullcontext() if is_last else model.no_sync()

@@ -50,7 +50,7 @@ def train(
 ) -> RunSummary:
     """Train according to ``cfg``. Raises :class:`RunInterrupted` on SIGINT/SIGTERM (after
     saving), :class:`TrainingError` when batches keep failing (after saving)."""
-    with process_group():
+    with process_group(cfg.training.dist_timeout_minutes):
         run = build_run(cfg, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change)
         stop = StopSignals.install()
         try:
@@ -176,6 +176,7 @@ def _policy_update(run: Run, prepared, step: int, timings: dict):
                 all_reduce_sum=ctx.dist.all_reduce_sum,
                 world_size=ctx.dist.world_size,
                 update=timed_update,
+                gradient_sync=run.gradient_sync,
             )
     return result
 

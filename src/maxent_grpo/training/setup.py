@@ -6,6 +6,8 @@ import importlib.util
 import json
 import logging
 import random
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +30,7 @@ from maxent_grpo.training.checkpoint import (
 )
 from maxent_grpo.training.config import ConfigError, TrainConfig, save_config, to_dict
 from maxent_grpo.data.datasets import PromptSampler, load_prompt_dataset, split_train_eval
-from maxent_grpo.training.distributed import DataParallelPolicy, Dist
+from maxent_grpo.training.distributed import DataParallelPolicy, Dist, ddp_gradient_sync, log_device
 from maxent_grpo.methods import get_method
 from maxent_grpo.training.pipeline import PipelineContext
 from maxent_grpo.training.precision import bf16_is_fast, master_dtype, resolve_precision
@@ -36,7 +38,7 @@ from maxent_grpo.training.run_dir import (
     RunDirError, RunLock, claim_output_dir, config_history, history_line, resume_changes,
 )
 from maxent_grpo.training.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
-from maxent_grpo.training.sharding import shard_model
+from maxent_grpo.training.sharding import fsdp2_gradient_sync, shard_model
 from maxent_grpo.training.trackers import make_trackers
 from maxent_grpo.training.weighting_config import weighting_from_config
 
@@ -65,6 +67,7 @@ class Run:
     sampler: ShardedSampler
     trackers: object
     loss_config: LossConfig
+    gradient_sync: Callable[[bool], AbstractContextManager] | None  # grpo_step's; None with one process
     eval_rows: list[dict] = field(default_factory=list)
     start_step: int = 0
     resumed: bool = False
@@ -199,7 +202,8 @@ def build_run(
 ) -> Run:
     """Everything a run needs, checked in the order of their cost: the output folder,
     the resume checkpoint's config, data, rewards, the generation backend, then the model."""
-    dist = Dist.init()
+    dist = Dist.init(cfg.training.dist_timeout_minutes)
+    log_device(dist)
     fsdp2 = cfg.training.strategy == "fsdp2"
     if fsdp2 and dist.world_size == 1:
         raise ConfigError("training.strategy: fsdp2 needs several processes (torchrun --nproc_per_node N); "
@@ -263,9 +267,11 @@ def build_run(
         {"constant": "constant_with_warmup"}.get(cfg.training.lr_scheduler, cfg.training.lr_scheduler),
         optimizer, num_warmup_steps=cfg.training.warmup_steps, num_training_steps=total_updates,
     )
-    train_model = model
+    train_model, gradient_sync = model, fsdp2_gradient_sync(model) if fsdp2 else None
     if dist.world_size > 1 and not fsdp2:
-        train_model = DataParallelPolicy(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
+        train_model = DataParallelPolicy(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None,
+                                         gradient_as_bucket_view=True)
+        gradient_sync = ddp_gradient_sync(train_model)
 
     g = cfg.generation
     sampling = SamplingParams(
@@ -291,7 +297,8 @@ def build_run(
         cfg=cfg, output_dir=output_dir, ctx=ctx, train_model=train_model, optimizer=optimizer,
         lr_scheduler=lr_scheduler, sampler=ShardedSampler(sampler, dist),
         trackers=make_trackers(cfg.logging.report_to if dist.is_main else [], output_dir, config=to_dict(cfg)),
-        loss_config=loss_config, eval_rows=list(eval_ds) if eval_ds is not None else [], lock=lock,
+        loss_config=loss_config, gradient_sync=gradient_sync,
+        eval_rows=list(eval_ds) if eval_ds is not None else [], lock=lock,
     )
     if ckpt is not None:
         _resume(run, ckpt)

@@ -14,6 +14,8 @@ it, in the same order.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -52,6 +54,19 @@ def shard_model(model: torch.nn.Module, *, mixed_precision: bool = False) -> tor
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model
+
+
+def fsdp2_gradient_sync(model: torch.nn.Module) -> Callable[[bool], AbstractContextManager]:
+    """``grpo_step``'s ``gradient_sync`` for FSDP2: gradients are reduce-scattered only in the last
+    micro-batch's backward (``set_requires_gradient_sync``). The price: until then each rank holds
+    the unsharded gradients of the micro-batches before it."""
+
+    @contextmanager
+    def sync(is_last: bool) -> Iterator[None]:
+        model.set_requires_gradient_sync(is_last)
+        yield
+
+    return sync
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

@@ -19,6 +19,7 @@ G = 4
 N = len(worker.LENGTHS)
 L_MAX = worker.COMPLETION_LEN
 ONE = [(0, N)]
+TWO = [(0, 4), (4, 8)]
 FOUR = [(0, 2), (2, 4), (4, 6), (6, 8)]
 
 
@@ -314,3 +315,34 @@ def test_top_entropy_gradient_invariant_to_micro_batching(base_model, rows, quan
     _, g_all = _step(copy.deepcopy(base_model), worker.micro_batches(rows, ONE), loss_type="dapo",
                      loss_config=LossConfig(max_completion_length=L_MAX))
     assert _max_abs_diff(g1, g_all) > 1e-3 * _grad_scale(g_all)  # the mask does drop tokens
+
+
+def test_activation_checkpointing_recomputes_the_layers_and_leaves_the_gradient_unchanged(tiny_model_dir):
+    """training.gradient_checkpointing: each decoder layer runs again in the backward (its MLP is
+    called again in each micro-batch's backward), and the float32 gradient is the one without (1e-6 relative)."""
+    from transformers import AutoModelForCausalLM
+
+    from maxent_grpo.models import enable_activation_checkpointing
+
+    def step(checkpointing: bool):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).train()
+        if checkpointing:
+            enable_activation_checkpointing(model)
+        calls = []
+        model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+        _, grads = _step(model, worker.micro_batches(worker.build_rows(model), TWO), beta=0.05, loss_type="dapo")
+        return grads, len(calls)
+
+    plain, plain_calls = step(False)
+    checkpointed, checkpointed_calls = step(True)
+    assert checkpointed_calls == plain_calls + len(TWO)  # one recompute per micro-batch's backward
+    assert _max_abs_diff(checkpointed, plain) <= 1e-6 * _grad_scale(plain)
+
+
+def test_activation_checkpointing_needs_unshared_prompts_named_in_one_line():
+    from maxent_grpo.training.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="^training.gradient_checkpointing: needs training.share_prompts: false"):
+        load_config(None, ["training.gradient_checkpointing=true"])
+    cfg = load_config(None, ["training.gradient_checkpointing=true", "training.share_prompts=false"])
+    assert cfg.training.gradient_checkpointing

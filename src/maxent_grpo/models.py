@@ -295,6 +295,21 @@ def load_reference_model(
     return model
 
 
+def enable_activation_checkpointing(model) -> None:
+    """Recompute each decoder layer's activations in the backward instead of keeping them.
+
+    Non-reentrant (``use_reentrant=False``): correct under DDP and FSDP2 (transformers
+    checkpoints each layer's ``forward``, so FSDP2's hooks stay outside the recompute) and
+    with a frozen embedding (LoRA). The gradients are those without it, up to float rounding.
+    """
+    kwargs = {"use_reentrant": False}
+    # transformers 5.19 renamed the method; the old name still works there, with a FutureWarning.
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def apply_lora(
     model,
     r: int = 16,

@@ -111,6 +111,7 @@ HELP: dict[str, str] = {
     "training.num_iterations": "optimizer passes over each rollout batch (old log-probs recomputed when > 1)",
     "training.seed": "random seed",
     "training.autocast_bf16": "bfloat16 matmuls (torch.autocast) over float32 weights (auto = where the device runs bf16 natively)",
+    "training.gradient_checkpointing": "recompute each decoder layer in the backward (less activation memory); needs share_prompts: false",
     "training.share_prompts": "generation prefill and policy/reference forwards run each distinct prompt once (false: once per row)",
     "training.dist_timeout_minutes": "several processes: how long a collective waits for the others before failing",
     "training.strategy": "several processes: ddp (whole model on each) or fsdp2 (weights, grads, optimizer sharded; docs/SCALING.md)",

@@ -212,6 +212,10 @@ class TrainingConfig:
     # Forward each distinct prompt once per micro-batch and let its G completions
     # attend to the shared keys/values (same gradient up to float rounding).
     share_prompts: bool = True
+    # Keep only each decoder layer's input and recompute the layer in the backward: activation
+    # memory of one layer instead of all, for about one more forward of compute. Needs
+    # share_prompts: false (a shared prompt's KV cache cannot be recomputed).
+    gradient_checkpointing: bool = False
     # How several processes share the work: ddp (each holds the whole model) or fsdp2
     # (each holds 1/world_size of the weights, gradients and optimizer state; training/sharding.py).
     strategy: Literal["ddp", "fsdp2"] = "ddp"

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import shutil
 import subprocess
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -131,19 +133,31 @@ def log_device(d: Dist) -> None:
 @contextmanager
 def process_group(timeout_minutes: float = 60.0) -> Iterator[Dist]:
     """Join the launcher's process group for the block and leave it at the block's end, on
-    success and on error alike.
+    success and on error alike. Objects of the run made inside the block must be gone by its end
+    (return from a function called inside it): see below.
 
-    A gloo group left for the interpreter's exit to destroy can abort the process
-    (``terminate called without an active exception``, SIGABRT): its worker threads still
-    hold work objects whose tensors are freed while Python is being torn down (pytorch
-    #179291, #190489). Destroying it while the interpreter is whole avoids that. A group
-    that was already joined when the block started (by the caller) is the caller's to leave.
+    Two ways a gloo group's end can kill or hang a rank, both races that load makes likely:
+
+    * Left for the interpreter's exit, its worker threads may still hold a finished
+      collective's tensors, whose Python objects they free while Python is torn down:
+      ``terminate called without an active exception``, SIGABRT (pytorch #179291, #190489).
+    * Destroyed by a C++ owner that outlives ``destroy_process_group`` (DDP's reducer), its
+      destructor runs with the GIL held and joins those threads, one of which waits for the
+      GIL to free such a tensor: a deadlock. Freed first, the reducer only drops a reference,
+      and the group dies in ``destroy_process_group``, whose binding releases the GIL.
+
+    So the group is destroyed here, after the run's objects: those of a failed run, which its
+    traceback's frames would keep alive, are let go first.
     """
     joined_here = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not (dist.is_available() and dist.is_initialized())
     try:
         yield Dist.init(timeout_minutes)
+    except BaseException as err:
+        traceback.clear_frames(err.__traceback__)  # the finished frames' locals; the lines stay for printing
+        raise
     finally:
         if joined_here and dist.is_initialized():
+            gc.collect()  # the run's objects that sit in reference cycles
             dist.destroy_process_group()
 
 

@@ -51,13 +51,18 @@ def train(
     """Train according to ``cfg``. Raises :class:`RunInterrupted` on SIGINT/SIGTERM (after
     saving), :class:`TrainingError` when batches keep failing (after saving)."""
     with process_group(cfg.training.dist_timeout_minutes):
-        run = build_run(cfg, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change)
-        stop = StopSignals.install()
-        try:
-            return _train(run, stop)
-        finally:
-            run.finish()
-            stop.restore()
+        # The run lives in the call below and is gone when the group is left (process_group).
+        return _build_and_train(cfg, resume, overwrite, allow_config_change)
+
+
+def _build_and_train(cfg: TrainConfig, resume, overwrite: bool, allow_config_change: bool) -> RunSummary:
+    run = build_run(cfg, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change)
+    stop = StopSignals.install()
+    try:
+        return _train(run, stop)
+    finally:
+        run.finish()
+        stop.restore()
 
 
 def _train(run: Run, stop: StopSignals) -> RunSummary:

@@ -18,7 +18,10 @@ from transformers import get_scheduler
 
 from maxent_grpo.core.logprobs import get_per_token_logps
 from maxent_grpo.core.step import LossConfig
-from maxent_grpo.models import parse_dtype, apply_lora, load_model_and_tokenizer, load_reference_model, reference_context, resolve_model_path
+from maxent_grpo.models import (
+    apply_lora, enable_activation_checkpointing, load_model_and_tokenizer, load_reference_model, parse_dtype,
+    reference_context, resolve_model_path,
+)
 from maxent_grpo.rewards.maxent import controller_state_dict, restore_controller_state
 from maxent_grpo.rewards.registry import build_reward_spec
 from maxent_grpo.rollout.backend import SamplingParams
@@ -253,6 +256,8 @@ def build_run(
     if cfg.model.lora.enabled:
         lc = cfg.model.lora
         model = apply_lora(model, r=lc.r, alpha=lc.alpha, dropout=lc.dropout, target_modules=lc.target_modules)
+    if cfg.training.gradient_checkpointing:
+        enable_activation_checkpointing(model)
     if fsdp2:
         # Before the optimizer exists: it must hold the sharded parameters.
         shard_model(model, mixed_precision=dist.device.type == "cuda" and cfg.training.autocast_bf16)

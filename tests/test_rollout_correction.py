@@ -98,7 +98,8 @@ def test_mismatch_metrics_match_reference_and_combine(level):
     old, behaviour, mask, lengths = _toy()
     diffs = [[old[i, t].item() - behaviour[i, t].item() for t in range(n)] for i, n in enumerate(lengths)]
     flat = [d for row in diffs for d in row]
-    seq_err = [math.exp(sum(abs(d) for d in row) / len(row)) for row in diffs if row]
+    # NeMo-RL's per-sequence error: the token mean of exp(|d|), not exp of the mean |d|.
+    seq_err = [sum(math.exp(abs(d)) for d in row) / len(row) for row in diffs if row]
     ratios = [math.exp(d) for d in flat] if level == "token" else [math.exp(sum(row)) for row in diffs if row]
     # Split the batch in two and combine: the same as the whole batch.
     parts = [rollout_mismatch_sums(old[a:b], behaviour[a:b], mask[a:b], level=level) for a, b in ((0, 2), (2, 5))]

@@ -21,8 +21,10 @@ and ``sampling/importance_sampling_ratio/{min,mean,max}`` of the raw ratio at
 the correction's level (token ratios when correction is off); NeMo-RL's
 ``token_mult_prob_error`` = token mean of ``exp(|d|)``, ``gen_kl_error`` =
 token mean of the k3 estimate ``exp(d) - d - 1`` of ``KL(pi_gen || pi_old)``
-(samples come from ``pi_gen``), and per sequence ``exp(mean_t |d|)``
-(``seq_mult_prob_error/{mean,max}``).
+(samples come from ``pi_gen``), and per sequence the same mean over that
+sequence's tokens, ``mean_t exp(|d|)`` (``seq_mult_prob_error/{mean,max}``; NeMo-RL's
+``compute_and_apply_seq_logprob_error_masking``: "the same calculation as
+token_mult_prob_error but per-sequence", so its thresholds carry over).
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ def rollout_mismatch_sums(
     ad = d.abs()
     lengths = m.sum(-1)
     rows = lengths > 0
-    seq_err = torch.exp(ad.sum(-1)[rows] / lengths[rows])
+    seq_err = (torch.exp(ad) * m).sum(-1)[rows] / lengths[rows]
     if level == "token":
         ratio = torch.exp(d[on])
     else:

@@ -325,7 +325,9 @@ def test_activation_checkpointing_recomputes_the_layers_and_leaves_the_gradient_
     from maxent_grpo.models import enable_activation_checkpointing
 
     def step(checkpointing: bool):
-        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).train()
+        # As the trainer loads it: in eval mode (from_pretrained's), where transformers would not recompute.
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attention_dropout=0.1)
+        assert not model.training
         if checkpointing:
             enable_activation_checkpointing(model)
         calls = []

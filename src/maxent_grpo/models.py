@@ -308,6 +308,15 @@ def enable_activation_checkpointing(model) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    # transformers recomputes a layer only in training mode, while the policy otherwise trains in
+    # eval mode (from_pretrained's): no dropout, as TRL trains. Training mode with every dropout
+    # at 0 computes what eval mode computes.
+    model.train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(module, torch.nn.Module) and "attention_dropout" in vars(module):
+            module.attention_dropout = 0.0  # HF attention modules read this float in training mode
 
 
 def apply_lora(

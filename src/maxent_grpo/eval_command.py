@@ -21,6 +21,7 @@ from maxent_grpo.rewards.registry import build_reward_spec
 from maxent_grpo.rollout.backend import SamplingParams
 from maxent_grpo.rollout.hf import HFGenerationBackend
 from maxent_grpo.training.config import load_config
+from maxent_grpo.training.distributed import Dist
 from maxent_grpo.training.precision import bf16_is_fast, resolve_precision
 
 log = logging.getLogger("maxent_grpo")
@@ -85,7 +86,8 @@ def run_eval_cli(args) -> int:
     for flag, value in (("-k", args.k), ("--num-prompts", args.num_prompts)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
-    cfg = resolve_precision(load_config(args.config, args.set), bf16_is_fast(torch.device("cpu")))
+    device = Dist().device  # the device a run trains on: the GPU when torch has one
+    cfg = resolve_precision(load_config(args.config, args.set), bf16_is_fast(device))
     k = args.k if args.k is not None else cfg.eval.k
     n = args.num_prompts if args.num_prompts is not None else cfg.eval.num_prompts
     dataset = load_prompt_dataset(
@@ -98,7 +100,7 @@ def run_eval_cli(args) -> int:
         rows = fresh_task_rows(cfg, dataset, n)
     warn_training_overlap(rows, dataset, cfg.data.eval_size, cfg.training.seed, cfg.data.source)
     spec = build_reward_spec(cfg.rewards)
-    model, tokenizer = load_model_and_tokenizer(resolve_model_path(args.model), dtype=cfg.model.dtype, device="cpu")
+    model, tokenizer = load_model_and_tokenizer(resolve_model_path(args.model), dtype=cfg.model.dtype, device=device)
     g = cfg.generation
     sampling = SamplingParams(
         max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, stop=tuple(g.stop),

@@ -153,7 +153,8 @@ def process_group(timeout_minutes: float = 60.0) -> Iterator[Dist]:
     try:
         yield Dist.init(timeout_minutes)
     except BaseException as err:
-        traceback.clear_frames(err.__traceback__)  # the finished frames' locals; the lines stay for printing
+        if joined_here:
+            traceback.clear_frames(err.__traceback__)  # the finished frames' locals; the lines stay for printing
         raise
     finally:
         if joined_here and dist.is_initialized():

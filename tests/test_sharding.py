@@ -111,6 +111,21 @@ runpy.run_module("maxent_grpo.cli", run_name="__main__", alter_sys=True)
 """
 
 
+@pytest.mark.slow
+def test_activation_checkpointing_under_fsdp2_recomputes_and_leaves_the_gradient_unchanged(tiny_model_dir, tmp_path):
+    out = tmp_path / "rank0.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(Path(__file__).with_name("fsdp2_checkpointing_worker.py")), str(tiny_model_dir), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = torch.load(out)
+    off, on = runs["off"], runs["on"]
+    assert on["mlp_calls"] == off["mlp_calls"] + 2  # one recompute in each of the 2 micro-batches' backward
+    scale = max(float(g.abs().max()) for g in off["grads"].values())
+    assert scale > 1e-3
+    assert max(float((on["grads"][k] - off["grads"][k]).abs().max()) for k in off["grads"]) <= 1e-6 * scale
+
+
 _PROCESS_GROUP_WORKER = """\
 import os, sys
 import torch.distributed as dist

@@ -1,0 +1,59 @@
+"""Activation checkpointing under FSDP2 (run with torchrun): the same step with it off and on.
+
+``python -m torch.distributed.run --standalone --nproc_per_node 2 fsdp2_checkpointing_worker.py MODEL_DIR OUT``
+shards the tiny model (checkpointing enabled before ``fully_shard``, as the trainer does), runs one
+``grpo_step`` (SGD, lr=1) each way and writes rank 0's full updates and the number of times the
+first layer's MLP ran to ``OUT``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ddp_step_worker import LENGTHS, build_rows, micro_batches  # noqa: E402
+from fsdp2_step_worker import load_model  # noqa: E402
+
+
+def main(model_dir: str, out_path: str) -> None:
+    import torch.distributed as dist
+
+    from maxent_grpo.core.step import grpo_step
+    from maxent_grpo.models import enable_activation_checkpointing
+    from maxent_grpo.training.sharding import fsdp2_gradient_sync, full_state_dict, shard_model
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t)
+        return t
+
+    saved = {}
+    for name in ("off", "on"):
+        model = load_model(model_dir).eval()  # as the trainer loads it
+        rows = build_rows(model)
+        if name == "on":
+            enable_activation_checkpointing(model)
+        calls: list = []
+        model.model.layers[0].mlp.register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
+        shard_model(model)
+        before = full_state_dict(model)
+        half = len(LENGTHS) // world
+        lo = rank * half
+        mine = micro_batches(rows, [(lo, lo + half // 2), (lo + half // 2, lo + half)])
+        grpo_step(model, torch.optim.SGD(model.parameters(), lr=1.0), mine, num_generations=4, beta=0.05,
+                  loss_type="dapo", all_reduce_sum=all_reduce_sum, world_size=world, share_prompts=False,
+                  gradient_sync=fsdp2_gradient_sync(model))
+        after = full_state_dict(model)
+        saved[name] = {"grads": {k: before[k] - after[k] for k in before}, "mlp_calls": len(calls)}
+    if rank == 0:
+        torch.save(saved, out_path)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

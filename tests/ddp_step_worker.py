@@ -65,6 +65,20 @@ def micro_batches(rows: dict[str, torch.Tensor], bounds, **extra: torch.Tensor) 
     return out
 
 
+def rank_micro_batches(rows: dict[str, torch.Tensor], rank: int, world: int) -> list[MicroBatch]:
+    """This rank's half of the rows, as two micro-batches (rank 0: rows 0-3, rank 1: rows 4-7)."""
+    half = len(LENGTHS) // world
+    lo = rank * half
+    return micro_batches(rows, [(lo, lo + half // 2), (lo + half // 2, lo + half)])
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    dist.all_reduce(t)
+    return t
+
+
 def main(model_dir: str, out_path: str) -> None:
     """One step with the gradient reduced once (``ddp_gradient_sync``, as the trainer runs it) and
     one with it reduced after every micro-batch; DDP's comm hook counts the all-reduces of each."""
@@ -77,17 +91,11 @@ def main(model_dir: str, out_path: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t)
-        return t
-
     saved = {}
     for name, once in (("once", True), ("every", False)):
         model = load_model(model_dir)
         rows = build_rows(model)
-        half = len(LENGTHS) // world
-        lo = rank * half
-        mine = micro_batches(rows, [(lo, lo + half // 2), (lo + half // 2, lo + half)])
+        mine = rank_micro_batches(rows, rank, world)
         ddp = DataParallelPolicy(model, gradient_as_bucket_view=True)
         all_reduces = []
 

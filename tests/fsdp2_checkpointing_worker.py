@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ddp_step_worker import LENGTHS, build_rows, micro_batches  # noqa: E402
+from ddp_step_worker import all_reduce_sum, build_rows, rank_micro_batches  # noqa: E402
 from fsdp2_step_worker import load_model  # noqa: E402
 
 
@@ -28,10 +28,6 @@ def main(model_dir: str, out_path: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t)
-        return t
-
     saved = {}
     for name in ("off", "on"):
         model = load_model(model_dir).eval()  # as the trainer loads it
@@ -42,9 +38,7 @@ def main(model_dir: str, out_path: str) -> None:
         model.model.layers[0].mlp.register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
         shard_model(model)
         before = full_state_dict(model)
-        half = len(LENGTHS) // world
-        lo = rank * half
-        mine = micro_batches(rows, [(lo, lo + half // 2), (lo + half // 2, lo + half)])
+        mine = rank_micro_batches(rows, rank, world)
         grpo_step(model, torch.optim.SGD(model.parameters(), lr=1.0), mine, num_generations=4, beta=0.05,
                   loss_type="dapo", all_reduce_sum=all_reduce_sum, world_size=world, share_prompts=False,
                   gradient_sync=fsdp2_gradient_sync(model))

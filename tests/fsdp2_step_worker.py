@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ddp_step_worker import LENGTHS, build_rows, micro_batches  # noqa: E402
+from ddp_step_worker import all_reduce_sum, build_rows, rank_micro_batches  # noqa: E402
 
 
 def load_model(model_dir: str) -> torch.nn.Module:
@@ -42,13 +42,7 @@ def main(model_dir: str, out_path: str) -> None:
     shard_model(model)
     before = full_state_dict(model)
     streamed = {k: v.cpu() for k, v in full_state_items(model)}  # what a weight push streams
-    half = len(LENGTHS) // world
-    lo = rank * half
-    mine = micro_batches(rows, [(lo, lo + half // 2), (lo + half // 2, lo + half)])
-
-    def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t)
-        return t
+    mine = rank_micro_batches(rows, rank, world)
 
     reduce_scatters = _count_reduce_scatters(model)
     result = grpo_step(model, torch.optim.SGD(model.parameters(), lr=1.0), mine, num_generations=4,

@@ -132,7 +132,7 @@ import torch.distributed as dist
 from maxent_grpo.training.distributed import process_group
 
 try:
-    with process_group() as d:
+    with process_group(timeout_minutes=5) as d:
         d.barrier()
         if sys.argv[1] == "error":
             raise RuntimeError("a failing run")

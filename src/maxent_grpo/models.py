@@ -315,7 +315,7 @@ def enable_activation_checkpointing(model) -> None:
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-        if isinstance(module, torch.nn.Module) and "attention_dropout" in vars(module):
+        if "attention_dropout" in vars(module):
             module.attention_dropout = 0.0  # HF attention modules read this float in training mode
 
 

@@ -25,7 +25,7 @@ class Dist:
     world_size: int = 1
 
     @classmethod
-    def init(cls, timeout_minutes: float = 60.0) -> "Dist":
+    def init(cls, timeout_minutes: float) -> "Dist":
         """Join the process group that torchrun / accelerate launch describe in the environment;
         a collective that waits longer than ``timeout_minutes`` for the others fails."""
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
@@ -131,7 +131,7 @@ def log_device(d: Dist) -> None:
 
 
 @contextmanager
-def process_group(timeout_minutes: float = 60.0) -> Iterator[Dist]:
+def process_group(timeout_minutes: float) -> Iterator[Dist]:
     """Join the launcher's process group for the block and leave it at the block's end, on
     success and on error alike. Objects of the run made inside the block must be gone by its end
     (return from a function called inside it): see below.

@@ -11,11 +11,13 @@ import sys
 
 import torch
 
-from maxent_grpo.core.logprobs import get_per_token_logps_and_entropies
-from maxent_grpo.core.step import MicroBatch
+from maxent_grpo.core.logprobs import Scoring, get_per_token_logps_and_entropies
+from maxent_grpo.core.losses import ClipSettings
+from maxent_grpo.core.step import Comm, LossSpec, MicroBatch, OptimizerUpdate, grpo_step
 
 PROMPT_LEN = 5
 COMPLETION_LEN = 7
+G = 4
 # Per-row completion lengths (P=2 prompts x G=4): varied so the normaliser matters,
 # with one empty completion.
 LENGTHS = (7, 3, 5, 1, 6, 2, 0, 4)
@@ -61,8 +63,27 @@ def micro_batches(rows: dict[str, torch.Tensor], bounds, **extra: torch.Tensor) 
     out = []
     for start, stop in bounds:
         fields = {k: v[start:stop] for k, v in {**rows, **extra}.items()}
-        out.append(MicroBatch(prompt_length=PROMPT_LEN, **fields))
+        out.append(MicroBatch(prompt_length=PROMPT_LEN, num_generations=G, **fields))
     return out
+
+
+_CLIP = {"epsilon": "epsilon_low", "epsilon_high": "epsilon_high", "delta": "delta", "dual_clip": "dual_clip",
+         "importance_sampling_level": "importance_sampling_level"}
+
+
+def spec(**loss) -> LossSpec:
+    """A LossSpec from the config's flat loss keys (``epsilon`` ... as ``loss:`` names them)."""
+    clip = {_CLIP[k]: loss.pop(k) for k in list(loss) if k in _CLIP}
+    if "epsilon_high" not in clip:
+        clip["epsilon_high"] = clip.get("epsilon_low", 0.2)
+    return LossSpec(clip=ClipSettings(**clip), **loss)
+
+
+def step(model, optimizer, mbs, *, share_prompts: bool = True, temperature: float = 1.0,
+         max_grad_norm: float | None = None, lr_scheduler=None, comm: Comm = Comm(), **loss):
+    """``grpo_step`` with the loss given as flat keyword arguments (:func:`spec`)."""
+    return grpo_step(model, optimizer, mbs, spec(**loss), Scoring(temperature=temperature, share_prompts=share_prompts),
+                     comm=comm, update=OptimizerUpdate(max_grad_norm, lr_scheduler))
 
 
 def rank_micro_batches(rows: dict[str, torch.Tensor], rank: int, world: int) -> list[MicroBatch]:
@@ -85,7 +106,6 @@ def main(model_dir: str, out_path: str) -> None:
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    from maxent_grpo.core.step import grpo_step
     from maxent_grpo.training.distributed import DataParallelPolicy, ddp_gradient_sync
 
     dist.init_process_group("gloo")
@@ -105,10 +125,9 @@ def main(model_dir: str, out_path: str) -> None:
 
         ddp.register_comm_hook(None, counting_hook)
         before = [p.detach().clone() for p in model.parameters()]
-        result = grpo_step(ddp, torch.optim.SGD(ddp.parameters(), lr=1.0), mine, num_generations=4,
-                           beta=0.05, loss_type="dapo", all_reduce_sum=all_reduce_sum, world_size=world,
-                           share_prompts=False,  # the test compares to 1e-10 (see test_step._step)
-                           gradient_sync=ddp_gradient_sync(ddp) if once else None)
+        comm = Comm(world, all_reduce_sum, ddp_gradient_sync(ddp) if once else None)
+        result = step(ddp, torch.optim.SGD(ddp.parameters(), lr=1.0), mine, beta=0.05, loss_type="dapo", comm=comm,
+                      share_prompts=False)  # the test compares to 1e-10 (see test_step._step)
         saved[name] = {"grads": [b - p.detach() for b, p in zip(before, model.parameters())], "loss": result.loss,
                        "metrics": result.metrics, "all_reduces": len(all_reduces), "buckets": len(set(all_reduces))}
     if rank == 0:

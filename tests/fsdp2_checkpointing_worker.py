@@ -14,14 +14,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ddp_step_worker import all_reduce_sum, build_rows, rank_micro_batches  # noqa: E402
+from ddp_step_worker import all_reduce_sum, build_rows, rank_micro_batches, step  # noqa: E402
 from fsdp2_step_worker import load_model  # noqa: E402
 
 
 def main(model_dir: str, out_path: str) -> None:
     import torch.distributed as dist
 
-    from maxent_grpo.core.step import grpo_step
+    from maxent_grpo.core.step import Comm
     from maxent_grpo.models import enable_activation_checkpointing
     from maxent_grpo.training.sharding import fsdp2_gradient_sync, full_state_dict, shard_model
 
@@ -39,9 +39,8 @@ def main(model_dir: str, out_path: str) -> None:
         shard_model(model)
         before = full_state_dict(model)
         mine = rank_micro_batches(rows, rank, world)
-        grpo_step(model, torch.optim.SGD(model.parameters(), lr=1.0), mine, num_generations=4, beta=0.05,
-                  loss_type="dapo", all_reduce_sum=all_reduce_sum, world_size=world, share_prompts=False,
-                  gradient_sync=fsdp2_gradient_sync(model))
+        step(model, torch.optim.SGD(model.parameters(), lr=1.0), mine, beta=0.05, loss_type="dapo",
+             share_prompts=False, comm=Comm(world, all_reduce_sum, fsdp2_gradient_sync(model)))
         after = full_state_dict(model)
         saved[name] = {"grads": {k: before[k] - after[k] for k in before}, "mlp_calls": len(calls)}
     if rank == 0:

@@ -16,7 +16,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ddp_step_worker import all_reduce_sum, build_rows, rank_micro_batches  # noqa: E402
+from ddp_step_worker import all_reduce_sum, build_rows, rank_micro_batches, step  # noqa: E402
+
+from maxent_grpo.core.step import Comm  # noqa: E402
 
 
 def load_model(model_dir: str) -> torch.nn.Module:
@@ -28,7 +30,6 @@ def load_model(model_dir: str) -> torch.nn.Module:
 def main(model_dir: str, out_path: str) -> None:
     import torch.distributed as dist
 
-    from maxent_grpo.core.step import grpo_step
     from maxent_grpo.rollout.vllm_common import full_state_items
     from torch.distributed.fsdp import FSDPModule
 
@@ -45,16 +46,15 @@ def main(model_dir: str, out_path: str) -> None:
     mine = rank_micro_batches(rows, rank, world)
 
     reduce_scatters = _count_reduce_scatters(model)
-    result = grpo_step(model, torch.optim.SGD(model.parameters(), lr=1.0), mine, num_generations=4,
-                       beta=0.05, loss_type="dapo", all_reduce_sum=all_reduce_sum, world_size=world,
-                       gradient_sync=fsdp2_gradient_sync(model))
+    result = step(model, torch.optim.SGD(model.parameters(), lr=1.0), mine, beta=0.05, loss_type="dapo",
+                  comm=Comm(world, all_reduce_sum, fsdp2_gradient_sync(model)))
     after = full_state_dict(model)
     # The same step reducing after every micro-batch: the reduce-scatters the trainer's sync saves.
     every = load_model(model_dir)
     shard_model(every)
     every_reduce_scatters = _count_reduce_scatters(every)
-    grpo_step(every, torch.optim.SGD(every.parameters(), lr=1.0), mine, num_generations=4,
-              beta=0.05, loss_type="dapo", all_reduce_sum=all_reduce_sum, world_size=world)
+    step(every, torch.optim.SGD(every.parameters(), lr=1.0), mine, beta=0.05, loss_type="dapo",
+         comm=Comm(world, all_reduce_sum))
     every_after = full_state_dict(every)
     if rank == 0:
         torch.save({

@@ -16,7 +16,6 @@ from maxent_grpo.core.rollout_correction import (
     rollout_correction_weights,
     rollout_mismatch_sums,
 )
-from maxent_grpo.core.step import LossConfig, grpo_step
 
 _spec = importlib.util.spec_from_file_location("ddp_step_worker", Path(__file__).with_name("ddp_step_worker.py"))
 worker = importlib.util.module_from_spec(_spec)
@@ -154,15 +153,15 @@ def _reference_loss(model, rows, mode, cap, eps=0.2, beta=0.04):
 
 def _step(model, mbs, cfg):
     before = [p.detach().clone() for p in model.parameters()]
-    result = grpo_step(model, torch.optim.SGD(model.parameters(), lr=1.0), mbs, num_generations=G,
-                       loss_type="dapo", beta=0.04, loss_config=cfg, share_prompts=False)
+    result = worker.step(model, torch.optim.SGD(model.parameters(), lr=1.0), mbs, loss_type="dapo", beta=0.04,
+                         share_prompts=False, **cfg)
     return result, [b - p.detach() for b, p in zip(before, model.parameters())]
 
 
 @pytest.mark.parametrize("mode", ["none", *MODES])
 def test_corrected_gradient_matches_float64_reference(base_model, rows, mode):
     cap = 1.3  # low enough that the data hits it at both levels
-    cfg = LossConfig(rollout_correction=mode, rollout_correction_cap=cap)
+    cfg = dict(rollout_correction=mode, rollout_correction_cap=cap)
     ref_model = copy.deepcopy(base_model)
     result, grads = _step(copy.deepcopy(base_model), worker.micro_batches(rows, [(0, 2), (2, 4), (4, 6), (6, 8)]), cfg)
     loss = _reference_loss(ref_model, rows, mode, cap)
@@ -178,12 +177,12 @@ def test_corrected_gradient_matches_float64_reference(base_model, rows, mode):
 
 def test_correction_changes_the_gradient(base_model, rows):
     mbs = worker.micro_batches(rows, [(0, N)])
-    _, g_none = _step(copy.deepcopy(base_model), mbs, LossConfig())
-    _, g_tok = _step(copy.deepcopy(base_model), mbs, LossConfig(rollout_correction="token_mask", rollout_correction_cap=1.3))
+    _, g_none = _step(copy.deepcopy(base_model), mbs, dict())
+    _, g_tok = _step(copy.deepcopy(base_model), mbs, dict(rollout_correction="token_mask", rollout_correction_cap=1.3))
     assert max(float((a - b).abs().max()) for a, b in zip(g_none, g_tok)) > 1e-4 * max(float(g.abs().max()) for g in g_none)
 
 
 def test_correction_without_behaviour_logps_is_an_error(base_model, rows):
     plain = {k: v for k, v in rows.items() if k != "behaviour_logps"}
     with pytest.raises(ValueError, match="behaviour_logps is required"):
-        _step(copy.deepcopy(base_model), worker.micro_batches(plain, [(0, N)]), LossConfig(rollout_correction="token_truncate"))
+        _step(copy.deepcopy(base_model), worker.micro_batches(plain, [(0, N)]), dict(rollout_correction="token_truncate"))

@@ -19,7 +19,7 @@ from maxent_grpo.training.checkpoint import verify_checkpoint
 from maxent_grpo.training.config import ConfigError, GenerationConfig, load_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ddp_step_worker import build_rows, micro_batches  # noqa: E402
+from ddp_step_worker import build_rows, micro_batches, step  # noqa: E402
 from fsdp2_step_worker import load_model  # noqa: E402
 from test_resume import _args, _comparable, _rank_errors, _torchrun  # noqa: E402
 
@@ -30,8 +30,6 @@ RANK_MICRO_BATCHES = [(0, 2), (2, 4), (4, 6), (6, 8)]
 
 @pytest.mark.slow
 def test_two_fsdp2_processes_give_the_single_process_gradient_and_the_full_weights(tiny_model_dir, tmp_path):
-    from maxent_grpo.core.step import grpo_step
-
     out = tmp_path / "rank0.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(Path(__file__).with_name("fsdp2_step_worker.py")), str(tiny_model_dir), str(out)]
@@ -49,8 +47,8 @@ def test_two_fsdp2_processes_give_the_single_process_gradient_and_the_full_weigh
     model = load_model(str(tiny_model_dir))
     rows = build_rows(model)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    single = grpo_step(model, torch.optim.SGD(model.parameters(), lr=1.0), micro_batches(rows, RANK_MICRO_BATCHES),
-                       num_generations=4, beta=0.05, loss_type="dapo")
+    single = step(model, torch.optim.SGD(model.parameters(), lr=1.0), micro_batches(rows, RANK_MICRO_BATCHES),
+                  beta=0.05, loss_type="dapo")
     grads = {k: before[k] - v for k, v in model.state_dict().items()}
     assert max(float(g.abs().max()) for g in grads.values()) > 1e-3
     assert max(float((sharded["grads"][k] - grads[k]).abs().max()) for k in grads) < 1e-6

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from maxent_grpo.core.step import LossConfig, grpo_step
+from maxent_grpo.core.losses import ClipSettings, SpecError
+from maxent_grpo.core.logprobs import Scoring
+from maxent_grpo.core.step import Comm, LossSpec, grpo_step
 
 _spec = importlib.util.spec_from_file_location("ddp_step_worker", Path(__file__).with_name("ddp_step_worker.py"))
 worker = importlib.util.module_from_spec(_spec)
@@ -46,8 +48,8 @@ def _step(model, mbs, share_prompts=False, **kwargs):
     order, which these 1e-10 comparisons would see (its own tests use 1e-6).
     """
     before = [p.detach().clone() for p in model.parameters()]
-    result = grpo_step(model, torch.optim.SGD(model.parameters(), lr=1.0), mbs, num_generations=G,
-                       share_prompts=share_prompts, **kwargs)
+    result = worker.step(model, torch.optim.SGD(model.parameters(), lr=1.0), mbs, share_prompts=share_prompts,
+                         **kwargs)
     grads = [b - p.detach() for b, p in zip(before, model.parameters())]
     return result, grads
 
@@ -124,9 +126,9 @@ def _reference_grads(model, loss):
 @pytest.mark.parametrize("loss_type", ["dapo", "dr_grpo", "grpo", "bnpo"])
 def test_loss_and_gradient_match_float64_reference(model, rows, loss_type):
     ref_model = copy.deepcopy(model)
-    cfg = LossConfig(max_completion_length=L_MAX, entropy_coef=0.05, temperature=0.8)
+    cfg = dict(max_completion_length=L_MAX, entropy_coef=0.05, temperature=0.8)
     result, grads = _step(model, worker.micro_batches(rows, FOUR), loss_type=loss_type, beta=0.04,
-                          epsilon_high=0.28, loss_config=cfg)
+                          epsilon_high=0.28, **cfg)
     loss, bonus, stats = _reference_loss(ref_model, rows, loss_type=loss_type, beta=0.04, eps_high=0.28,
                                          alpha=0.05, temperature=0.8, bounds=FOUR)
     assert result.loss == pytest.approx(loss.item(), rel=1e-10)
@@ -144,10 +146,10 @@ def test_loss_and_gradient_match_float64_reference(model, rows, loss_type):
 
 @pytest.mark.parametrize("loss_type", ["dapo", "dr_grpo", "grpo"])
 def test_gradient_invariant_to_micro_batching(base_model, rows, loss_type):
-    cfg = LossConfig(max_completion_length=L_MAX)
-    kwargs = dict(loss_type=loss_type, beta=0.04, loss_config=cfg)
+    cfg = dict(max_completion_length=L_MAX)
+    kwargs = dict(loss_type=loss_type, beta=0.04, **cfg)
     r1, g1 = _step(copy.deepcopy(base_model), worker.micro_batches(rows, ONE), **kwargs)
-    r4, g4 = _step(copy.deepcopy(base_model), worker.micro_batches(rows, FOUR), gradient_accumulation_steps=4,
+    r4, g4 = _step(copy.deepcopy(base_model), worker.micro_batches(rows, FOUR), 
                    **kwargs)
     assert _max_abs_diff(g1, g4) < 1e-10 * _grad_scale(g1)
     assert r1.loss == pytest.approx(r4.loss, rel=1e-10)
@@ -155,11 +157,11 @@ def test_gradient_invariant_to_micro_batching(base_model, rows, loss_type):
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
 def test_shared_prompt_step_matches_plain_step_and_micro_batching(base_model, rows, loss_type):
-    kwargs = dict(loss_type=loss_type, beta=0.04, loss_config=LossConfig(max_completion_length=L_MAX))
+    kwargs = dict(loss_type=loss_type, beta=0.04, max_completion_length=L_MAX)
     r_plain, g_plain = _step(copy.deepcopy(base_model), worker.micro_batches(rows, ONE), **kwargs)
     r1, g1 = _step(copy.deepcopy(base_model), worker.micro_batches(rows, ONE), share_prompts=True, **kwargs)
     r4, g4 = _step(copy.deepcopy(base_model), worker.micro_batches(rows, FOUR), share_prompts=True,
-                   gradient_accumulation_steps=4, **kwargs)
+                   **kwargs)
     for g, r in ((g1, r1), (g4, r4)):
         assert _max_abs_diff(g, g_plain) < 1e-6 * _grad_scale(g_plain)
         assert r.loss == pytest.approx(r_plain.loss, rel=1e-6)
@@ -181,14 +183,14 @@ def _listwise_extra():
 def test_listwise_matches_reference_and_is_micro_batch_invariant(base_model, rows, policy_loss):
     extra = _listwise_extra()
     active = torch.tensor([True, True])
-    cfg = LossConfig(policy_loss=policy_loss)
+    cfg = dict(policy_loss=policy_loss)
     one = worker.micro_batches(rows, ONE, **extra)
     one = [dataclasses.replace(one[0], listwise_active=active)]
     two = [dataclasses.replace(mb, listwise_active=active[k : k + 1])
            for k, mb in enumerate(worker.micro_batches(rows, [(0, 4), (4, 8)], **extra))]
     ref_model = copy.deepcopy(base_model)
-    r1, g1 = _step(copy.deepcopy(base_model), one, loss_config=cfg)
-    r2, g2 = _step(copy.deepcopy(base_model), two, loss_config=cfg)
+    r1, g1 = _step(copy.deepcopy(base_model), one, **cfg)
+    r2, g2 = _step(copy.deepcopy(base_model), two, **cfg)
     assert _max_abs_diff(g1, g2) < 1e-10 * _grad_scale(g1)
 
     logp, _ = _reference_terms(ref_model, rows)
@@ -210,13 +212,13 @@ def test_listwise_matches_reference_and_is_micro_batch_invariant(base_model, row
 
 def test_inactive_listwise_group_contributes_nothing(base_model, rows):
     extra = _listwise_extra()
-    cfg = LossConfig(policy_loss="listwise_cross_entropy")
+    cfg = dict(policy_loss="listwise_cross_entropy")
     both = [dataclasses.replace(mb, listwise_active=torch.tensor([k == 0]))
             for k, mb in enumerate(worker.micro_batches(rows, [(0, 4), (4, 8)], **extra))]
     only = [dataclasses.replace(worker.micro_batches(rows, [(0, 4)], **extra)[0],
                                 listwise_active=torch.tensor([True]))]
-    r_both, g_both = _step(copy.deepcopy(base_model), both, loss_config=cfg)
-    r_only, g_only = _step(copy.deepcopy(base_model), only, loss_config=cfg)
+    r_both, g_both = _step(copy.deepcopy(base_model), both, **cfg)
+    r_only, g_only = _step(copy.deepcopy(base_model), only, **cfg)
     assert _max_abs_diff(g_both, g_only) < 1e-12 * _grad_scale(g_only)
     assert r_both.loss == pytest.approx(r_only.loss, rel=1e-12)
 
@@ -238,8 +240,7 @@ def test_scheduler_and_grad_clipping(model, rows):
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
     before = [p.detach().clone() for p in model.parameters()]
-    result = grpo_step(model, opt, worker.micro_batches(rows, ONE), num_generations=G,
-                       max_grad_norm=1e-3, lr_scheduler=sched)
+    result = worker.step(model, opt, worker.micro_batches(rows, ONE), max_grad_norm=1e-3, lr_scheduler=sched)
     update = math.sqrt(sum(float(((b - p.detach()) ** 2).sum()) for b, p in zip(before, model.parameters())))
     assert result.grad_norm > 1e-3
     assert update == pytest.approx(1e-3, rel=1e-6)
@@ -251,34 +252,45 @@ def test_argument_errors(model, rows):
     mbs = worker.micro_batches(rows, FOUR)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     no_ref = [dataclasses.replace(mb, ref_logps=None) for mb in mbs]
+    scoring = Scoring(share_prompts=False)
     cases = [
-        (dict(micro_batches=mbs, gradient_accumulation_steps=2), "gradient_accumulation_steps"),
-        (dict(micro_batches=no_ref, beta=0.1), "ref_logps"),
-        (dict(micro_batches=mbs, loss_type="dr_grpo"), "max_completion_length"),
-        (dict(micro_batches=mbs, loss_type="sum"), "loss_type"),
-        (dict(micro_batches=mbs, importance_sampling_level="seq"), "importance_sampling_level"),
-        (dict(micro_batches=mbs, top_entropy_quantile=0.0), "top_entropy_quantile"),
-        (dict(micro_batches=mbs, world_size=2), "all_reduce_sum"),
-        (dict(micro_batches=mbs, loss_config=LossConfig(max_completion_length=3)), "max_completion_length"),
-        (dict(micro_batches=[]), "micro_batches"),
+        (no_ref, LossSpec(beta=0.1), "ref_logps"),
+        (mbs, LossSpec(max_completion_length=3), "max_completion_length"),
+        ([], LossSpec(), "micro_batches"),
+        (mbs[:1] + [dataclasses.replace(mbs[1], num_generations=2)], LossSpec(), "num_generations"),
+        (mbs, LossSpec(policy_loss="listwise_cross_entropy"), "listwise_weights"),
     ]
-    for kwargs, name in cases:
+    for micro_batches, spec, name in cases:
         with pytest.raises(ValueError, match=name):
-            grpo_step(model, opt, num_generations=G, **kwargs)
-    with pytest.raises(ValueError, match="listwise_weights"):
-        grpo_step(model, opt, mbs, num_generations=G, loss_config=LossConfig(policy_loss="listwise_cross_entropy"))
-    for field, value in [("policy_loss", "ppo"), ("kl_estimator", "k9"), ("dual_clip", 0.5),
-                         ("temperature", 0.0), ("entropy_coef", -1.0), ("listwise_clip_coef", -1.0)]:
-        with pytest.raises(ValueError, match=field):
-            LossConfig(**{field: value})
+            grpo_step(model, opt, micro_batches, spec, scoring)
+    with pytest.raises(ValueError, match="all_reduce_sum"):
+        Comm(world_size=2)
+    # Every bound of the loss is its record's, raised as a SpecError naming the setting.
+    for setting, make in [
+        ("policy_loss", lambda: LossSpec(policy_loss="ppo")),
+        ("kl_estimator", lambda: LossSpec(kl_estimator="k9")),
+        ("loss_type", lambda: LossSpec(loss_type="sum")),
+        ("max_completion_length", lambda: LossSpec(loss_type="dr_grpo")),
+        ("top_entropy_quantile", lambda: LossSpec(top_entropy_quantile=0.0)),
+        ("entropy_coef", lambda: LossSpec(entropy_coef=-1.0)),
+        ("listwise_clip_coef", lambda: LossSpec(listwise_clip_coef=-1.0)),
+        ("policy_params", lambda: LossSpec(policy_params=1.0)),
+        ("dual_clip", lambda: ClipSettings(dual_clip=0.5)),
+        ("importance_sampling_level", lambda: ClipSettings(importance_sampling_level="seq")),
+        ("delta", lambda: ClipSettings(delta=1.1)),
+    ]:
+        with pytest.raises(SpecError) as err:
+            make()
+        assert err.value.setting == setting
+    with pytest.raises(ValueError, match="temperature"):
+        Scoring(temperature=0.0)
     with pytest.raises(ValueError, match="completion_mask"):
         dataclasses.replace(mbs[0], completion_mask=torch.ones(2, 3))
 
 
 def test_gspo_and_top_entropy_step_runs_and_reports(model, rows):
-    result = grpo_step(model, torch.optim.SGD(model.parameters(), lr=0.1), worker.micro_batches(rows, FOUR),
-                       num_generations=G, importance_sampling_level="sequence", top_entropy_quantile=0.5,
-                       beta=0.04)
+    result = worker.step(model, torch.optim.SGD(model.parameters(), lr=0.1), worker.micro_batches(rows, FOUR),
+                         importance_sampling_level="sequence", top_entropy_quantile=0.5, beta=0.04)
     for key in ("loss", "policy_loss", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
                 "clip_ratio/region_mean"):
         assert math.isfinite(result.metrics[key]), key
@@ -308,12 +320,12 @@ def test_two_processes_give_the_single_process_gradient(base_model, rows, tiny_m
 @pytest.mark.parametrize("quantile", [0.5, 0.2])
 def test_top_entropy_gradient_invariant_to_micro_batching(base_model, rows, quantile):
     """ALGORITHMS.md §3: the top fraction of the whole step's tokens, however the step is split."""
-    kwargs = dict(loss_type="dapo", top_entropy_quantile=quantile, loss_config=LossConfig(max_completion_length=L_MAX))
+    kwargs = dict(loss_type="dapo", top_entropy_quantile=quantile, max_completion_length=L_MAX)
     _, g1 = _step(copy.deepcopy(base_model), worker.micro_batches(rows, ONE), **kwargs)
-    _, g4 = _step(copy.deepcopy(base_model), worker.micro_batches(rows, FOUR), gradient_accumulation_steps=4, **kwargs)
+    _, g4 = _step(copy.deepcopy(base_model), worker.micro_batches(rows, FOUR), **kwargs)
     assert _max_abs_diff(g1, g4) < 1e-10 * _grad_scale(g1)
     _, g_all = _step(copy.deepcopy(base_model), worker.micro_batches(rows, ONE), loss_type="dapo",
-                     loss_config=LossConfig(max_completion_length=L_MAX))
+                     max_completion_length=L_MAX)
     assert _max_abs_diff(g1, g_all) > 1e-3 * _grad_scale(g_all)  # the mask does drop tokens
 
 

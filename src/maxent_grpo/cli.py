@@ -23,12 +23,10 @@ commands:
 
 
 def _config_epilog() -> str:
-    from maxent_grpo.training.config_help import HELP
-
     lines = ["config keys (set in the YAML file or with --set KEY=VALUE):"]
-    for key, type_name, default in field_help():
+    for key, type_name, default, text in field_help():
         lines.append(f"  {key}  [{type_name}, default {default}]")
-        lines.append(f"      {HELP[key]}")
+        lines.append(f"      {text}")
     return "\n".join(lines)
 
 

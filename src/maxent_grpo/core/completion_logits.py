@@ -21,8 +21,25 @@ FSDP2 wrapper sees the call it needs to synchronise gradients or gather weights.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 
 import torch
+
+
+@functools.cache
+def cache_kwarg() -> str:
+    """The name transformers uses for the KV cache, as a forward / ``generate`` argument and an output field.
+
+    Newer transformers (5.24 here) call it ``cache``: ``past_key_values`` still works but warns
+    (a FutureWarning; removed for the forwards in 5.40, for ``generate`` in 6.0). Older releases,
+    such as the <5.20 that the vLLM environment pins, know only ``past_key_values``. We use the
+    name ``generate`` itself hands the model's forward.
+    """
+    from transformers.generation.utils import GenerationMixin
+
+    params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -70,13 +87,13 @@ def _forwards(model, input_ids, attention_mask, prompt_length, share_prompts, wi
                 logits_to_keep=1 if with_logits else no_logits,
                 use_cache=True,
             )
-            cache = prompt.past_key_values
+            cache = getattr(prompt, cache_kwarg())
             cache.batch_select_indices(inverse)
             rest = model(
                 input_ids=input_ids[:, prompt_length:],
                 attention_mask=attention_mask,
                 position_ids=positions[:, prompt_length:],
-                past_key_values=cache,
+                **{cache_kwarg(): cache},
                 use_cache=True,
                 **({} if with_logits else {"logits_to_keep": no_logits}),
             )

@@ -9,6 +9,7 @@ that the ``[tokens, V]`` logits are never built).
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +30,7 @@ from maxent_grpo.core.fused_lm_head import lm_head_logps
 
 __all__ = [
     "DEFAULT_CHUNK_ROWS",
+    "Scoring",
     "compute_per_token_logps",
     "compute_per_token_logps_and_entropies",
     "get_per_token_logps",
@@ -177,3 +179,48 @@ def get_per_token_logps_and_entropies(
     return selective_logps(
         logits, targets, temperature=temperature, with_entropy=with_entropy, chunk_rows=chunk_rows,
     )
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How the trainer scores completions under a model, the same for the policy step, the
+    reference, the pre-update policy and the entropy pass.
+
+    ``temperature``: the sampling temperature (the logits are divided by it, as the sampler's
+    were). ``share_prompts``: each distinct prompt of a batch runs once
+    (``completion_logits``). ``autocast_bf16``: bf16 matmuls over the model's own weights
+    (``torch.autocast``), around the forward only. ``rows_per_pass``: rows per forward when
+    scoring without gradients (:meth:`score_rows`).
+    """
+
+    temperature: float = 1.0
+    share_prompts: bool = True
+    autocast_bf16: bool = False
+    rows_per_pass: int = 8
+
+    def __post_init__(self) -> None:
+        check_temperature(self.temperature)
+        if self.rows_per_pass < 1:
+            raise ValueError(f"rows_per_pass must be >= 1, got {self.rows_per_pass}")
+
+    def logps(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, *,
+              with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Completion log-probs (and entropies) ``[B, L - prompt_length]`` of ``model``, with gradients."""
+        with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16):
+            return get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, prompt_length, temperature=self.temperature,
+                with_entropy=with_entropy, share_prompts=self.share_prompts,
+            )
+
+    def score_rows(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, *,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`logps` without gradients, ``rows_per_pass`` rows at a time, concatenated."""
+        outs, ents = [], []
+        with torch.no_grad():
+            for s in range(0, input_ids.shape[0], self.rows_per_pass):
+                sl = slice(s, s + self.rows_per_pass)
+                logp, ent = self.logps(model, input_ids[sl], attention_mask[sl], prompt_length,
+                                       with_entropy=with_entropy)
+                outs.append(logp)
+                ents.append(ent)
+        return torch.cat(outs), (torch.cat(ents) if with_entropy else None)

@@ -1,15 +1,29 @@
 """Training methods, one file per family; ``get_method(name)`` returns one.
 
 * ``advantage.py``: group-advantage methods on the clipped surrogate (GRPO, Dr.GRPO,
-  DAPO, GSPO, SEED-GRPO, token-entropy MaxEnt) and CISPO's truncated IS weight.
+  DAPO, GSPO, token-entropy MaxEnt) and CISPO's truncated IS weight.
 * ``listwise.py``: MaxEnt listwise targets (``maxent_listwise``).
+* ``seed_grpo.py``: SEED-GRPO's semantic-entropy advantage scaling.
 * ``xdr.py``: xDr tempered group aggregation.
 
-Adding a method is one ``register(Method(...))`` in its family's file (or a new file
-imported here); nothing in ``training/`` names methods.
+Adding a method is one ``register(Method(...))`` in its family's file or in a new file
+here (imported by the loop below); nothing in ``training/`` names methods.
 """
 
-from maxent_grpo.methods.registry import METHODS, Method, MethodTargets, TargetInputs, get_method, register
-from maxent_grpo.methods import advantage, listwise, xdr  # noqa: E402,F401  (each registers its methods)
+import importlib
+import pkgutil
 
-__all__ = ["METHODS", "Method", "MethodTargets", "TargetInputs", "get_method", "register"]
+from maxent_grpo.methods.registry import (
+    METHODS, Method, MethodPlan, MethodTargets, PlanInputs, RewardScalingInputs, TargetInputs, get_method,
+    method_sections, register,
+)
+
+# Every module of this package registers its methods on import: a new method is a new file.
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name != "registry":
+        importlib.import_module(f"{__name__}.{_module.name}")
+
+__all__ = [
+    "METHODS", "Method", "MethodPlan", "MethodTargets", "PlanInputs", "RewardScalingInputs", "TargetInputs",
+    "get_method", "method_sections", "register",
+]

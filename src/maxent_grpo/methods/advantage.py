@@ -1,11 +1,13 @@
 """Group-advantage methods: the policy term is a per-token surrogate on ``A_i`` (ALGORITHMS.md §2-3, §6-7).
 
-They differ in their preset (aggregation, clipping, reward scaling), in the
-policy loss (the PPO clipped surrogate, or CISPO's truncated importance weight),
-and SEED-GRPO in scaling the advantages by semantic entropy.
+They differ in their preset (aggregation, clipping, reward scaling) and in the
+policy loss (the PPO clipped surrogate, or CISPO's truncated importance weight).
+SEED-GRPO, which scales the advantages by semantic entropy, is in ``seed_grpo.py``.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from maxent_grpo.methods.registry import Method, register
 
@@ -30,11 +32,7 @@ register(Method(
     # token keeps its gradient; TRL, verl and EasyDeL use epsilon_high = 5 as eps_max.
     "cispo", "grpo", "CISPO: -sg(min(r, epsilon_high)) * A * log pi, token-level mean",
     preset={"loss.loss_type": "dapo", "loss.epsilon_high": 5.0},
-    policy_loss=lambda cfg: "cispo",
-))
-register(Method(
-    "seed_grpo", "grpo", "SEED-GRPO: advantages scaled by the group's semantic entropy",
-    preset={"loss.loss_type": "dapo"}, seed_scaling=True,
+    loss=lambda inputs: dataclasses.replace(inputs.loss, policy_loss="cispo"),
 ))
 register(Method(
     "maxent_entropy", "maxent", "Token-MaxEnt: GRPO plus a token-entropy bonus (loss.entropy_coef)",

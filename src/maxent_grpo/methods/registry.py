@@ -1,34 +1,51 @@
 """What a training method is, and the registry of them (verl's ``core_algos`` registry, for methods).
 
 A :class:`Method` holds everything in which methods differ: the config values it
-brings (its preset), the cross-key checks it needs, whether it scores a
-reference model, which policy loss of ``core.losses.POLICY_LOSSES`` it trains
-with, whether the KL term enters the token loss, and the targets it computes
-from a batch's reward statistics (listwise weights, xDr row multipliers).
+brings (its preset), its own settings section (``section``: the YAML key,
+``settings``: the record, with help text on each field), the cross-key checks it
+needs, and :meth:`Method.plan`, which turns plain values into the
+:class:`MethodPlan` the run trains with: the core :class:`LossSpec`, whether a
+reference is scored, and the targets it computes from a batch's reward
+statistics (listwise weights, xDr row multipliers, SEED-GRPO scaling).
 Each family's file builds its methods and calls :func:`register`; the trainer
-calls the method's functions and never looks at its name.
+calls the method's plan and never looks at its name or at the app config.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from maxent_grpo.rewards.maxent import RewardComputation, WeightingSettings, WeightStats
+from maxent_grpo.core.step import LossSpec
+from maxent_grpo.rewards.maxent import MaxEntConfig, RewardComputation, SeedGrpoInputs, WeightingSettings, WeightStats
 
-if TYPE_CHECKING:  # the config schema is read, never imported at run time (it sits in training/)
-    from maxent_grpo.training.config_schema import TrainConfig
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """The plain values a method plans from (``training.plan.compile_run`` builds them).
+
+    ``loss`` is the spec the ``loss:`` section describes, before the method changes it;
+    ``settings`` is the method's own section (None without one); ``maxent`` the MaxEnt
+    weighting section every method shares.
+    """
+
+    loss: LossSpec
+    settings: Any
+    maxent: MaxEntConfig
+    num_generations: int
+    micro_batch_size: int
+    max_new_tokens: int
 
 
 @dataclass(frozen=True)
 class TargetInputs:
     """What a method's targets are computed from, for one batch (prompt-major ``[P*G]`` rows, CPU)."""
 
-    cfg: TrainConfig
     weighting: WeightingSettings
     reward_comp: RewardComputation
     completion_texts: list[str]
@@ -47,42 +64,95 @@ class MethodTargets:
     row_weights: torch.Tensor | None = None  # [N] per-row multipliers of the token policy term
 
 
+@dataclass(frozen=True)
+class RewardScalingInputs:
+    """What an advantage-scaling hook sees (SEED-GRPO): ``[N]`` rows, prompt-major."""
+
+    answer_keys: list[str | None]
+    behaviour_logps: torch.Tensor | None  # [N, T] the sampler's log-probs (None: it returned none)
+    completion_mask: torch.Tensor  # [N, T]
+    num_generations: int
+
+
+@dataclass(frozen=True)
+class MethodPlan:
+    """What the run trains with, from the method: plain values and the method's hooks.
+
+    ``kl_in_token_loss``: the KL controller's beta enters the token loss (False: beta acts
+    inside the targets, listwise). ``reward_scaling`` builds SEED-GRPO's inputs to the
+    reward statistics (None: plain advantages); it returns None or raises ``ValueError``
+    naming what the batch lacks.
+    """
+
+    name: str
+    family: str
+    loss: LossSpec
+    needs_reference: bool
+    kl_in_token_loss: bool
+    weighting: str
+    targets: Callable[[TargetInputs], MethodTargets]
+    reward_scaling: Callable[[RewardScalingInputs], SeedGrpoInputs] | None = None
+
+    def identity(self) -> dict:
+        """What the run trains with, as written to ``run_info.json``."""
+        return {
+            "name": self.name, "family": self.family, "policy_loss": self.loss.policy_loss,
+            "weighting": self.weighting, "seed_scaling": self.reward_scaling is not None,
+            "needs_reference": self.needs_reference,
+        }
+
+
 def no_targets(inputs: TargetInputs) -> MethodTargets:
     return MethodTargets()
 
 
-def no_checks(cfg: TrainConfig) -> list[tuple[str, str]]:
+def no_checks(inputs: PlanInputs) -> list[tuple[str, str]]:
     return []
 
 
-def kl_needs_reference(cfg: TrainConfig) -> bool:
-    return cfg.loss.beta > 0
+def same_loss(inputs: PlanInputs) -> LossSpec:
+    return inputs.loss
+
+
+def kl_needs_reference(inputs: PlanInputs) -> bool:
+    return inputs.loss.beta > 0
 
 
 @dataclass(frozen=True)
 class Method:
     """One training method. ``preset`` maps dotted config keys to the values the method brings
-    (a recipe's own values win); ``check`` returns ``(dotted key, problem)`` pairs."""
+    (a recipe's own values win); ``check`` returns ``(dotted key, problem)`` pairs;
+    ``loss`` turns the ``loss:`` section's spec into the method's (its policy loss and params)."""
 
     name: str
     family: str  # "grpo" (advantage surrogate) or "maxent" (maximum-entropy variants)
     summary: str
     preset: Mapping[str, Any] = field(default_factory=dict)
-    policy_loss: Callable[[TrainConfig], str] = lambda cfg: "clipped_surrogate"
+    section: str | None = None  # the YAML key of the method's own settings
+    settings: type | None = None  # their record (a dataclass with defaults, help in field metadata)
+    loss: Callable[[PlanInputs], LossSpec] = same_loss
     weighting: str = "none"  # "none" | "listwise" | "xdr" (run_info.json)
-    seed_scaling: bool = False  # SEED-GRPO semantic-entropy advantage scaling
     kl_in_token_loss: bool = True  # False: beta acts inside the targets (listwise)
-    needs_reference: Callable[[TrainConfig], bool] = kl_needs_reference
-    check: Callable[[TrainConfig], list[tuple[str, str]]] = no_checks
-    targets: Callable[[TargetInputs], MethodTargets] = no_targets
+    needs_reference: Callable[[PlanInputs], bool] = kl_needs_reference
+    check: Callable[[PlanInputs], list[tuple[str, str]]] = no_checks
+    targets: Callable[[PlanInputs], Callable[[TargetInputs], MethodTargets]] = lambda inputs: no_targets
+    reward_scaling: Callable[[PlanInputs], Callable[[RewardScalingInputs], SeedGrpoInputs]] | None = None
 
-    def identity(self, cfg: TrainConfig) -> dict:
-        """What the run trains with, as written to ``run_info.json``."""
-        return {
-            "name": self.name, "family": self.family, "policy_loss": self.policy_loss(cfg),
-            "weighting": self.weighting, "seed_scaling": self.seed_scaling,
-            "needs_reference": self.needs_reference(cfg),
-        }
+    def __post_init__(self) -> None:
+        if (self.section is None) != (self.settings is None):
+            raise ValueError(f"method {self.name!r}: section and settings go together")
+        if self.settings is not None and not dataclasses.is_dataclass(self.settings):
+            raise ValueError(f"method {self.name!r}: settings must be a dataclass")
+
+    def plan(self, inputs: PlanInputs) -> MethodPlan:
+        loss = self.loss(inputs)
+        if not self.kl_in_token_loss:
+            loss = dataclasses.replace(loss, beta=0.0)
+        return MethodPlan(
+            name=self.name, family=self.family, loss=loss, needs_reference=self.needs_reference(inputs),
+            kl_in_token_loss=self.kl_in_token_loss, weighting=self.weighting, targets=self.targets(inputs),
+            reward_scaling=None if self.reward_scaling is None else self.reward_scaling(inputs),
+        )
 
 
 METHODS: dict[str, Method] = {}
@@ -91,8 +161,17 @@ METHODS: dict[str, Method] = {}
 def register(method: Method) -> Method:
     if method.name in METHODS:
         raise ValueError(f"method {method.name!r} is registered twice")
+    clash = [m.name for m in METHODS.values() if m.section is not None and m.section == method.section
+             and m.settings is not method.settings]
+    if clash:
+        raise ValueError(f"method {method.name!r}: section {method.section!r} is {clash[0]!r}'s, with other settings")
     METHODS[method.name] = method
     return method
+
+
+def method_sections() -> dict[str, type]:
+    """The settings sections the registered methods declare: YAML key -> record type."""
+    return {m.section: m.settings for m in METHODS.values() if m.section is not None}
 
 
 def get_method(name: str) -> Method:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
+from maxent_grpo.core.completion_logits import cache_kwarg
 from maxent_grpo.core.logprobs import selective_logps
 from maxent_grpo.rollout.backend import Completion, PromptGroup, SamplingParams
 
@@ -209,10 +210,10 @@ class HFGenerationBackend:
         out = self.model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            past_key_values=cache,
             generation_config=self._generation_config(params),
             stopping_criteria=StoppingCriteriaList([stop]) if stop is not None else None,
             synced_gpus=self.synced_gpus,
+            **{cache_kwarg(): cache},
         )
         generated = out.sequences[:, lp:]
         steps = generated.shape[1]
@@ -260,7 +261,8 @@ class HFGenerationBackend:
         cache = DynamicCache(config=self.model.config)
         extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
         self.model(
-            input_ids=ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache, use_cache=True, **extra
+            input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
+            **{cache_kwarg(): cache}, **extra,
         )
         cache.batch_select_indices(owner)
         return cache

@@ -1,5 +1,5 @@
 """One line of help per config key, shown by ``maxent-grpo train --help``, and the
-``(key, type, default)`` rows read off the config dataclasses."""
+``(key, type, default, help)`` rows read off the config dataclasses."""
 
 from __future__ import annotations
 
@@ -91,12 +91,6 @@ HELP: dict[str, str] = {
     "maxent.meta_lr_beta": "meta controller: beta <- beta + lr clip(KL - KL*) (> 0 turns it on)",
     "maxent.meta_every": "meta controller: update every this many steps",
     "maxent.meta_grad_clip": "meta controller: clip on KL - KL* (0 = unclipped)",
-    "xdr.tau": "xDr aggregation temperature (.inf = plain GRPO average)",
-    "xdr.lam": "xDr reference KL weight",
-    "xdr.mode_adaptive": "tau per prompt from the number of distinct correct answers",
-    "seed_grpo.alpha": "SEED-GRPO strength of the semantic-entropy scaling",
-    "seed_grpo.normalize_by_max_entropy": "divide alpha by ln G",
-    "seed_grpo.length_normalize_logprobs": "length-normalise sequence log-probs for cluster masses",
     "training.max_steps": "optimizer steps",
     "training.prompts_per_step": "prompts per step per process",
     "training.batch_size": "completions per step (TRL convention; must be a multiple of G)",
@@ -129,9 +123,10 @@ HELP: dict[str, str] = {
 }
 
 
-def field_help() -> list[tuple[str, str, str]]:
-    """``(dotted key, type, default)`` for every config field, for ``--help``."""
-    rows: list[tuple[str, str, str]] = []
+def field_help() -> list[tuple[str, str, str, str]]:
+    """``(dotted key, type, default, help)`` for every config field, for ``--help``: the help of a
+    method's own section is on its fields (``metadata["help"]``), the rest is in :data:`HELP`."""
+    rows: list[tuple[str, str, str, str]] = []
 
     def walk(cls, prefix):
         hints = typing.get_type_hints(cls)
@@ -144,7 +139,7 @@ def field_help() -> list[tuple[str, str, str]]:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             if isinstance(default, list) and default and dataclasses.is_dataclass(default[0]):
                 default = [dataclasses.asdict(d) for d in default]
-            rows.append((key, _type_name(hint), repr(default)))
+            rows.append((key, _type_name(hint), repr(default), f.metadata.get("help") or HELP[key]))
 
     walk(TrainConfig, "")
     return rows

@@ -8,16 +8,20 @@ names. ``data.task_kwargs`` and ``data.few_shot`` belong to the default task:
 a config that names another ``data.source`` starts them empty (config.py).
 
 ``training/config.py`` reads YAML onto these records, applies overrides and
-method presets, and checks every bound (``validate``); ``config_help.py``
-holds one line of help per key.
+method presets, and checks the bounds that are not a record's own
+(``validate``); ``training/plan.py`` compiles the config into the typed plan
+the run uses. The MaxEnt section lives with the weighting it sets
+(``rewards/maxent/settings.py``) and each method's own section in its file.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Literal
 
 from maxent_grpo.data.prompts import FewShotExample
+from maxent_grpo.methods import method_sections
+from maxent_grpo.rewards.maxent import MaxEntConfig
 
 
 
@@ -143,51 +147,6 @@ class LossSection:
 
 
 @dataclass
-class MaxEntConfig:
-    tau: float = 0.5
-    q_temperature: float = 1.0
-    q_epsilon: float = 1e-6
-    length_normalize_ref: bool = True
-    # Weighted MLE on the listwise targets pushes up each completion by its weight and
-    # never down. The cross-entropy also pushes down completions the policy already
-    # prefers more than their target weight; in the default run, at lr 1e-5, that raised
-    # token entropy and one seed of three lost its gains (BENCHMARKS.md §3).
-    listwise_loss: Literal["cross_entropy", "weighted_mle"] = "weighted_mle"
-    keep_zero_variance_groups: bool = False
-    listwise_clip_coef: float = 0.0
-    tau_target_entropy: float | None = None
-    tau_target_final: float | None = None
-    tau_target_horizon: int = 0
-    tau_lr: float = 0.0
-    tau_min: float = 0.0
-    tau_max: float = 0.0
-    tau_warmup_steps: int = 0
-    kl_target: float = 0.0
-    kl_horizon: int = 0
-    kl_step_size: float = 0.0
-    # The analytic meta controller (ALGORITHMS.md §8): on when either rate is > 0, and it
-    # then replaces the tau and beta controllers above (their targets stay its targets).
-    meta_lr_tau: float = 0.0
-    meta_lr_beta: float = 0.0
-    meta_every: int = 1
-    meta_grad_clip: float = 0.0
-
-
-@dataclass
-class XdrConfig:
-    tau: float = 0.05  # the paper's best; tau >= 0.5 is null there (recipes/xdr.yaml)
-    lam: float = 0.0
-    mode_adaptive: bool = False
-
-
-@dataclass
-class SeedGrpoConfig:
-    alpha: float = 0.0417
-    normalize_by_max_entropy: bool = True
-    length_normalize_logprobs: bool = True
-
-
-@dataclass
 class TrainingConfig:
     max_steps: int = 15
     # Prompts each process draws per optimizer step (the global batch is this times
@@ -251,7 +210,9 @@ class EvalConfig:
 
 
 @dataclass
-class TrainConfig:
+class CoreConfig:
+    """The sections every run has; :data:`TrainConfig` adds the methods' own sections."""
+
     # A name registered in maxent_grpo.methods (checked by training/config.py).
     method: str = "maxent_listwise"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -262,9 +223,18 @@ class TrainConfig:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     loss: LossSection = field(default_factory=LossSection)
     maxent: MaxEntConfig = field(default_factory=MaxEntConfig)
-    xdr: XdrConfig = field(default_factory=XdrConfig)
-    seed_grpo: SeedGrpoConfig = field(default_factory=SeedGrpoConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+# A method's settings section (methods/xdr.py's ``xdr:``...) is declared in its own file; the
+# run configuration has one field per registered section, so a new method edits nothing here.
+TrainConfig = make_dataclass(
+    "TrainConfig",
+    [(key, settings, field(default_factory=settings)) for key, settings in method_sections().items()],
+    bases=(CoreConfig,),
+)
+TrainConfig.__module__ = __name__
+TrainConfig.__doc__ = "The whole run configuration: the sections of :class:`CoreConfig` and each method's own."

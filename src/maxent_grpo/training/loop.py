@@ -14,8 +14,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from maxent_grpo.core.logprobs import get_per_token_logps
-from maxent_grpo.core.step import grpo_step, optimizer_update
+from maxent_grpo.core.step import OptimizerUpdate, grpo_step
 from maxent_grpo.errors import UserError
 from maxent_grpo.kill_points import kill_point
 from maxent_grpo.rewards.maxent import controller_state_dict, update_controllers
@@ -24,7 +23,8 @@ from maxent_grpo.training.checkpoint import find_latest_checkpoint
 from maxent_grpo.training.distributed import process_group
 from maxent_grpo.training.interrupt import RunInterrupted, StopSignals
 from maxent_grpo.training.metrics import MetricsLog, log_training_step, read_metrics, summarize_weight_stats
-from maxent_grpo.training.pipeline import prepare_training_batch, score_rows
+from maxent_grpo.training.pipeline import prepare_training_batch
+from maxent_grpo.training.plan import with_beta
 from maxent_grpo.training.setup import Run, build_run, seed_step
 from maxent_grpo.training.validation import validate
 
@@ -143,46 +143,32 @@ def _update_and_log(run: Run, prepared, step: int, t_start: float, cpu_start: fl
         prepared, result, step=step, dist=ctx.dist, metrics_log=metrics_log, trackers=run.trackers,
         output_dir=run.output_dir, extra=extra, completion_table=_log_completions(cfg, step),
         learning_rate=run.lr_scheduler.get_last_lr()[0], timings=timings, controller=_controller_metrics(run),
-        max_completion_length=cfg.generation.max_new_tokens, weight_view=view,
+        max_completion_length=run.ctx.plan.batch.sampling.max_new_tokens, weight_view=view,
     )
     return step
 
 
 def _policy_update(run: Run, prepared, step: int, timings: dict):
     """Train on ``prepared`` as optimizer step ``step``."""
-    cfg, ctx = run.cfg, run.ctx
+    ctx, plan = run.ctx, run.ctx.plan
     timings["time/optimizer"] = 0.0
+    apply = OptimizerUpdate(plan.max_grad_norm, run.lr_scheduler)
 
-    def timed_update(*args):
+    def timed_update(model, optimizer):
         kill_point("step.after_backward", step)
         t0 = time.perf_counter()
         try:
-            return optimizer_update(*args)
+            return apply(model, optimizer)
         finally:
             timings["time/optimizer"] += time.perf_counter() - t0
 
-    old_logps = _old_logps(run, prepared) if cfg.training.num_iterations > 1 else None
-    for _ in range(cfg.training.num_iterations):
-        with autocast(cfg, ctx.dist.device):
-            result = grpo_step(
-                run.train_model, run.optimizer, prepared.micro_batches(cfg.training.micro_batch_size, old_logps),
-                num_generations=cfg.generation.num_generations,
-                beta=ctx.weighting.beta if ctx.method.kl_in_token_loss else 0.0,
-                loss_type=cfg.loss.loss_type,
-                epsilon=cfg.loss.epsilon,
-                epsilon_high=cfg.loss.epsilon_high,
-                delta=cfg.loss.delta,
-                importance_sampling_level=cfg.loss.importance_sampling_level,
-                top_entropy_quantile=cfg.loss.top_entropy_quantile,
-                loss_config=run.loss_config,
-                max_grad_norm=cfg.training.max_grad_norm,
-                lr_scheduler=run.lr_scheduler,
-                share_prompts=cfg.training.share_prompts,
-                all_reduce_sum=ctx.dist.all_reduce_sum,
-                world_size=ctx.dist.world_size,
-                update=timed_update,
-                gradient_sync=run.gradient_sync,
-            )
+    old_logps = _old_logps(run, prepared) if plan.num_iterations > 1 else None
+    spec = with_beta(plan, ctx.weighting.beta)
+    for _ in range(plan.num_iterations):
+        result = grpo_step(
+            run.train_model, run.optimizer, prepared.micro_batches(plan.micro_batch_size, old_logps), spec,
+            plan.scoring, comm=run.comm, update=timed_update,
+        )
     return result
 
 
@@ -240,23 +226,14 @@ def _too_many_skips(run: Run, step: int, count: int) -> TrainingError:
     )
 
 
-def autocast(cfg: TrainConfig, device: torch.device):
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.training.autocast_bf16)
-
-
 def _old_logps(run: Run, prepared) -> torch.Tensor:
     """Log-probs of the pre-update policy, needed only when a batch is reused (num_iterations > 1)."""
-    cfg = run.cfg
-
-    def policy(ids, mask, plen):
-        return get_per_token_logps(run.ctx.model, ids, mask, plen, temperature=cfg.generation.temperature,
-                                   share_prompts=cfg.training.share_prompts)
-
-    return score_rows(run.ctx, prepared.packed, policy)[0]
+    p = prepared.packed
+    return run.ctx.plan.scoring.score_rows(run.ctx.model, p.input_ids, p.attention_mask, p.prompt_length)[0]
 
 
 def _controller_metrics(run: Run) -> dict[str, float]:
-    if run.ctx.method.family != "maxent" and run.cfg.loss.beta == 0:
+    if run.ctx.plan.method.family != "maxent" and run.ctx.plan.method.loss.beta == 0:
         return {}
     state = controller_state_dict(run.ctx.weighting)
     return {"tau": float(state["tau"]), "beta": float(state["beta"])}

@@ -19,14 +19,11 @@ from typing import Callable
 import torch
 
 from maxent_grpo.core.advantages import combine_rewards, zero_std_groups
-from maxent_grpo.core.logprobs import get_per_token_logps_and_entropies
-from maxent_grpo.core.seed_grpo import cluster_ids_from_answers
 from maxent_grpo.core.step import MicroBatch
-from maxent_grpo.methods import Method, TargetInputs
+from maxent_grpo.methods import RewardScalingInputs, TargetInputs
 from maxent_grpo.tasks.modebench import answer_key
 from maxent_grpo.rewards.maxent import (
     RewardComputation,
-    SeedGrpoInputs,
     WeightingSettings,
     WeightStats,
     apply_policy_entropy_bonus,
@@ -37,16 +34,15 @@ from maxent_grpo.rollout.backend import (
     GenerationBackend,
     PackedRollout,
     RolloutBatch,
-    SamplingParams,
     concat_rollouts,
     generate_groups,
     pack_rollout,
     select_groups,
 )
-from maxent_grpo.training.config import TrainConfig
 from maxent_grpo.data.prompts import format_prompt
 from maxent_grpo.training.diversity import group_diversity
 from maxent_grpo.training.distributed import Dist
+from maxent_grpo.training.plan import RunPlan
 
 log = logging.getLogger("maxent_grpo")
 
@@ -61,16 +57,15 @@ class SkipBatch(Exception):
 
 @dataclass
 class PipelineContext:
-    cfg: TrainConfig
-    method: Method
+    plan: RunPlan
     model: torch.nn.Module  # the policy, unwrapped
     tokenizer: object
     backend: GenerationBackend
-    sampling: SamplingParams
     reward_spec: RewardSpec
     weighting: WeightingSettings
     dist: Dist
-    # Scores completion tokens under the frozen reference: (input_ids, attention_mask, prompt_length) -> [N, T].
+    # Completion log-probs [N, T] under the frozen reference, no grad: (input_ids, attention_mask,
+    # prompt_length) -> [N, T]; None when the method scores no reference.
     reference_logps: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
     skips: Counter = field(default_factory=Counter)
     last_error: str | None = None
@@ -126,6 +121,7 @@ class PreparedBatch:
                     input_ids=p.input_ids[sl],
                     attention_mask=p.attention_mask[sl],
                     prompt_length=p.prompt_length,
+                    num_generations=g,
                     completion_mask=p.completion_mask[sl],
                     advantages=rows(self.advantages, sl),
                     old_logps=rows(old_logps, sl),
@@ -142,11 +138,12 @@ class PreparedBatch:
 # ----------------------------------------------------------------- stages
 
 def _generate(ctx: PipelineContext, rows: list[dict]) -> tuple[list[dict], RolloutBatch]:
-    prompts = [format_prompt(ctx.tokenizer, r["prompt"], system_prompt=ctx.cfg.data.system_prompt, few_shot=ctx.cfg.data.few_shot) for r in rows]
+    b = ctx.plan.batch
+    prompts = [format_prompt(ctx.tokenizer, r["prompt"], system_prompt=b.system_prompt, few_shot=list(b.few_shot))
+               for r in rows]
     try:
         rollout, dropped = generate_groups(
-            ctx.backend, prompts, ctx.cfg.generation.num_generations, ctx.sampling,
-            max_retry_rounds=ctx.cfg.generation.max_retry_rounds,
+            ctx.backend, prompts, b.num_generations, b.sampling, max_retry_rounds=b.max_retry_rounds,
         )
     except (RuntimeError, ValueError) as err:
         raise SkipBatch("generation", str(err)) from err
@@ -181,11 +178,12 @@ def _rollout_and_rewards(ctx: PipelineContext, rows: list[dict], more_rows: Call
     """Generate and score; with dynamic sampling keep only groups whose rewards vary (§9)."""
     rows, rollout = _generate(ctx, rows)
     per_fn = _reward_matrix(ctx, rows, rollout, timings)
-    if not ctx.cfg.loss.dynamic_sampling:
+    b = ctx.plan.batch
+    if not b.dynamic_sampling:
         return rows, rollout, per_fn, {}
-    g, target = rollout.num_generations, ctx.cfg.training.prompts_per_step
+    g, target = rollout.num_generations, b.prompts_per_step
     kept_rows, kept_rollouts, kept_rewards, seen = [], [], [], 0
-    for round_idx in range(ctx.cfg.loss.max_gen_batches):
+    for round_idx in range(b.max_gen_batches):
         if round_idx > 0:
             if more_rows is None:
                 break
@@ -200,7 +198,7 @@ def _rollout_and_rewards(ctx: PipelineContext, rows: list[dict], more_rows: Call
         if len(kept_rows) >= target:
             break
     else:
-        log.warning("dynamic sampling: %d of %d groups after %d rounds", len(kept_rows), target, ctx.cfg.loss.max_gen_batches)
+        log.warning("dynamic sampling: %d of %d groups after %d rounds", len(kept_rows), target, b.max_gen_batches)
     if not kept_rows:
         raise SkipBatch("dynamic_sampling", "no group with varied rewards")
     kept_rows = kept_rows[:target]
@@ -209,51 +207,11 @@ def _rollout_and_rewards(ctx: PipelineContext, rows: list[dict], more_rows: Call
     return kept_rows, rollout, per_fn, {"dynamic_sampling/groups_seen": float(seen)}
 
 
-def score_rows(ctx: PipelineContext, packed: PackedRollout, fn, with_entropy: bool = False):
-    """Run ``fn`` (a model scorer) over micro-batches under no_grad; concatenate. The one chunked
-    scoring loop: reference, pre-update policy (``num_iterations > 1``) and policy entropy use it."""
-    size = ctx.cfg.training.micro_batch_size
-    outs, ents = [], []
-    autocast = torch.autocast(ctx.dist.device.type, dtype=torch.bfloat16, enabled=ctx.cfg.training.autocast_bf16)
-    with torch.no_grad(), autocast:
-        for s in range(0, packed.input_ids.shape[0], size):
-            sl = slice(s, s + size)
-            res = fn(packed.input_ids[sl], packed.attention_mask[sl], packed.prompt_length)
-            if with_entropy:
-                outs.append(res[0])
-                ents.append(res[1])
-            else:
-                outs.append(res)
-    return torch.cat(outs), (torch.cat(ents) if with_entropy else None)
-
-
 def _policy_entropy(ctx: PipelineContext, packed: PackedRollout) -> torch.Tensor:
-    temp = ctx.cfg.generation.temperature
-
-    def fn(ids, mask, plen):
-        return get_per_token_logps_and_entropies(
-            ctx.model, ids, mask, plen, temperature=temp, share_prompts=ctx.cfg.training.share_prompts
-        )
-
-    _, ent = score_rows(ctx, packed, fn, with_entropy=True)
+    _, ent = ctx.plan.scoring.score_rows(ctx.model, packed.input_ids, packed.attention_mask, packed.prompt_length,
+                                         with_entropy=True)
     m = packed.completion_mask
     return ((ent * m).sum(1) / m.sum(1).clamp(min=1)).cpu()
-
-
-def _seed_inputs(ctx: PipelineContext, keys: list[str | None], packed: PackedRollout, g: int):
-    if not ctx.method.seed_scaling:
-        return None
-    if packed.behaviour_logps is None:
-        raise SkipBatch("seed_grpo", "the generator returned no behaviour log-probs")
-    sg = ctx.cfg.seed_grpo
-    return SeedGrpoInputs(
-        cluster_ids=cluster_ids_from_answers([keys[i : i + g] for i in range(0, len(keys), g)]).reshape(-1),
-        seq_logps=(packed.behaviour_logps * packed.completion_mask).sum(1).cpu(),
-        token_counts=packed.completion_mask.sum(1).cpu(),
-        alpha=sg.alpha,
-        normalize_by_max_entropy=sg.normalize_by_max_entropy,
-        length_normalize=sg.length_normalize_logprobs,
-    )
 
 
 # ----------------------------------------------------------------- orchestration
@@ -301,39 +259,47 @@ def _skip(ctx: PipelineContext, failed: SkipBatch | None) -> None:
 
 
 def _score_and_weight(ctx: PipelineContext, rows, rollout, per_fn, stats, timings) -> PreparedBatch:
-    cfg = ctx.cfg
+    b, method = ctx.plan.batch, ctx.plan.method
     packed = pack_rollout(rollout, ctx.tokenizer.pad_token_id, device=ctx.dist.device)
-    if cfg.loss.mask_truncated_completions:
+    if b.mask_truncated_completions:
         packed.completion_mask[packed.truncated] = 0.0
     g = rollout.num_generations
     t1 = time.perf_counter()
     keys = [answer_key(rows[i // g], text) for i, text in enumerate(rollout.completion_texts)]
+    seed = None
+    if method.reward_scaling is not None:
+        try:
+            seed = method.reward_scaling(RewardScalingInputs(
+                answer_keys=keys, behaviour_logps=packed.behaviour_logps, completion_mask=packed.completion_mask,
+                num_generations=g,
+            ))
+        except ValueError as err:
+            raise SkipBatch("reward_scaling", str(err)) from err
+    rs = b.reward_stats
     reward_comp = compute_reward_statistics(
         per_fn, ctx.reward_spec.weight_tensor(), g,
         names=ctx.reward_spec.names,
-        q_temperature=cfg.maxent.q_temperature,
-        q_epsilon=cfg.maxent.q_epsilon,
-        scale_rewards=cfg.loss.scale_rewards,
-        advantage_estimator=cfg.loss.advantage_estimator,
+        q_temperature=rs.q_temperature,
+        q_epsilon=rs.q_epsilon,
+        scale_rewards=rs.scale_rewards,
+        advantage_estimator=rs.advantage_estimator,
         truncated=packed.truncated.cpu(),
-        zero_truncated_completion_rewards=cfg.loss.zero_truncated_completion_rewards,
-        seed_grpo=_seed_inputs(ctx, keys, packed, g),
+        zero_truncated_completion_rewards=b.zero_truncated_completion_rewards,
+        seed_grpo=seed,
     )
-    if cfg.loss.policy_entropy_bonus_coef > 0:
-        reward_comp = apply_policy_entropy_bonus(
-            reward_comp, _policy_entropy(ctx, packed), cfg.loss.policy_entropy_bonus_coef
-        )
+    if b.policy_entropy_bonus_coef > 0:
+        reward_comp = apply_policy_entropy_bonus(reward_comp, _policy_entropy(ctx, packed), b.policy_entropy_bonus_coef)
     timings["time/reward"] += time.perf_counter() - t1
     t2 = time.perf_counter()
     ref_logps = None
     if ctx.reference_logps is not None:
-        ref_logps, _ = score_rows(ctx, packed, ctx.reference_logps)
+        ref_logps = ctx.reference_logps(packed.input_ids, packed.attention_mask, packed.prompt_length)
         if not torch.isfinite(ref_logps).all():
             raise SkipBatch("reference", "non-finite reference log-probs")
     timings["time/reference"] = time.perf_counter() - t2
     counts = packed.completion_mask.sum(1).cpu()
-    targets = ctx.method.targets(TargetInputs(
-        cfg=cfg, weighting=ctx.weighting, reward_comp=reward_comp, completion_texts=rollout.completion_texts,
+    targets = method.targets(TargetInputs(
+        weighting=ctx.weighting, reward_comp=reward_comp, completion_texts=rollout.completion_texts,
         answer_keys=keys, num_generations=g, lengths=counts,
         ref_logp_sum=None if ref_logps is None else (ref_logps * packed.completion_mask).sum(1).cpu(),
     ))

@@ -6,8 +6,6 @@ import importlib.util
 import json
 import logging
 import random
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,15 +14,13 @@ import torch
 from safetensors import SafetensorError
 from transformers import get_scheduler
 
-from maxent_grpo.core.logprobs import get_per_token_logps
-from maxent_grpo.core.step import LossConfig
+from maxent_grpo.core.step import Comm
 from maxent_grpo.models import (
     apply_lora, enable_activation_checkpointing, load_model_and_tokenizer, load_reference_model, parse_dtype,
     reference_context, resolve_model_path,
 )
 from maxent_grpo.rewards.maxent import controller_state_dict, restore_controller_state
 from maxent_grpo.rewards.registry import build_reward_spec
-from maxent_grpo.rollout.backend import SamplingParams
 from maxent_grpo.rollout.hf import HFGenerationBackend
 from maxent_grpo.run_files import write_text_atomic
 from maxent_grpo.training.checkpoint import (
@@ -34,8 +30,8 @@ from maxent_grpo.training.checkpoint import (
 from maxent_grpo.training.config import ConfigError, TrainConfig, save_config, to_dict
 from maxent_grpo.data.datasets import PromptSampler, load_prompt_dataset, split_train_eval
 from maxent_grpo.training.distributed import DataParallelPolicy, Dist, ddp_gradient_sync, log_device
-from maxent_grpo.methods import get_method
 from maxent_grpo.training.pipeline import PipelineContext
+from maxent_grpo.training.plan import RunPlan, compile_run
 from maxent_grpo.training.precision import bf16_is_fast, master_dtype, resolve_precision
 from maxent_grpo.training.run_dir import (
     RunDirError, RunLock, claim_output_dir, config_history, history_line, resume_changes,
@@ -69,8 +65,7 @@ class Run:
     lr_scheduler: object
     sampler: ShardedSampler
     trackers: object
-    loss_config: LossConfig
-    gradient_sync: Callable[[bool], AbstractContextManager] | None  # grpo_step's; None with one process
+    comm: Comm  # how grpo_step reaches the other processes
     eval_rows: list[dict] = field(default_factory=list)
     start_step: int = 0
     resumed: bool = False
@@ -133,19 +128,19 @@ def seed_step(seed: int, rank: int, step: int) -> None:
     _seed_everything(derived)
 
 
-def _reference_scorer(cfg: TrainConfig, model, name_or_path: str):
-    temp, share = cfg.generation.temperature, cfg.training.share_prompts
+def _reference_scorer(cfg: TrainConfig, plan: RunPlan, model, name_or_path: str):
+    scoring = plan.scoring
     if cfg.model.lora.enabled:
         def score(ids, mask, plen):
             with reference_context(model):
-                return get_per_token_logps(model, ids, mask, plen, temperature=temp, share_prompts=share)
+                return scoring.score_rows(model, ids, mask, plen)[0]
         return score
     ref = load_reference_model(name_or_path, dtype=cfg.model.dtype, device=model.device)
     if cfg.training.strategy == "fsdp2":
         shard_model(ref)
 
     def score(ids, mask, plen):
-        return get_per_token_logps(ref, ids, mask, plen, temperature=temp, share_prompts=share)
+        return scoring.score_rows(ref, ids, mask, plen)[0]
     return score
 
 
@@ -212,6 +207,7 @@ def build_run(
         raise ConfigError("training.strategy: fsdp2 needs several processes (torchrun --nproc_per_node N); "
                           "with one process use ddp")
     cfg = resolve_precision(cfg, bf16_is_fast(dist.device))
+    plan = compile_run(cfg)
     output_dir = Path(cfg.logging.output_dir)
     lock = _claim(output_dir, dist, resume=bool(resume), overwrite=overwrite)
     ckpt = _resume_checkpoint(output_dir, resume)
@@ -222,7 +218,7 @@ def build_run(
             saved.get("config") or _saved_config(output_dir), to_dict(cfg), allow_change=allow_config_change,
         )
         history.append(history_line(int(saved["step"]), changes))
-    method = get_method(cfg.method)
+    method = plan.method
     _seed_everything(cfg.training.seed + dist.rank)
 
     # Data and rewards first: their errors must come before the slow model load.
@@ -246,9 +242,10 @@ def build_run(
     if dist.is_main:
         save_config(cfg, output_dir / "config.yaml", header=history)
         write_text_atomic(output_dir / "run_info.json", json.dumps(
-            {"method": cfg.method, **method.identity(cfg), "model": model_path, "world_size": dist.world_size}, indent=2
+            {"method": cfg.method, **method.identity(), "model": model_path, "world_size": dist.world_size}, indent=2
         ))
-    log.info("method %s: family=%s loss=%s weighting=%s", method.name, method.family, method.policy_loss(cfg), method.weighting)
+    log.info("method %s: family=%s loss=%s weighting=%s", method.name, method.family, method.loss.policy_loss,
+             method.weighting)
 
     model, tokenizer = load_model_and_tokenizer(
         model_path, dtype=master_dtype(cfg.model.dtype, cfg.model.lora.enabled), device=dist.device,
@@ -261,7 +258,7 @@ def build_run(
     if fsdp2:
         # Before the optimizer exists: it must hold the sharded parameters.
         shard_model(model, mixed_precision=dist.device.type == "cuda" and cfg.training.autocast_bf16)
-    reference = _reference_scorer(cfg, model, model_path) if method.needs_reference(cfg) else None
+    reference = _reference_scorer(cfg, plan, model, model_path) if method.needs_reference else None
 
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=cfg.training.learning_rate,
@@ -278,31 +275,20 @@ def build_run(
                                          gradient_as_bucket_view=True)
         gradient_sync = ddp_gradient_sync(train_model)
 
-    g = cfg.generation
-    sampling = SamplingParams(
-        max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, stop=tuple(g.stop),
-    )
     sampler = PromptSampler(
         train_ds, cfg.training.prompts_per_step * dist.world_size, seed=cfg.training.seed,
         shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs,
     )
     ctx = PipelineContext(
-        cfg=cfg, method=method, model=model, tokenizer=tokenizer,
+        plan=plan, model=model, tokenizer=tokenizer,
         backend=_generation_backend(cfg, model, tokenizer, model_path, output_dir, dist, fsdp2=fsdp2),
-        sampling=sampling, reward_spec=reward_spec, weighting=weighting_from_config(cfg), dist=dist,
-        reference_logps=reference,
-    )
-    loss_config = LossConfig(
-        policy_loss=method.policy_loss(cfg), kl_estimator=cfg.loss.kl_estimator, dual_clip=cfg.loss.dual_clip,
-        max_completion_length=g.max_new_tokens, temperature=g.temperature,
-        entropy_coef=cfg.loss.entropy_coef, listwise_clip_coef=cfg.maxent.listwise_clip_coef,
-        rollout_correction=cfg.loss.rollout_correction, rollout_correction_cap=cfg.loss.rollout_correction_cap,
+        reward_spec=reward_spec, weighting=weighting_from_config(cfg), dist=dist, reference_logps=reference,
     )
     run = Run(
         cfg=cfg, output_dir=output_dir, ctx=ctx, train_model=train_model, optimizer=optimizer,
         lr_scheduler=lr_scheduler, sampler=ShardedSampler(sampler, dist),
         trackers=make_trackers(cfg.logging.report_to if dist.is_main else [], output_dir, config=to_dict(cfg)),
-        loss_config=loss_config, gradient_sync=gradient_sync,
+        comm=Comm(world_size=dist.world_size, all_reduce_sum=dist.all_reduce_sum, gradient_sync=gradient_sync),
         eval_rows=list(eval_ds) if eval_ds is not None else [], lock=lock,
     )
     if ckpt is not None:

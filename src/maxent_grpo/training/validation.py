@@ -27,7 +27,7 @@ def validate(run, step: int) -> dict[str, float]:
         try:
             summary, records = evaluate_prompts(
                 run.ctx.backend, run.ctx.tokenizer, rows, run.ctx.reward_spec,
-                k=cfg.eval.k, sampling=run.ctx.sampling,
+                k=cfg.eval.k, sampling=run.ctx.plan.batch.sampling,
                 system_prompt=cfg.data.system_prompt, few_shot=cfg.data.few_shot,
             )
         finally:

@@ -33,7 +33,7 @@ from maxent_grpo.rewards.maxent.reward_stats import (
     compute_reward_statistics,
     reward_moments,
 )
-from maxent_grpo.rewards.maxent.settings import QDistributionSettings, WeightingSettings, WeightNormalizationSettings
+from maxent_grpo.rewards.maxent.settings import MaxEntConfig, QDistributionSettings, WeightingSettings, WeightNormalizationSettings
 from maxent_grpo.rewards.maxent.weight_stats import (
     ReferenceLogprobs,
     WeightLoggingView,
@@ -49,6 +49,7 @@ __all__ = [
     "ControllerMetaSettings",
     "ControllerState",
     "KlControllerSettings",
+    "MaxEntConfig",
     "QDistributionSettings",
     "ReferenceLogprobs",
     "RewardComputation",

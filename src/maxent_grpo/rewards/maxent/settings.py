@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 from maxent_grpo.core.advantages import SCALE_REWARDS
 from maxent_grpo.core.controllers import (
@@ -117,3 +118,37 @@ class WeightingSettings:
     @property
     def controller_settings(self) -> ControllerSettings:
         return ControllerSettings(self.tau_schedule, self.kl_controller, self.controller_meta)
+
+
+@dataclass
+class MaxEntConfig:
+    """The ``maxent:`` config section: listwise targets and the tau / beta / meta controllers
+    (``training/weighting_config.py`` maps it onto :class:`WeightingSettings`)."""
+
+    tau: float = 0.5
+    q_temperature: float = 1.0
+    q_epsilon: float = 1e-6
+    length_normalize_ref: bool = True
+    # Weighted MLE on the listwise targets pushes up each completion by its weight and
+    # never down. The cross-entropy also pushes down completions the policy already
+    # prefers more than their target weight; in the default run, at lr 1e-5, that raised
+    # token entropy and one seed of three lost its gains (BENCHMARKS.md §3).
+    listwise_loss: Literal["cross_entropy", "weighted_mle"] = "weighted_mle"
+    keep_zero_variance_groups: bool = False
+    listwise_clip_coef: float = 0.0
+    tau_target_entropy: float | None = None
+    tau_target_final: float | None = None
+    tau_target_horizon: int = 0
+    tau_lr: float = 0.0
+    tau_min: float = 0.0
+    tau_max: float = 0.0
+    tau_warmup_steps: int = 0
+    kl_target: float = 0.0
+    kl_horizon: int = 0
+    kl_step_size: float = 0.0
+    # The analytic meta controller (ALGORITHMS.md §8): on when either rate is > 0, and it
+    # then replaces the tau and beta controllers above (their targets stay its targets).
+    meta_lr_tau: float = 0.0
+    meta_lr_beta: float = 0.0
+    meta_every: int = 1
+    meta_grad_clip: float = 0.0

@@ -29,7 +29,8 @@ from benchmarks.children import child_env, run_child  # noqa: E402
 def worker(checkpointing: bool, rows: int, prompt: int, completion: int, out: Path) -> None:
     import torch
 
-    from maxent_grpo.core.step import MicroBatch, grpo_step
+    from maxent_grpo.core.logprobs import Scoring
+    from maxent_grpo.core.step import LossSpec, MicroBatch, grpo_step
     from maxent_grpo.models import SMOLLM2_ALIAS, enable_activation_checkpointing, load_model_and_tokenizer
 
     model, _ = load_model_and_tokenizer(SMOLLM2_ALIAS, dtype="float32")
@@ -40,12 +41,12 @@ def worker(checkpointing: bool, rows: int, prompt: int, completion: int, out: Pa
     ids = torch.randint(10, model.config.vocab_size, (rows, prompt + completion), generator=gen)
     mask = torch.ones_like(ids)
     batch = MicroBatch(
-        input_ids=ids, attention_mask=mask, prompt_length=prompt, completion_mask=mask[:, prompt:].float(),
+        input_ids=ids, attention_mask=mask, prompt_length=prompt, num_generations=rows, completion_mask=mask[:, prompt:].float(),
         advantages=torch.randn(rows, generator=gen),
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     start = time.perf_counter()
-    result = grpo_step(model, optimizer, [batch], num_generations=rows, loss_type="dapo", share_prompts=False)
+    result = grpo_step(model, optimizer, [batch], LossSpec(loss_type="dapo"), Scoring(share_prompts=False))
     out.write_text(json.dumps({"seconds": time.perf_counter() - start, "loss": result.loss,
                                "grad_norm": result.grad_norm}))
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from maxent_grpo.cli import main
+from maxent_grpo.methods import METHODS
 from maxent_grpo.training.config import ConfigError, load_config, parse_override
 from maxent_grpo.training.metrics import read_metrics
 from tiny_runs import tiny_overrides as tiny_run_args
@@ -18,8 +19,8 @@ from tiny_runs import tiny_overrides as tiny_run_args
 REPO = Path(__file__).resolve().parents[1]
 # The *-fsdp2 recipes are for several GPUs (torchrun); test_sharding.py loads them.
 RECIPES = sorted(p for p in (REPO / "recipes").glob("*.yaml") if not p.stem.endswith("-fsdp2"))
-METHOD_RECIPES = [p for p in RECIPES if p.stem in {
-    "grpo", "dr_grpo", "dapo", "gspo", "seed_grpo", "maxent_entropy", "maxent_listwise", "xdr"}]
+# One recipe per registered method, named after it.
+METHOD_RECIPES = [p for p in RECIPES if p.stem in METHODS]
 
 
 # A reward that varies on random text, so groups are never all-equal.
@@ -31,8 +32,9 @@ def tiny_overrides(model_dir, out, *, steps=2, extra=()):
 
 
 def test_every_method_recipe_is_present():
-    assert {p.stem for p in METHOD_RECIPES} == {
-        "grpo", "dr_grpo", "dapo", "gspo", "seed_grpo", "maxent_entropy", "maxent_listwise", "xdr"}
+    assert {p.stem for p in METHOD_RECIPES} == set(METHODS)
+    for recipe in METHOD_RECIPES:
+        assert load_config(recipe).method == recipe.stem
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])

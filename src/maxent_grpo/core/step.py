@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from maxent_grpo.core import peer_losses  # noqa: F401  (registers SAPO, GMPO, DPPO, OPSM)
 from maxent_grpo.core.logprobs import Scoring
 from maxent_grpo.core.losses import (
     KL_ESTIMATORS,

@@ -67,6 +67,9 @@ _KEYS = {
 }
 
 
+_SPEC_FIELDS = {f.name for f in dataclasses.fields(LossSpec)}
+
+
 def _base_loss(cfg: TrainConfig) -> LossSpec:
     lo = cfg.loss
     try:
@@ -104,9 +107,12 @@ def compile_method(cfg: TrainConfig) -> MethodPlan:
     try:
         return method.plan(inputs)
     except SpecError as err:
-        # A method's own loss settings come from its section; a common one from loss:.
-        section = method.section if method.section is not None else "loss"
-        key = _KEYS.get(err.setting, f"{section}.{err.setting}")
+        # The clip was checked with the loss: section; a LossSpec field the method set is still a
+        # loss: key (its combination with the method failed), anything else is the method's own.
+        if err.setting in _SPEC_FIELDS or method.section is None:
+            key = _KEYS.get(err.setting, f"loss.{err.setting}")
+        else:
+            key = f"{method.section}.{err.setting}"
         raise ConfigError(f"{key}: {err.problem}") from None
 
 

@@ -1,0 +1,32 @@
+"""SAPO (Soft Adaptive Policy Optimization, arXiv 2511.20347; ALGORITHMS.md §11): the PPO clip
+replaced by a soft gate ``(4/tau) * sigmoid(tau (r - 1))`` whose temperature depends on the
+sign of the advantage; TRL, verl, AReaL and SkyRL ship it. The loss is ``core.peer_losses``'s
+``sapo``; this file holds the method, its ``sapo:`` settings and its preset (``grpo``
+aggregation, as the paper, verl and TRL).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from maxent_grpo.core.peer_losses import SapoParams
+from maxent_grpo.methods.registry import Method, PlanInputs, register
+
+
+@dataclass
+class SapoConfig:
+    tau_pos: float = field(default=1.0, metadata={"help": "SAPO gate temperature for tokens with A > 0"})
+    tau_neg: float = field(default=1.05, metadata={
+        "help": "SAPO gate temperature for tokens with A <= 0 (the paper keeps it above tau_pos)"})
+
+
+def _loss(inputs: PlanInputs):
+    s: SapoConfig = inputs.settings
+    return dataclasses.replace(inputs.loss, policy_loss="sapo", policy_params=SapoParams(s.tau_pos, s.tau_neg))
+
+
+register(Method(
+    "sapo", "grpo", "SAPO: a soft sigmoid gate on the ratio in place of the clip, temperature by the sign of A",
+    preset={"loss.loss_type": "grpo"}, section="sapo", settings=SapoConfig, loss=_loss,
+))

@@ -1,8 +1,8 @@
 """The house's floors: every import in src/ goes to the same floor or one below, and no
 module imports itself back through others (README "Development" shows the floors).
 
-Imports under ``if TYPE_CHECKING:`` are annotations, not arrows, and are left out;
-imports inside functions count like any other.
+Every import counts: those inside functions, and those under ``if TYPE_CHECKING:`` (an
+annotation that needs an upper floor's type is an arrow upward too).
 """
 
 from __future__ import annotations
@@ -34,25 +34,14 @@ def floor(module: str) -> int:
     return best[1]
 
 
-def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    inside = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            inside.update(id(n) for child in node.body for n in ast.walk(child))
-    return inside
-
-
 def import_graph() -> dict[str, set[str]]:
     modules = {".".join(p.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__"): p
                for p in (SRC / "maxent_grpo").rglob("*.py")}
     graph = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text())
-        skip = _type_checking_nodes(tree)
         deps = set()
         for node in ast.walk(tree):
-            if id(node) in skip:
-                continue
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("maxent_grpo"):
                 subs = {f"{node.module}.{a.name}" for a in node.names} & modules.keys()
                 deps |= subs or {node.module}

@@ -12,13 +12,11 @@ from maxent_grpo.core.losses import (
     StepNormalizer,
     aggregate,
     clipped_surrogate,
-    entropy_bonus,
-    kl_adaptive_alpha,
     kl_penalty,
     listwise_cross_entropy,
     listwise_weighted_mle,
-    top_entropy_mask,
 )
+from maxent_grpo.core.entropy_terms import entropy_bonus, kl_adaptive_alpha, top_entropy_mask
 
 F64 = torch.float64
 

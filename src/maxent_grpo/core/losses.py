@@ -1,4 +1,5 @@
-"""Per-token policy losses, KL estimators, aggregation and listwise losses (ALGORITHMS.md §3, §4, §6).
+"""Per-token policy losses, KL estimators, aggregation and listwise losses (ALGORITHMS.md §3, §4);
+the entropy terms are in ``entropy_terms.py``, the peers' losses in ``peer_losses.py``.
 
 Every aggregator returns one micro-batch's *contribution* to the optimizer
 step's loss, normalised by the whole step's counts (``StepNormalizer``), so the
@@ -12,8 +13,6 @@ row's mask sum. Rows with ``T_i = 0`` (empty completions) contribute 0.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
 
@@ -264,98 +263,11 @@ LOSS_AGGREGATIONS: dict[str, Aggregator] = {
     "dapo": aggregate_dapo,
 }
 
-# How the entropy term is averaged for each loss_type (§6): sequence means for
-# grpo / dr_grpo, token means for bnpo / dapo.
-ENTROPY_AGGREGATIONS: dict[str, Aggregator] = {
-    "grpo": aggregate_grpo,
-    "dr_grpo": aggregate_grpo,
-    "bnpo": aggregate_bnpo,
-    "dapo": aggregate_dapo,
-}
-
-
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, norm: StepNormalizer) -> torch.Tensor:
     """The micro-batch's contribution of ``per_token`` under ``loss_type``."""
     if loss_type not in LOSS_AGGREGATIONS:
         raise ValueError(f"loss_type must be one of {sorted(LOSS_AGGREGATIONS)}, got {loss_type!r}")
     return LOSS_AGGREGATIONS[loss_type](per_token, mask.to(per_token.dtype), norm)
-
-
-# ---------------------------------------------------------------- entropy terms
-
-
-def top_entropy_threshold(entropies: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], quantile: float) -> float:
-    """The entropy of the ``ceil(quantile * n)``-th highest-entropy active token over all of
-    ``entropies`` (the step's micro-batches, ``[B_i, T]`` each; ``n`` active tokens in all).
-
-    ALGORITHMS.md §3 (Wang et al. 2025, "80/20"): the top fraction is taken over the
-    whole step's tokens, so the gradient does not depend on how the step is split into
-    micro-batches. ``-inf`` (keep every token) when ``quantile == 1`` or nothing is active.
-    """
-    if not 0 < quantile <= 1:
-        raise ValueError(f"quantile must be in (0, 1], got {quantile}")
-    values = torch.cat([e.detach()[m > 0].reshape(-1) for e, m in zip(entropies, masks)])
-    if quantile == 1 or values.numel() == 0:
-        return -math.inf
-    k = math.ceil(quantile * values.numel())
-    return float(torch.topk(values, k, sorted=False).values.min())
-
-
-def top_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: float, threshold: float | None = None) -> torch.Tensor:
-    """Float mask of the active tokens whose entropy is at least ``threshold`` (ties kept).
-
-    Without ``threshold``: the ``ceil(quantile * n)`` highest of the ``n`` active tokens passed in.
-    """
-    active = mask > 0
-    if threshold is None:
-        threshold = top_entropy_threshold([entropies], [mask], quantile)
-    return (active & (entropies.detach() >= threshold)).to(entropies.dtype)
-
-
-def entropy_bonus(
-    entropies: torch.Tensor,
-    mask: torch.Tensor,
-    vocab_size: int,
-    loss_type: str,
-    norm: StepNormalizer,
-) -> torch.Tensor:
-    """Contribution to ``B``, the token entropy over ``log V``, averaged as the loss is (§6).
-
-    The loss subtracts ``alpha * B``; gradients flow through ``entropies``.
-    """
-    if vocab_size < 2:
-        raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
-    if loss_type not in ENTROPY_AGGREGATIONS:
-        raise ValueError(f"loss_type must be one of {sorted(ENTROPY_AGGREGATIONS)}, got {loss_type!r}")
-    return ENTROPY_AGGREGATIONS[loss_type](entropies / math.log(vocab_size), mask.to(entropies.dtype), norm)
-
-
-# Bounds on the factor kl_adaptive_alpha applies to alpha in one call.
-ALPHA_MULTIPLIER_BOUNDS = (0.5, 2.0)
-
-
-def kl_adaptive_alpha(alpha: float, kl: float, target: float, gain: float) -> float:
-    """One KL-adaptive update of the entropy coefficient (§6).
-
-    Below the target ``k`` alpha is multiplied by ``1 + g*(k-KL)/k``, above it
-    divided by ``1 + g*(KL-k)/k``. The clamp ``[0.5, 2]`` is on that *multiplier*,
-    so one call changes alpha by at most a factor 2 either way; alpha itself is
-    not bounded (the caller keeps it between steps).
-    """
-    if alpha < 0:
-        raise ValueError(f"alpha must be >= 0, got {alpha}")
-    if target <= 0:
-        raise ValueError(f"target must be > 0, got {target}")
-    if gain < 0:
-        raise ValueError(f"gain must be >= 0, got {gain}")
-    if not math.isfinite(kl):
-        raise ValueError(f"kl must be finite, got {kl}")
-    if kl <= target:
-        factor = 1 + gain * (target - kl) / target
-    else:
-        factor = 1 / (1 + gain * (kl - target) / target)
-    lo, hi = ALPHA_MULTIPLIER_BOUNDS
-    return alpha * min(max(factor, lo), hi)
 
 
 # -------------------------------------------------------------- listwise (§4)

@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 import torch
 
 from maxent_grpo.core import peer_losses  # noqa: F401  (registers SAPO, GMPO, DPPO, OPSM)
+from maxent_grpo.core.entropy_terms import entropy_bonus, top_entropy_mask, top_entropy_threshold
 from maxent_grpo.core.logprobs import Scoring
 from maxent_grpo.core.losses import (
     KL_ESTIMATORS,
@@ -31,11 +32,8 @@ from maxent_grpo.core.losses import (
     PolicyInputs,
     StepNormalizer,
     aggregate,
-    entropy_bonus,
     kl_penalty,
     require,
-    top_entropy_mask,
-    top_entropy_threshold,
 )
 from maxent_grpo.core.rollout_correction import (
     ROLLOUT_CORRECTIONS,

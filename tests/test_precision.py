@@ -28,8 +28,24 @@ def test_explicit_settings_are_kept_on_any_hardware():
     for fast in (True, False):
         out = resolve_precision(cfg, fast)
         assert (out.generation.dtype, out.training.autocast_bf16) == ("bfloat16", True)
-    cfg = _cfg(**{"generation.dtype": "null", "training.autocast_bf16": "false"})
+    cfg = _cfg(**{"generation.dtype": "null", "training.autocast_bf16": "false", "loss.rollout_correction": "none"})
     assert resolve_precision(cfg, True) is cfg
+
+
+@pytest.mark.parametrize("sets, fast, expected", [
+    ({}, False, "none"),  # AVX2 / no native bf16: the policy samples its own rollouts
+    ({}, True, "token_truncate"),  # a bf16 sampling copy
+    ({"generation.dtype": "float32"}, True, "none"),  # a copy in the master dtype is no copy
+    ({"model.lora.enabled": "true"}, True, "none"),  # a LoRA policy samples from itself
+    ({"generation.backend": "vllm"}, False, "token_truncate"),  # an engine with its own weights
+    ({"generation.backend": "vllm_server"}, False, "token_truncate"),
+    ({"loss.rollout_correction": "sequence_mask"}, True, "sequence_mask"),  # explicit: kept
+    ({"loss.rollout_correction": "none", "generation.backend": "vllm"}, False, "none"),
+])
+def test_rollout_correction_auto_turns_on_when_the_sampler_is_not_the_trainer(sets, fast, expected):
+    cfg = resolve_precision(_cfg(**sets), fast)
+    assert cfg.loss.rollout_correction == expected
+    assert cfg.loss.rollout_correction_cap == 2.0  # ALGORITHMS.md §15's default C
 
 
 def test_auto_gives_a_lora_policy_no_sampling_copy():

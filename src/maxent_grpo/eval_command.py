@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import torch
 
@@ -19,7 +20,7 @@ from maxent_grpo.evaluate import eval_seed, evaluate_prompts, per_prompt_metrics
 from maxent_grpo.models import load_model_and_tokenizer, parse_dtype, resolve_model_path
 from maxent_grpo.rewards.registry import build_reward_spec
 from maxent_grpo.rollout.backend import SamplingParams
-from maxent_grpo.rollout.hf import HFGenerationBackend
+from maxent_grpo.rollout.backends import BACKENDS, BackendInputs
 from maxent_grpo.training.config import load_config
 from maxent_grpo.training.distributed import Dist
 from maxent_grpo.training.precision import bf16_is_fast, resolve_precision
@@ -100,15 +101,20 @@ def run_eval_cli(args) -> int:
         rows = fresh_task_rows(cfg, dataset, n)
     warn_training_overlap(rows, dataset, cfg.data.eval_size, cfg.training.seed, cfg.data.source)
     spec = build_reward_spec(cfg.rewards)
-    model, tokenizer = load_model_and_tokenizer(resolve_model_path(args.model), dtype=cfg.model.dtype, device=device)
     g = cfg.generation
+    BACKENDS[g.backend].check(g.vllm)  # before the model loads
+    model_path = resolve_model_path(args.model)
+    model, tokenizer = load_model_and_tokenizer(model_path, dtype=cfg.model.dtype, device=device)
     sampling = SamplingParams(
         max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, stop=tuple(g.stop),
     )
-    backend = HFGenerationBackend(
-        model, tokenizer, batch_size=g.batch_size, dtype=None if g.dtype is None else parse_dtype(g.dtype),
-        share_prompts=cfg.training.share_prompts,
-    )
+    # The sampler the config names, as in training (generation.backend: hf, vllm or vllm_server).
+    backend = BACKENDS[g.backend].build(BackendInputs(
+        model=model, tokenizer=tokenizer, model_path=model_path,
+        sample_dtype=None if g.dtype is None else parse_dtype(g.dtype), batch_size=g.batch_size,
+        share_prompts=cfg.training.share_prompts, vllm=g.vllm, seed=eval_seed(cfg.training.seed),
+        default_sync_dir=Path(args.output) / "vllm_weights",
+    ))
     torch.manual_seed(eval_seed(cfg.training.seed))
     summary, records = evaluate_prompts(
         backend, tokenizer, rows, spec, k=k, sampling=sampling,

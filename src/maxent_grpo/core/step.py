@@ -124,7 +124,7 @@ class LossSpec:
     top_entropy_quantile: float = 1.0
     listwise_clip_coef: float = 0.0
     rollout_correction: str = "none"
-    rollout_correction_cap: float = 3.0
+    rollout_correction_cap: float = 2.0  # verl's threshold, ALGORITHMS.md §15
     max_completion_length: int | None = None
 
     def __post_init__(self) -> None:

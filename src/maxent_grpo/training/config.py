@@ -19,8 +19,10 @@ import yaml
 from maxent_grpo.errors import ConfigError
 from maxent_grpo.methods import METHODS, get_method
 from maxent_grpo.rewards.user_code import resolve_reference
+from maxent_grpo.rollout.backends import BACKENDS
 from maxent_grpo.run_files import write_text_atomic
 from maxent_grpo.training.plan import compile_method
+from maxent_grpo.training.strategy import STRATEGIES, Strategy
 from maxent_grpo.training.weighting_config import weighting_from_config
 # The sections live in config_schema.py; imported here so that ``training.config``
 # stays the one import for the whole configuration.
@@ -269,7 +271,7 @@ def validate(cfg: TrainConfig) -> None:
     _check(v.request_timeout_s > 0, "generation.vllm.request_timeout_s", "must be > 0")
     _check(v.server_url.startswith(("http://", "https://")), "generation.vllm.server_url",
            f"must start with http:// or https://, got {v.server_url!r}")
-    _check(g.backend == "hf" or not cfg.model.lora.enabled, "generation.backend",
+    _check(BACKENDS[g.backend].supports_lora or not cfg.model.lora.enabled, "generation.backend",
            f"{g.backend} cannot push LoRA adapters to the engine yet; use hf with model.lora.enabled")
     _check(t.max_steps >= 1, "training.max_steps", f"must be >= 1, got {t.max_steps}")
     _check(not (t.gradient_checkpointing and t.share_prompts), "training.gradient_checkpointing",
@@ -320,8 +322,7 @@ def validate(cfg: TrainConfig) -> None:
         "generation.dtype",
         "a separate generation copy is not supported with model.lora.enabled; set it to null",
     )
-    if t.strategy == "fsdp2":
-        _check_fsdp2(cfg)
+    _check_strategy(cfg, STRATEGIES[t.strategy])
     _check(
         cfg.eval.every_steps == 0 or cfg.data.eval_size > 0,
         "eval.every_steps",
@@ -332,12 +333,13 @@ def validate(cfg: TrainConfig) -> None:
         _check(name in known, f"logging.report_to[{i}]", f"unknown tracker {name!r}{_suggest(name, known)}")
 
 
-def _check_fsdp2(cfg: TrainConfig) -> None:
-    """What FSDP2 cannot do here (docs/SCALING.md): every forward of a sharded model is a
-    collective, so every rank must run the same number of them when HF generate samples."""
-    why = "with training.strategy=fsdp2"
-    _check(not cfg.model.lora.enabled, "model.lora.enabled", f"LoRA is not supported {why}; use training.strategy=ddp")
-    if cfg.generation.backend != "hf":
+def _check_strategy(cfg: TrainConfig, strategy: type[Strategy]) -> None:
+    """What the strategy cannot do (docs/SCALING.md). Under a collective forward (FSDP2) every
+    rank must run the same number of forwards when the policy samples with HF generate."""
+    why = f"with training.strategy={strategy.name}"
+    _check(strategy.supports_lora or not cfg.model.lora.enabled, "model.lora.enabled",
+           f"LoRA is not supported {why}; use training.strategy=ddp")
+    if not strategy.collective_forward or BACKENDS[cfg.generation.backend].owns_weights:
         return  # a vLLM engine holds its own weights and samples without collectives
     _check(
         cfg.generation.dtype in (None, "auto", cfg.model.dtype),

@@ -22,6 +22,9 @@ from typing import Any, Literal
 from maxent_grpo.data.prompts import FewShotExample
 from maxent_grpo.methods import method_sections
 from maxent_grpo.rewards.maxent import MaxEntConfig
+from maxent_grpo.rollout.backends import BACKENDS
+from maxent_grpo.rollout.settings import VllmConfig
+from maxent_grpo.training.strategy import STRATEGIES
 
 
 
@@ -80,29 +83,6 @@ class RewardEntry:
 
 
 @dataclass
-class VllmConfig:
-    """Options of the vLLM backends (``generation.backend: vllm | vllm_server``); docs/VLLM.md."""
-
-    # Colocated engine (backend vllm): share of GPU memory the engine may take; ignored on CPU.
-    gpu_memory_utilization: float = 0.3
-    # Longest prompt + completion the engine plans for (null: prompt budget + max_new_tokens is not
-    # known up front, so vLLM's own default, the model's context length).
-    max_model_len: int | None = None
-    # GPU only: offload the engine's weights and free its KV cache while the trainer runs.
-    enable_sleep_mode: bool = False
-    # Skip graph compilation (torch.compile, CUDA graphs): a fast engine start, slower sampling.
-    enforce_eager: bool = False
-    # Server backend: where `maxent-grpo serve` (vLLM's OpenAI-compatible server) listens.
-    server_url: str = "http://127.0.0.1:8000"
-    # How new weights reach the server: disk (safetensors folder, works anywhere) or
-    # nccl (vLLM's weight-transfer endpoints; GPU only).
-    weight_sync: Literal["disk", "nccl"] = "disk"
-    # Folder the disk sync writes into (null: OUTPUT_DIR/vllm_weights); the server must read it.
-    sync_dir: str | None = None
-    request_timeout_s: float = 600.0
-
-
-@dataclass
 class GenerationConfig:
     num_generations: int = 8
     max_new_tokens: int = 48
@@ -117,8 +97,9 @@ class GenerationConfig:
     # multiplies it natively, else null (training/precision.py).
     dtype: Literal["float32", "bfloat16", "auto"] | None = "auto"
     # The sampler: hf (transformers generate, in process), vllm (one in-process vLLM
-    # engine per process), vllm_server (a vLLM server, e.g. on other GPUs).
-    backend: Literal["hf", "vllm", "vllm_server"] = "hf"
+    # engine per process), vllm_server (a vLLM server, e.g. on other GPUs). The choices
+    # are the names rollout/backends.py registers.
+    backend: Literal[tuple(BACKENDS)] = "hf"
     vllm: VllmConfig = field(default_factory=VllmConfig)
 
 
@@ -141,9 +122,13 @@ class LossSection:
     policy_entropy_bonus_coef: float = 0.0
     dynamic_sampling: bool = False
     max_gen_batches: int = 3
-    # Importance weight between the sampler and the trainer on the policy term (ALGORITHMS.md §9).
-    rollout_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
-    rollout_correction_cap: float = 3.0
+    # Importance weight between the sampler and the trainer on the policy term (ALGORITHMS.md §9,
+    # §15). auto: token_truncate when the sampler is not the trainer (a vLLM engine or server, a
+    # sampling copy in another dtype), else none (training/precision.py resolves it at start).
+    rollout_correction: Literal[
+        "auto", "none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+    ] = "auto"
+    rollout_correction_cap: float = 2.0  # verl's threshold (ALGORITHMS.md §15)
 
 
 @dataclass
@@ -177,7 +162,7 @@ class TrainingConfig:
     gradient_checkpointing: bool = False
     # How several processes share the work: ddp (each holds the whole model) or fsdp2
     # (each holds 1/world_size of the weights, gradients and optimizer state; training/sharding.py).
-    strategy: Literal["ddp", "fsdp2"] = "ddp"
+    strategy: Literal[tuple(STRATEGIES)] = "ddp"  # training/strategy.py
     # How long a collective may wait for the other processes before the run fails (torch's
     # default of 10 minutes is shorter than hashing a large checkpoint or pushing weights to disk).
     dist_timeout_minutes: float = 60.0

@@ -80,7 +80,10 @@ def _base_loss(cfg: TrainConfig) -> LossSpec:
         return LossSpec(
             loss_type=lo.loss_type, clip=clip, beta=lo.beta, kl_estimator=lo.kl_estimator,
             entropy_coef=lo.entropy_coef, top_entropy_quantile=lo.top_entropy_quantile,
-            rollout_correction=lo.rollout_correction, rollout_correction_cap=lo.rollout_correction_cap,
+            # "auto" is resolved by training/precision.py before the run compiles; a config
+            # checked before that (load_config) has its bounds checked as if it were off.
+            rollout_correction="none" if lo.rollout_correction == "auto" else lo.rollout_correction,
+            rollout_correction_cap=lo.rollout_correction_cap,
             max_completion_length=cfg.generation.max_new_tokens,
         )
     except SpecError as err:
@@ -153,3 +156,12 @@ def with_beta(plan: RunPlan, beta: float) -> LossSpec:
     """The step's loss spec with the KL controller's current beta (unchanged when beta acts in the targets)."""
     loss = plan.method.loss
     return dataclasses.replace(loss, beta=beta) if plan.method.kl_in_token_loss else loss
+
+
+def describe_rollout_correction(loss: LossSpec) -> str:
+    """One line for the start of a run: which sampler -> trainer weight the policy term gets."""
+    if loss.rollout_correction == "none":
+        return "none (the policy term uses no sampler -> trainer importance weight)"
+    action = "truncated at" if loss.rollout_correction.endswith("truncate") else "masked above"
+    level = loss.rollout_correction.split("_")[0]
+    return f"{loss.rollout_correction}: {level}-level ratio trainer/sampler {action} C={loss.rollout_correction_cap:g}"

@@ -24,7 +24,9 @@ import logging
 
 import torch
 
+from maxent_grpo.rollout.backends import BACKENDS
 from maxent_grpo.training.config import TrainConfig
+from maxent_grpo.training.strategy import STRATEGIES
 
 log = logging.getLogger(__name__)
 
@@ -47,21 +49,35 @@ def master_dtype(model_dtype: str, lora: bool) -> str:
 
 
 def resolve_precision(cfg: TrainConfig, fast_bf16: bool) -> TrainConfig:
-    """``cfg`` with every ``auto`` precision replaced: bf16 when ``fast_bf16``, else float32;
-    bf16 autocast whenever ``model.dtype`` is bfloat16 (the compute dtype)."""
-    g, t = cfg.generation, cfg.training
+    """``cfg`` with every ``auto`` that depends on the device replaced: the sampling copy's dtype
+    (bf16 when ``fast_bf16``, else none), bf16 autocast (whenever ``model.dtype`` is bfloat16, the
+    compute dtype), and the rollout correction that follows from them (:func:`sampler_is_trainer`)."""
+    g, t, lo = cfg.generation, cfg.training, cfg.loss
     # A LoRA policy, or an FSDP2 policy sampled by HF generate, samples from itself
     # (config.validate): no copy to make. A vLLM engine always holds its own weights.
-    own = cfg.model.lora.enabled or (t.strategy == "fsdp2" and g.backend == "hf")
+    own = cfg.model.lora.enabled or (STRATEGIES[t.strategy].collective_forward and not BACKENDS[g.backend].owns_weights)
     auto_dtype = "bfloat16" if fast_bf16 and not own else None
     dtype = auto_dtype if g.dtype == "auto" else g.dtype
     autocast = (fast_bf16 or cfg.model.dtype == "bfloat16") if t.autocast_bf16 == "auto" else t.autocast_bf16
-    if (dtype, autocast) == (g.dtype, t.autocast_bf16):
-        return cfg
-    log.info("precision auto (%s bf16): generation.dtype=%s, training.autocast_bf16=%s",
-             "native" if fast_bf16 else "no native", dtype, autocast)
-    return dataclasses.replace(
-        cfg,
-        generation=dataclasses.replace(g, dtype=dtype),
-        training=dataclasses.replace(t, autocast_bf16=autocast),
-    )
+    if (dtype, autocast) != (g.dtype, t.autocast_bf16):
+        log.info("precision auto (%s bf16): generation.dtype=%s, training.autocast_bf16=%s",
+                 "native" if fast_bf16 else "no native", dtype, autocast)
+        cfg = dataclasses.replace(cfg, generation=dataclasses.replace(g, dtype=dtype),
+                                  training=dataclasses.replace(t, autocast_bf16=autocast))
+    if lo.rollout_correction == "auto":
+        own_sampler = sampler_is_trainer(cfg)
+        # ALGORITHMS.md §15's default: token-level truncated importance sampling (TIS).
+        correction = "none" if own_sampler else "token_truncate"
+        log.info("rollout correction auto: %s (%s)", correction, "the policy samples its own rollouts"
+                 if own_sampler else "the sampler holds its own copy of the weights")
+        cfg = dataclasses.replace(cfg, loss=dataclasses.replace(lo, rollout_correction=correction))
+    return cfg
+
+
+def sampler_is_trainer(cfg: TrainConfig) -> bool:
+    """Whether the rollouts come from the trained weights themselves: no engine with its own
+    weights (vLLM), no sampling copy in another dtype (``generation.dtype``, resolved)."""
+    g = cfg.generation
+    if BACKENDS[g.backend].owns_weights:
+        return False
+    return g.dtype is None or g.dtype == master_dtype(cfg.model.dtype, cfg.model.lora.enabled)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import random
@@ -11,33 +10,29 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
+from datasets import Dataset
 from transformers import get_scheduler
 
 from maxent_grpo.core.step import Comm
+from maxent_grpo.data.datasets import PromptSampler, load_prompt_dataset, split_train_eval
 from maxent_grpo.models import (
     apply_lora, enable_activation_checkpointing, load_model_and_tokenizer, load_reference_model, parse_dtype,
     reference_context, resolve_model_path,
 )
 from maxent_grpo.rewards.maxent import controller_state_dict, restore_controller_state
 from maxent_grpo.rewards.registry import build_reward_spec
-from maxent_grpo.rollout.hf import HFGenerationBackend
+from maxent_grpo.rollout.backends import BACKENDS, BackendInputs
 from maxent_grpo.run_files import write_text_atomic
-from maxent_grpo.training.checkpoint import (
-    CheckpointError, describe_write_error, find_latest_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint,
-    save_failed,
-)
+from maxent_grpo.training.checkpoint import CheckpointError, find_latest_checkpoint, read_trainer_state
 from maxent_grpo.training.config import ConfigError, TrainConfig, save_config, to_dict
-from maxent_grpo.data.datasets import PromptSampler, load_prompt_dataset, split_train_eval
-from maxent_grpo.training.distributed import DataParallelPolicy, Dist, ddp_gradient_sync, log_device
+from maxent_grpo.training.distributed import Dist, log_device
 from maxent_grpo.training.pipeline import PipelineContext
-from maxent_grpo.training.plan import RunPlan, compile_run
+from maxent_grpo.training.plan import RunPlan, compile_run, describe_rollout_correction
 from maxent_grpo.training.precision import bf16_is_fast, master_dtype, resolve_precision
 from maxent_grpo.training.run_dir import (
     RunDirError, RunLock, claim_output_dir, config_history, history_line, resume_changes,
 )
-from maxent_grpo.training.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
-from maxent_grpo.training.sharding import fsdp2_gradient_sync, shard_model
+from maxent_grpo.training.strategy import STRATEGIES, Strategy
 from maxent_grpo.training.trackers import make_trackers
 from maxent_grpo.training.weighting_config import weighting_from_config
 
@@ -66,6 +61,7 @@ class Run:
     sampler: ShardedSampler
     trackers: object
     comm: Comm  # how grpo_step reaches the other processes
+    strategy: Strategy  # how the policy is spread over them, and how it is saved
     eval_rows: list[dict] = field(default_factory=list)
     start_step: int = 0
     resumed: bool = False
@@ -86,30 +82,11 @@ class Run:
         """Write the checkpoint of ``step`` (none for step 0); return its folder."""
         if step == 0:
             return None
-        state = self.trainer_state(step, sampler_state)
-        if self.cfg.training.strategy == "fsdp2":
-            return save_sharded_checkpoint(
-                self.output_dir, step, model=self.ctx.model, tokenizer=self.ctx.tokenizer,
-                optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
-                trainer_state=state, keep_last=self.cfg.checkpoint.keep_last,
-            )
-        path, failure = None, None
-        if self.ctx.dist.is_main:
-            try:
-                path = save_checkpoint(
-                    self.output_dir, step, model=self.ctx.model, tokenizer=self.ctx.tokenizer,
-                    optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
-                    trainer_state=state, keep_last=self.cfg.checkpoint.keep_last,
-                )
-            # Disk full, permissions (safetensors reports the same I/O errors as its own): the
-            # earlier checkpoints are untouched.
-            except (OSError, SafetensorError) as err:
-                failure = describe_write_error(err, self.output_dir)
-        # Also the barrier: every rank learns whether the save worked.
-        failure = self.ctx.dist.broadcast_object(failure)
-        if failure is not None:
-            raise save_failed(self.output_dir, step, failure)
-        return path
+        return self.strategy.save(
+            self.output_dir, step, model=self.ctx.model, tokenizer=self.ctx.tokenizer, optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler, trainer_state=self.trainer_state(step, sampler_state),
+            keep_last=self.cfg.checkpoint.keep_last,
+        )
 
     def finish(self) -> None:
         self.trackers.close()
@@ -128,7 +105,7 @@ def seed_step(seed: int, rank: int, step: int) -> None:
     _seed_everything(derived)
 
 
-def _reference_scorer(cfg: TrainConfig, plan: RunPlan, model, name_or_path: str):
+def _reference_scorer(cfg: TrainConfig, plan: RunPlan, model, name_or_path: str, strategy: Strategy):
     scoring = plan.scoring
     if cfg.model.lora.enabled:
         def score(ids, mask, plen):
@@ -136,63 +113,25 @@ def _reference_scorer(cfg: TrainConfig, plan: RunPlan, model, name_or_path: str)
                 return scoring.score_rows(model, ids, mask, plen)[0]
         return score
     ref = load_reference_model(name_or_path, dtype=cfg.model.dtype, device=model.device)
-    if cfg.training.strategy == "fsdp2":
-        shard_model(ref)
+    strategy.prepare_reference(ref)
 
     def score(ids, mask, plen):
         return scoring.score_rows(ref, ids, mask, plen)[0]
     return score
 
 
-def _check_backend_available(cfg: TrainConfig) -> None:
-    """Fail before the model loads when the chosen generation backend cannot run here."""
+def _generation_backend(cfg: TrainConfig, model, tokenizer, model_path: str, output_dir: Path, dist: Dist,
+                        strategy: Strategy):
     g = cfg.generation
-    if g.backend == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ConfigError(
-            "generation.backend: vllm needs the vllm package: pip install 'maxent-grpo[vllm]' on a GPU machine, "
-            "or bash scripts/setup_vllm.sh for vLLM's CPU build"
-        )
-    if g.backend == "vllm_server" and g.vllm.weight_sync == "nccl":
-        raise ConfigError(
-            "generation.vllm.weight_sync: nccl is not implemented in this version (docs/VLLM.md); use disk"
-        )
-    if g.backend == "vllm_server":
-        from maxent_grpo.rollout.vllm_server import served_model
-
-        served_model(g.vllm.server_url, timeout_s=g.vllm.request_timeout_s)  # reachable, one model
-
-
-def _generation_backend(
-    cfg: TrainConfig, model, tokenizer, model_path: str, output_dir: Path, dist: Dist, *, fsdp2: bool
-):
-    g = cfg.generation
-    sample_dtype = None if g.dtype is None else parse_dtype(g.dtype)
-    if g.backend == "hf":
-        return HFGenerationBackend(
-            model, tokenizer, batch_size=g.batch_size, dtype=sample_dtype, share_prompts=cfg.training.share_prompts,
-            # Sharded: every forward gathers weights with the other ranks, so every rank
-            # runs generate to the longest row of any rank.
-            synced_gpus=fsdp2,
-        )
-    if g.backend == "vllm":
-        from maxent_grpo.rollout.vllm_colocate import VLLMColocateBackend
-
-        return VLLMColocateBackend(
-            model_path, tokenizer, model_dtype=model.dtype, sample_dtype=sample_dtype,
-            gpu_memory_utilization=g.vllm.gpu_memory_utilization, max_model_len=g.vllm.max_model_len,
-            enable_sleep_mode=g.vllm.enable_sleep_mode, enforce_eager=g.vllm.enforce_eager,
-            world_size=dist.world_size, seed=cfg.training.seed,
-        )
-    from maxent_grpo.rollout.vllm_server import VLLMServerBackend
-
-    backend = VLLMServerBackend(
-        g.vllm.server_url, tokenizer,
-        sync_dir=g.vllm.sync_dir if g.vllm.sync_dir is not None else output_dir / "vllm_weights",
-        is_main=dist.is_main, barrier=dist.barrier, timeout_s=g.vllm.request_timeout_s,
-    )
-    # The server may still hold another run's weights: start it from this policy.
-    backend.sync_weights(model)
-    return backend
+    return BACKENDS[g.backend].build(BackendInputs(
+        model=model, tokenizer=tokenizer, model_path=model_path,
+        sample_dtype=None if g.dtype is None else parse_dtype(g.dtype), batch_size=g.batch_size,
+        share_prompts=cfg.training.share_prompts, vllm=g.vllm, seed=cfg.training.seed,
+        world_size=dist.world_size, is_main=dist.is_main, barrier=dist.barrier,
+        # Sharded: every forward gathers weights with the other ranks, so every rank
+        # runs generate to the longest row of any rank.
+        synced_gpus=strategy.collective_forward, default_sync_dir=output_dir / "vllm_weights",
+    ))
 
 
 def build_run(
@@ -202,10 +141,10 @@ def build_run(
     the resume checkpoint's config, data, rewards, the generation backend, then the model."""
     dist = Dist.init(cfg.training.dist_timeout_minutes)
     log_device(dist)
-    fsdp2 = cfg.training.strategy == "fsdp2"
-    if fsdp2 and dist.world_size == 1:
-        raise ConfigError("training.strategy: fsdp2 needs several processes (torchrun --nproc_per_node N); "
-                          "with one process use ddp")
+    strategy = STRATEGIES[cfg.training.strategy](dist)
+    if dist.world_size < strategy.min_processes:
+        raise ConfigError(f"training.strategy: {strategy.name} needs {strategy.min_processes} or more processes "
+                          "(torchrun --nproc_per_node N); with one process use ddp")
     cfg = resolve_precision(cfg, bf16_is_fast(dist.device))
     plan = compile_run(cfg)
     output_dir = Path(cfg.logging.output_dir)
@@ -222,22 +161,9 @@ def build_run(
     _seed_everything(cfg.training.seed + dist.rank)
 
     # Data and rewards first: their errors must come before the slow model load.
-    dataset = load_prompt_dataset(
-        cfg.data.source, split=cfg.data.split, prompt_column=cfg.data.prompt_column,
-        answer_column=cfg.data.answer_column, size=cfg.data.size, seed=cfg.training.seed,
-        instruction=cfg.data.instruction, task_kwargs=cfg.data.task_kwargs,
-    )
-    train_ds, eval_ds = dataset, None
-    if cfg.data.eval_size > 0:
-        train_ds, eval_ds = split_train_eval(dataset, cfg.data.eval_size, cfg.training.seed)
-    per_step = cfg.training.prompts_per_step * dist.world_size
-    if per_step > len(train_ds):
-        raise ConfigError(
-            f"training.prompts_per_step: {cfg.training.prompts_per_step} prompts x {dist.world_size} process(es) per "
-            f"step is more than the {len(train_ds)} training rows of {cfg.data.source}"
-        )
+    train_ds, eval_rows = _load_data(cfg, dist)
     reward_spec = build_reward_spec(cfg.rewards)
-    _check_backend_available(cfg)
+    BACKENDS[cfg.generation.backend].check(cfg.generation.vllm)
     model_path = resolve_model_path(cfg.model.name_or_path)
     if dist.is_main:
         save_config(cfg, output_dir / "config.yaml", header=history)
@@ -246,7 +172,56 @@ def build_run(
         ))
     log.info("method %s: family=%s loss=%s weighting=%s", method.name, method.family, method.loss.policy_loss,
              method.weighting)
+    log.info("rollout correction: %s", describe_rollout_correction(method.loss))
 
+    model, tokenizer = _load_policy(cfg, model_path, dist, strategy)
+    reference = _reference_scorer(cfg, plan, model, model_path, strategy) if method.needs_reference else None
+    optimizer, lr_scheduler = _optimizer(cfg, model)
+    train_model, gradient_sync = strategy.wrap(model)
+
+    sampler = PromptSampler(
+        train_ds, cfg.training.prompts_per_step * dist.world_size, seed=cfg.training.seed,
+        shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs,
+    )
+    ctx = PipelineContext(
+        plan=plan, model=model, tokenizer=tokenizer,
+        backend=_generation_backend(cfg, model, tokenizer, model_path, output_dir, dist, strategy),
+        reward_spec=reward_spec, weighting=weighting_from_config(cfg), dist=dist, reference_logps=reference,
+    )
+    run = Run(
+        cfg=cfg, output_dir=output_dir, ctx=ctx, train_model=train_model, optimizer=optimizer,
+        lr_scheduler=lr_scheduler, sampler=ShardedSampler(sampler, dist),
+        trackers=make_trackers(cfg.logging.report_to if dist.is_main else [], output_dir, config=to_dict(cfg)),
+        comm=Comm(world_size=dist.world_size, all_reduce_sum=dist.all_reduce_sum, gradient_sync=gradient_sync),
+        strategy=strategy, eval_rows=eval_rows, lock=lock,
+    )
+    if ckpt is not None:
+        _resume(run, ckpt)
+    return run
+
+
+def _load_data(cfg: TrainConfig, dist: Dist) -> tuple[Dataset, list[dict]]:
+    """The training rows and the held-out rows (none when ``data.eval_size`` is 0)."""
+    d = cfg.data
+    dataset = load_prompt_dataset(
+        d.source, split=d.split, prompt_column=d.prompt_column, answer_column=d.answer_column, size=d.size,
+        seed=cfg.training.seed, instruction=d.instruction, task_kwargs=d.task_kwargs,
+    )
+    train_ds, eval_rows = dataset, []
+    if d.eval_size > 0:
+        train_ds, eval_ds = split_train_eval(dataset, d.eval_size, cfg.training.seed)
+        eval_rows = list(eval_ds)
+    per_step = cfg.training.prompts_per_step * dist.world_size
+    if per_step > len(train_ds):
+        raise ConfigError(
+            f"training.prompts_per_step: {cfg.training.prompts_per_step} prompts x {dist.world_size} process(es) per "
+            f"step is more than the {len(train_ds)} training rows of {d.source}"
+        )
+    return train_ds, eval_rows
+
+
+def _load_policy(cfg: TrainConfig, model_path: str, dist: Dist, strategy: Strategy):
+    """The trained policy in its master dtype, with LoRA and activation checkpointing, placed by the strategy."""
     model, tokenizer = load_model_and_tokenizer(
         model_path, dtype=master_dtype(cfg.model.dtype, cfg.model.lora.enabled), device=dist.device,
     )
@@ -255,45 +230,23 @@ def build_run(
         model = apply_lora(model, r=lc.r, alpha=lc.alpha, dropout=lc.dropout, target_modules=lc.target_modules)
     if cfg.training.gradient_checkpointing:
         enable_activation_checkpointing(model)
-    if fsdp2:
-        # Before the optimizer exists: it must hold the sharded parameters.
-        shard_model(model, mixed_precision=dist.device.type == "cuda" and cfg.training.autocast_bf16)
-    reference = _reference_scorer(cfg, plan, model, model_path) if method.needs_reference else None
+    # Before the optimizer exists: it must hold the (sharded) parameters.
+    strategy.prepare(model, bf16_compute=cfg.training.autocast_bf16)
+    return model, tokenizer
 
+
+def _optimizer(cfg: TrainConfig, model: torch.nn.Module):
+    """AdamW on the trained parameters and its LR schedule over every update of the run."""
+    t = cfg.training
     optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=cfg.training.learning_rate,
-        betas=(cfg.training.adam_beta1, cfg.training.adam_beta2), weight_decay=cfg.training.weight_decay,
+        [p for p in model.parameters() if p.requires_grad], lr=t.learning_rate,
+        betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay,
     )
-    total_updates = cfg.training.max_steps * cfg.training.num_iterations
     lr_scheduler = get_scheduler(
-        {"constant": "constant_with_warmup"}.get(cfg.training.lr_scheduler, cfg.training.lr_scheduler),
-        optimizer, num_warmup_steps=cfg.training.warmup_steps, num_training_steps=total_updates,
+        {"constant": "constant_with_warmup"}.get(t.lr_scheduler, t.lr_scheduler),
+        optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=t.max_steps * t.num_iterations,
     )
-    train_model, gradient_sync = model, fsdp2_gradient_sync(model) if fsdp2 else None
-    if dist.world_size > 1 and not fsdp2:
-        train_model = DataParallelPolicy(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None,
-                                         gradient_as_bucket_view=True)
-        gradient_sync = ddp_gradient_sync(train_model)
-
-    sampler = PromptSampler(
-        train_ds, cfg.training.prompts_per_step * dist.world_size, seed=cfg.training.seed,
-        shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs,
-    )
-    ctx = PipelineContext(
-        plan=plan, model=model, tokenizer=tokenizer,
-        backend=_generation_backend(cfg, model, tokenizer, model_path, output_dir, dist, fsdp2=fsdp2),
-        reward_spec=reward_spec, weighting=weighting_from_config(cfg), dist=dist, reference_logps=reference,
-    )
-    run = Run(
-        cfg=cfg, output_dir=output_dir, ctx=ctx, train_model=train_model, optimizer=optimizer,
-        lr_scheduler=lr_scheduler, sampler=ShardedSampler(sampler, dist),
-        trackers=make_trackers(cfg.logging.report_to if dist.is_main else [], output_dir, config=to_dict(cfg)),
-        comm=Comm(world_size=dist.world_size, all_reduce_sum=dist.all_reduce_sum, gradient_sync=gradient_sync),
-        eval_rows=list(eval_ds) if eval_ds is not None else [], lock=lock,
-    )
-    if ckpt is not None:
-        _resume(run, ckpt)
-    return run
+    return optimizer, lr_scheduler
 
 
 def _claim(output_dir: Path, dist: Dist, *, resume: bool, overwrite: bool) -> RunLock | None:
@@ -333,8 +286,7 @@ def _saved_config(output_dir: Path) -> dict:
 
 
 def _resume(run: Run, ckpt: Path) -> None:
-    load = load_sharded_checkpoint if run.cfg.training.strategy == "fsdp2" else load_checkpoint
-    state = load(ckpt, model=run.ctx.model, optimizer=run.optimizer, lr_scheduler=run.lr_scheduler)
+    state = run.strategy.load(ckpt, model=run.ctx.model, optimizer=run.optimizer, lr_scheduler=run.lr_scheduler)
     run.ctx.backend.sync_weights(run.ctx.model)
     run.sampler.sampler.load_state_dict(state["sampler"])
     restore_controller_state(run.ctx.weighting, state["controller"])

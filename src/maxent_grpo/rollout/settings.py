@@ -1,0 +1,34 @@
+"""The user-facing options of the vLLM backends: the ``generation.vllm`` section of the config.
+
+They live with the backends that read them (``rollout/backends.py`` builds an engine
+or a server client from this record), and the training config takes the section from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class VllmConfig:
+    """Options of the vLLM backends (``generation.backend: vllm | vllm_server``); docs/VLLM.md."""
+
+    # Colocated engine (backend vllm): share of GPU memory the engine may take; ignored on CPU.
+    gpu_memory_utilization: float = 0.3
+    # Longest prompt + completion the engine plans for (null: prompt budget + max_new_tokens is not
+    # known up front, so vLLM's own default, the model's context length).
+    max_model_len: int | None = None
+    # GPU only: offload the engine's weights and free its KV cache while the trainer runs.
+    enable_sleep_mode: bool = False
+    # Skip graph compilation (torch.compile, CUDA graphs): a fast engine start, slower sampling.
+    enforce_eager: bool = False
+    # Server backend: where `maxent-grpo serve` (vLLM's OpenAI-compatible server) listens.
+    server_url: str = "http://127.0.0.1:8000"
+    # How new weights reach the server: disk (safetensors folder, works anywhere) or
+    # nccl (vLLM's weight-transfer endpoints; GPU only).
+    weight_sync: Literal["disk", "nccl"] = "disk"
+    # Folder the disk sync writes into (null: OUTPUT_DIR/vllm_weights); the server must read it.
+    sync_dir: str | None = None
+    request_timeout_s: float = 600.0
+

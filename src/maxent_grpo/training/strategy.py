@@ -1,0 +1,128 @@
+"""How the policy is spread over the processes (``training.strategy``): ``STRATEGIES[name]``.
+
+A strategy owns what differs between whole-model data parallelism and sharding:
+preparing the policy before the optimizer exists, the reference model, wrapping
+the policy for training (and ``grpo_step``'s ``gradient_sync``), and saving and
+loading checkpoints with their failure protocol. The loop and the setup call it
+and never ask which one they hold.
+
+* ``ddp``: every process holds the whole model; one process alone is plain
+  training. Rank 0 writes the checkpoint and tells every rank whether it worked.
+* ``fsdp2``: ``training/sharding.py`` (every forward is a collective, so all
+  ranks sample in lockstep); every rank writes its optimizer shard
+  (``training/sharded_checkpoint.py``).
+
+The class attributes are what ``training/config.py`` checks before any model loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from safetensors import SafetensorError
+
+from maxent_grpo.training.checkpoint import describe_write_error, load_checkpoint, save_checkpoint, save_failed
+from maxent_grpo.training.distributed import DataParallelPolicy, Dist, ddp_gradient_sync
+from maxent_grpo.training.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
+from maxent_grpo.training.sharding import fsdp2_gradient_sync, shard_model
+
+GradientSync = Callable[[bool], AbstractContextManager]
+
+
+class Strategy:
+    name: ClassVar[str]
+    min_processes: ClassVar[int] = 1
+    supports_lora: ClassVar[bool] = True
+    # Every forward of the policy is a collective: HF generate must run in lockstep on
+    # every rank, so nothing may make ranks run different numbers of forwards.
+    collective_forward: ClassVar[bool] = False
+
+    def __init__(self, dist: Dist):
+        self.dist = dist
+
+    def prepare(self, model: torch.nn.Module, *, bf16_compute: bool) -> None:
+        """Change ``model`` in place before the optimizer is built on its parameters."""
+
+    def prepare_reference(self, reference: torch.nn.Module) -> None:
+        """Place the frozen reference model like the policy."""
+
+    def wrap(self, model: torch.nn.Module) -> tuple[torch.nn.Module, GradientSync | None]:
+        """The module the step trains through, and ``grpo_step``'s ``gradient_sync``."""
+        return model, None
+
+    def save(self, output_dir: Path, step: int, *, model: torch.nn.Module, tokenizer: Any,
+             optimizer: torch.optim.Optimizer, lr_scheduler: Any, trainer_state: dict,
+             keep_last: int | None) -> Path | None:
+        """Write checkpoint ``step`` (a collective); every rank raises the same error if any write failed."""
+        raise NotImplementedError
+
+    def load(self, ckpt: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             lr_scheduler: Any) -> dict:
+        """Restore ``ckpt`` into the model and optimizer; return its trainer state."""
+        raise NotImplementedError
+
+
+class DDPStrategy(Strategy):
+    name = "ddp"
+
+    def wrap(self, model: torch.nn.Module) -> tuple[torch.nn.Module, GradientSync | None]:
+        if self.dist.world_size == 1:
+            return model, None
+        device = self.dist.device
+        ddp = DataParallelPolicy(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                 gradient_as_bucket_view=True)
+        return ddp, ddp_gradient_sync(ddp)
+
+    def save(self, output_dir, step, *, model, tokenizer, optimizer, lr_scheduler, trainer_state, keep_last):
+        path, failure = None, None
+        if self.dist.is_main:
+            try:
+                path = save_checkpoint(
+                    output_dir, step, model=model, tokenizer=tokenizer, optimizer=optimizer,
+                    lr_scheduler=lr_scheduler, trainer_state=trainer_state, keep_last=keep_last,
+                )
+            # Disk full, permissions (safetensors reports the same I/O errors as its own): the
+            # earlier checkpoints are untouched.
+            except (OSError, SafetensorError) as err:
+                failure = describe_write_error(err, output_dir)
+        # Also the barrier: every rank learns whether the save worked.
+        failure = self.dist.broadcast_object(failure)
+        if failure is not None:
+            raise save_failed(output_dir, step, failure)
+        return path
+
+    def load(self, ckpt, *, model, optimizer, lr_scheduler):
+        return load_checkpoint(ckpt, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler)
+
+
+class FSDP2Strategy(Strategy):
+    name = "fsdp2"
+    min_processes = 2
+    supports_lora = False
+    collective_forward = True
+
+    def prepare(self, model, *, bf16_compute):
+        # bf16 gathers with float32 reduction: meant for GPUs (docs/SCALING.md).
+        shard_model(model, mixed_precision=self.dist.device.type == "cuda" and bf16_compute)
+
+    def prepare_reference(self, reference):
+        shard_model(reference)
+
+    def wrap(self, model):
+        return model, fsdp2_gradient_sync(model)
+
+    def save(self, output_dir, step, *, model, tokenizer, optimizer, lr_scheduler, trainer_state, keep_last):
+        return save_sharded_checkpoint(
+            output_dir, step, model=model, tokenizer=tokenizer, optimizer=optimizer, lr_scheduler=lr_scheduler,
+            trainer_state=trainer_state, keep_last=keep_last,
+        )
+
+    def load(self, ckpt, *, model, optimizer, lr_scheduler):
+        return load_sharded_checkpoint(ckpt, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler)
+
+
+STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (DDPStrategy, FSDP2Strategy)}

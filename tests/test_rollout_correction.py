@@ -84,7 +84,7 @@ def test_long_sequence_ratio_does_not_overflow():
 
 def test_bad_arguments():
     old, behaviour, mask, _ = _toy()
-    with pytest.raises(ValueError, match="mode"):
+    with pytest.raises(ValueError, match="rollout_correction"):
         rollout_correction_weights(old, behaviour, mask, "token", 3.0)
     with pytest.raises(ValueError, match="cap"):
         rollout_correction_weights(old, behaviour, mask, "token_mask", 0.5)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from maxent_grpo.core.losses import ClipSettings, SpecError
+from maxent_grpo.core.bounds import SpecError
+from maxent_grpo.core.losses import ClipSettings
 from maxent_grpo.core.logprobs import Scoring
 from maxent_grpo.core.step import Comm, LossSpec, grpo_step
 

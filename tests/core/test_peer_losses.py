@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
+from maxent_grpo.core.bounds import SpecError
 from maxent_grpo.core.losses import (
     POLICY_LOSSES,
     ClipSettings,
     PolicyInputs,
-    SpecError,
     StepNormalizer,
     aggregate,
     clipped_surrogate,

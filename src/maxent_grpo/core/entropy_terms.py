@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from maxent_grpo.core.bounds import require
 from maxent_grpo.core.losses import Aggregator, StepNormalizer, aggregate_bnpo, aggregate_dapo, aggregate_grpo
 
 # How the entropy term is averaged for each loss_type (§6): sequence means for
@@ -23,6 +24,10 @@ ENTROPY_AGGREGATIONS: dict[str, Aggregator] = {
 
 
 
+def check_top_entropy_quantile(quantile: float) -> None:
+    require(0 < quantile <= 1, "top_entropy_quantile", f"must be in (0, 1], got {quantile}")
+
+
 def top_entropy_threshold(entropies: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], quantile: float) -> float:
     """The entropy of the ``ceil(quantile * n)``-th highest-entropy active token over all of
     ``entropies`` (the step's micro-batches, ``[B_i, T]`` each; ``n`` active tokens in all).
@@ -31,8 +36,7 @@ def top_entropy_threshold(entropies: Sequence[torch.Tensor], masks: Sequence[tor
     whole step's tokens, so the gradient does not depend on how the step is split into
     micro-batches. ``-inf`` (keep every token) when ``quantile == 1`` or nothing is active.
     """
-    if not 0 < quantile <= 1:
-        raise ValueError(f"quantile must be in (0, 1], got {quantile}")
+    check_top_entropy_quantile(quantile)
     values = torch.cat([e.detach()[m > 0].reshape(-1) for e, m in zip(entropies, masks)])
     if quantile == 1 or values.numel() == 0:
         return -math.inf

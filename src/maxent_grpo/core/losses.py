@@ -18,6 +18,8 @@ from typing import Callable
 
 import torch
 
+from maxent_grpo.core.bounds import require
+
 # ---------------------------------------------------------------- KL estimators
 # d = logp_ref - logp (Schulman's estimators of KL(pi || pi_ref)).
 
@@ -38,10 +40,13 @@ def _k3(d: torch.Tensor) -> torch.Tensor:
 KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"k1": _k1, "k2": _k2, "k3": _k3}
 
 
+def check_kl_estimator(estimator: str) -> None:
+    require(estimator in KL_ESTIMATORS, "kl_estimator", f"must be one of {sorted(KL_ESTIMATORS)}, got {estimator!r}")
+
+
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
     """Per-token KL estimate ``[B, T]`` with ``d = ref_logp - logp``."""
-    if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"estimator must be one of {sorted(KL_ESTIMATORS)}, got {estimator!r}")
+    check_kl_estimator(estimator)
     if ref_logp.shape != logp.shape:
         raise ValueError(f"ref_logp shape {tuple(ref_logp.shape)} does not match logp {tuple(logp.shape)}")
     return KL_ESTIMATORS[estimator](ref_logp.to(logp.dtype) - logp)
@@ -50,20 +55,6 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
 # ------------------------------------------------------------ clipped surrogate
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-
-
-class SpecError(ValueError):
-    """A loss setting out of its bounds. ``setting`` names it (``epsilon_low``, ``tau_pos``...), so
-    ``training.plan.compile_run`` can name the config key; the message says the bound once."""
-
-    def __init__(self, setting: str, problem: str):
-        super().__init__(f"{setting} {problem}")
-        self.setting, self.problem = setting, problem
-
-
-def require(ok: bool, setting: str, problem: str) -> None:
-    if not ok:
-        raise SpecError(setting, problem)
 
 
 @dataclass(frozen=True)
@@ -187,7 +178,6 @@ def cispo_surrogate(
     (TRL's ``cispo_clip_ratio``); nothing is clipped below.
     """
     check_advantages(advantages, logp)
-    require(epsilon_max > 0, "epsilon_high", f"must be > 0, got {epsilon_max}")
     r = importance_ratio(logp, old_logp, mask, importance_sampling_level).detach()
     adv = advantages.to(logp.dtype)[:, None]
     per_token = -torch.clamp(r, max=epsilon_max) * adv * logp
@@ -224,8 +214,6 @@ class StepNormalizer:
         for name, value in counts.items():
             if value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
-        if self.max_completion_length is not None and self.max_completion_length < 1:
-            raise ValueError(f"max_completion_length must be >= 1, got {self.max_completion_length}")
 
 
 def _row_sums(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -243,9 +231,8 @@ def aggregate_bnpo(per_token: torch.Tensor, mask: torch.Tensor, norm: StepNormal
 
 
 def aggregate_dr_grpo(per_token: torch.Tensor, mask: torch.Tensor, norm: StepNormalizer) -> torch.Tensor:
-    """``sum_i S_i / (num_sequences * L_max)``: a constant normaliser (Dr.GRPO)."""
-    if norm.max_completion_length is None:
-        raise ValueError("max_completion_length is required for loss_type='dr_grpo'")
+    """``sum_i S_i / (num_sequences * L_max)``: a constant normaliser (Dr.GRPO); ``L_max`` is
+    ``norm.max_completion_length`` (:func:`check_aggregation` requires it)."""
     return _row_sums(per_token, mask).sum() / (max(norm.num_sequences, 1) * norm.max_completion_length)
 
 
@@ -263,10 +250,20 @@ LOSS_AGGREGATIONS: dict[str, Aggregator] = {
     "dapo": aggregate_dapo,
 }
 
+
+def check_aggregation(loss_type: str, max_completion_length: int | None) -> None:
+    """The bounds of an aggregation: a known ``loss_type``; ``L_max >= 1``, and given for ``dr_grpo``."""
+    require(loss_type in LOSS_AGGREGATIONS, "loss_type",
+            f"must be one of {sorted(LOSS_AGGREGATIONS)}, got {loss_type!r}")
+    require(max_completion_length is None or max_completion_length >= 1, "max_completion_length",
+            f"must be >= 1, got {max_completion_length}")
+    require(loss_type != "dr_grpo" or max_completion_length is not None, "max_completion_length",
+            "is required for loss_type='dr_grpo'")
+
+
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, norm: StepNormalizer) -> torch.Tensor:
     """The micro-batch's contribution of ``per_token`` under ``loss_type``."""
-    if loss_type not in LOSS_AGGREGATIONS:
-        raise ValueError(f"loss_type must be one of {sorted(LOSS_AGGREGATIONS)}, got {loss_type!r}")
+    check_aggregation(loss_type, norm.max_completion_length)
     return LOSS_AGGREGATIONS[loss_type](per_token, mask.to(per_token.dtype), norm)
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from maxent_grpo.core.bounds import require
 from maxent_grpo.core.losses import (
     check_advantages,
     clip_metrics,
@@ -23,7 +24,6 @@ from maxent_grpo.core.losses import (
     PolicyTerm,
     ppo_clip_terms,
     register_policy_loss,
-    require,
     StepNormalizer,
     SurrogateTerms,
 )

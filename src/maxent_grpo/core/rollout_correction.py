@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from maxent_grpo.core.bounds import require
+
 ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
@@ -52,6 +54,13 @@ def _sequence_log_ratio(d: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (d * mask).sum(-1)
 
 
+def check_rollout_correction(mode: str, cap: float) -> None:
+    """A known ``mode``, and a cap ``C >= 1`` (so a sampler equal to the trainer, ratio 1, keeps weight 1)."""
+    require(mode in ROLLOUT_CORRECTIONS, "rollout_correction",
+            f"must be one of {list(ROLLOUT_CORRECTIONS)}, got {mode!r}")
+    require(cap >= 1, "rollout_correction_cap", f"must be >= 1, got {cap}")
+
+
 def rollout_correction_weights(
     old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, mode: str, cap: float
 ) -> torch.Tensor:
@@ -60,10 +69,7 @@ def rollout_correction_weights(
     old_logp, behaviour_logp, mask: ``[B, T]``; padding positions get weight 1
     (the aggregators multiply by the mask anyway).
     """
-    if mode not in ROLLOUT_CORRECTIONS:
-        raise ValueError(f"mode must be one of {list(ROLLOUT_CORRECTIONS)}, got {mode!r}")
-    if not cap >= 1:
-        raise ValueError(f"cap must be >= 1, got {cap}")
+    check_rollout_correction(mode, cap)
     _check(old_logp, behaviour_logp, mask)
     if mode == "none":
         return torch.ones_like(old_logp)

@@ -22,22 +22,24 @@ from typing import Callable, Sequence
 import torch
 
 from maxent_grpo.core import peer_losses  # noqa: F401  (registers SAPO, GMPO, DPPO, OPSM)
-from maxent_grpo.core.entropy_terms import entropy_bonus, top_entropy_mask, top_entropy_threshold
+from maxent_grpo.core.bounds import require
+from maxent_grpo.core.entropy_terms import (
+    check_top_entropy_quantile, entropy_bonus, top_entropy_mask, top_entropy_threshold,
+)
 from maxent_grpo.core.logprobs import Scoring
 from maxent_grpo.core.losses import (
-    KL_ESTIMATORS,
-    LOSS_AGGREGATIONS,
     POLICY_LOSSES,
     ClipSettings,
     PolicyInputs,
     StepNormalizer,
     aggregate,
+    check_aggregation,
+    check_kl_estimator,
     kl_penalty,
-    require,
 )
 from maxent_grpo.core.rollout_correction import (
-    ROLLOUT_CORRECTIONS,
     MismatchSums,
+    check_rollout_correction,
     combine_mismatch_sums,
     rollout_correction_weights,
     rollout_mismatch_sums,
@@ -135,26 +137,16 @@ class LossSpec:
         require(want is None and self.policy_params is None or want is not None and isinstance(self.policy_params, want),
                 "policy_params", f"must be a {want.__name__ if want else 'None'} for {self.policy_loss!r}, "
                 f"got {type(self.policy_params).__name__}")
-        require(self.loss_type in LOSS_AGGREGATIONS, "loss_type",
-                f"must be one of {sorted(LOSS_AGGREGATIONS)}, got {self.loss_type!r}")
+        check_aggregation(self.loss_type, self.max_completion_length)
         require(loss.loss_types is None or self.loss_type in loss.loss_types, "loss_type",
                 f"must be one of {list(loss.loss_types or ())} for the {self.policy_loss} policy loss, "
                 f"got {self.loss_type!r}")
         require(self.beta >= 0, "beta", f"must be >= 0, got {self.beta}")
-        require(self.kl_estimator in KL_ESTIMATORS, "kl_estimator",
-                f"must be one of {sorted(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
+        check_kl_estimator(self.kl_estimator)
         require(self.entropy_coef >= 0, "entropy_coef", f"must be >= 0, got {self.entropy_coef}")
-        require(0 < self.top_entropy_quantile <= 1, "top_entropy_quantile",
-                f"must be in (0, 1], got {self.top_entropy_quantile}")
+        check_top_entropy_quantile(self.top_entropy_quantile)
         require(self.listwise_clip_coef >= 0, "listwise_clip_coef", f"must be >= 0, got {self.listwise_clip_coef}")
-        require(self.rollout_correction in ROLLOUT_CORRECTIONS, "rollout_correction",
-                f"must be one of {list(ROLLOUT_CORRECTIONS)}, got {self.rollout_correction!r}")
-        require(self.rollout_correction_cap >= 1, "rollout_correction_cap",
-                f"must be >= 1, got {self.rollout_correction_cap}")
-        require(self.max_completion_length is None or self.max_completion_length >= 1, "max_completion_length",
-                f"must be >= 1, got {self.max_completion_length}")
-        require(self.loss_type != "dr_grpo" or self.max_completion_length is not None, "max_completion_length",
-                "is required for loss_type='dr_grpo'")
+        check_rollout_correction(self.rollout_correction, self.rollout_correction_cap)
 
 
 @dataclass(frozen=True)

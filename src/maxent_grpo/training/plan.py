@@ -15,7 +15,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from maxent_grpo.core.logprobs import Scoring
-from maxent_grpo.core.losses import ClipSettings, SpecError
+from maxent_grpo.core.bounds import SpecError
+from maxent_grpo.core.losses import ClipSettings
 from maxent_grpo.core.step import LossSpec
 from maxent_grpo.data.prompts import FewShotExample
 from maxent_grpo.errors import ConfigError

@@ -2,7 +2,7 @@
 # Set everything up and run the whole test suite, offline.
 # With no arguments: the main suite in .venv, then the vLLM backend tests in
 # .venv-vllm (vLLM's CPU build; scripts/setup_vllm.sh). With arguments: pytest
-# in .venv with those arguments only (e.g. tests/test_step.py -x); run
+# in .venv with those arguments only (e.g. tests/core/test_step.py -x); run
 # scripts/test_vllm.sh [ARGS] for the vLLM tests alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."

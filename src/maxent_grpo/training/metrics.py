@@ -74,19 +74,30 @@ def summarize_reward_stats(dist: Dist, reward_comp: RewardComputation) -> Reward
 
 
 def summarize_weight_stats(dist: Dist, weight_stats: WeightStats) -> WeightLoggingView | None:
-    """Listwise weight entropy over the groups in the loss on every process (ranks may hold
-    different numbers of them); None when no group entered the loss (nothing to steer by)."""
+    """The listwise weights' statistics over every process (ranks may hold different numbers of
+    groups): the entropy over the groups in the loss (also over ``log G``), and the mean and
+    sample std of the listwise advantages ``w_i - 1/G`` over every row. None when no group
+    entered the loss (nothing to steer by)."""
     ws = weight_stats
-    n = ws.num_active_groups
-    local = [ws.weight_entropy * n, float(n), ws.weight_entropy_min, ws.weight_entropy_max] if n else [0.0, 0.0]
-    parts = dist.gather_objects([local])
-    total = sum(p[1] for p in parts)
+    n = ws.num_active_groups or 0
+    adv = ws.advantage_entropy.detach().to(torch.float64)
+    entropy_part = [ws.weight_entropy * n, float(n), ws.weight_entropy_min, ws.weight_entropy_max] if n else [0.0, 0.0]
+    parts = dist.gather_objects([(entropy_part, float(adv.sum()), float((adv * adv).sum()), adv.numel())])
+    total = sum(e[1] for e, *_ in parts)
     if total == 0:
         return None
+    entropy = sum(e[0] for e, *_ in parts) / total
+    rows = sum(p[3] for p in parts)
+    adv_mean = sum(p[1] for p in parts) / rows
+    adv_var = (sum(p[2] for p in parts) - rows * adv_mean**2) / (rows - 1) if rows >= 2 else 0.0
+    g = ws.weights_grouped.shape[1]
     return WeightLoggingView(
-        entropy=sum(p[0] for p in parts) / total,
-        entropy_min=min(p[2] for p in parts if p[1]),
-        entropy_max=max(p[3] for p in parts if p[1]),
+        entropy=entropy,
+        entropy_norm=entropy / math.log(g) if g > 1 else 0.0,
+        entropy_min=min(e[2] for e, *_ in parts if e[1]),
+        entropy_max=max(e[3] for e, *_ in parts if e[1]),
+        advantage_entropy_mean=adv_mean,
+        advantage_entropy_std=math.sqrt(max(adv_var, 0.0)),
     )
 
 
@@ -136,6 +147,8 @@ def build_training_metrics_dict(
         m["weight_entropy"] = view.entropy if view is not None else nan
         m["weight_entropy_min"] = view.entropy_min if view is not None else nan
         m["weight_entropy_max"] = view.entropy_max if view is not None else nan
+        m["weight_entropy_norm"] = view.entropy_norm if view is not None else nan
+        m["listwise_advantage_std"] = view.advantage_entropy_std if view is not None else nan
     if prepared.row_weights is not None:
         m["xdr/multiplier_max"] = max(dist.gather_floats([float(prepared.row_weights.max())]))
     if rc.seed_scales is not None:

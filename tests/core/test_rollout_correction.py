@@ -17,7 +17,7 @@ from maxent_grpo.core.rollout_correction import (
     rollout_mismatch_sums,
 )
 
-_spec = importlib.util.spec_from_file_location("ddp_step_worker", Path(__file__).with_name("ddp_step_worker.py"))
+_spec = importlib.util.spec_from_file_location("ddp_step_worker", (Path(__file__).resolve().parents[1] / "ddp_step_worker.py"))
 worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(worker)
 

@@ -18,21 +18,21 @@ import torch
 from maxent_grpo.training.checkpoint import verify_checkpoint
 from maxent_grpo.training.config import ConfigError, GenerationConfig, load_config
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ddp_step_worker import build_rows, micro_batches, step  # noqa: E402
 from fsdp2_step_worker import load_model  # noqa: E402
 from test_resume import _args, _comparable, _rank_errors, _torchrun  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # The same micro-batches as the two ranks together: rank 0 has rows 0-3, rank 1 rows 4-7.
 RANK_MICRO_BATCHES = [(0, 2), (2, 4), (4, 6), (6, 8)]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_two_fsdp2_processes_give_the_single_process_gradient_and_the_full_weights(tiny_model_dir, tmp_path):
     out = tmp_path / "rank0.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(Path(__file__).with_name("fsdp2_step_worker.py")), str(tiny_model_dir), str(out)]
+           str((Path(__file__).resolve().parents[1] / "fsdp2_step_worker.py")), str(tiny_model_dir), str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     sharded = torch.load(out)
@@ -61,6 +61,7 @@ def test_two_fsdp2_processes_give_the_single_process_gradient_and_the_full_weigh
     assert sharded["metrics"]["grad_norm"] == pytest.approx(single.metrics["grad_norm"], rel=1e-5)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_fsdp2_run_trains_resumes_exactly_and_saves_a_hugging_face_model(tiny_model_dir, tmp_path):
     from safetensors.torch import load_file
@@ -109,11 +110,12 @@ runpy.run_module("maxent_grpo.cli", run_name="__main__", alter_sys=True)
 """
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_activation_checkpointing_under_fsdp2_recomputes_and_leaves_the_gradient_unchanged(tiny_model_dir, tmp_path):
     out = tmp_path / "rank0.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(Path(__file__).with_name("fsdp2_checkpointing_worker.py")), str(tiny_model_dir), str(out)]
+           str((Path(__file__).resolve().parents[1] / "fsdp2_checkpointing_worker.py")), str(tiny_model_dir), str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = torch.load(out)
@@ -141,6 +143,7 @@ os.write(1, f"left {d.rank}\\n".encode())  # one write: the ranks share the pipe
 """
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("how", ["success", "error"])
 def test_a_run_leaves_its_process_group_on_success_and_on_error(how):
     """The group is destroyed while the interpreter is whole: a gloo group left for exit to destroy
@@ -153,6 +156,7 @@ def test_a_run_leaves_its_process_group_on_success_and_on_error(how):
     assert sorted(proc.stdout.split("\n")[:-1]) == ["left 0", "left 1"], proc.stdout
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", ["0,1", "1"], ids=["every-rank", "rank-1-only"])
 def test_a_failing_fsdp2_save_stops_every_rank_with_one_line_and_keeps_the_earlier_checkpoint(

@@ -24,7 +24,7 @@ from maxent_grpo.core.logprobs import (
     selective_logps,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EPS32 = torch.finfo(torch.float32).eps
 
 

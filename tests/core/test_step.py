@@ -14,7 +14,7 @@ from maxent_grpo.core.losses import ClipSettings
 from maxent_grpo.core.logprobs import Scoring
 from maxent_grpo.core.step import Comm, LossSpec, grpo_step
 
-_spec = importlib.util.spec_from_file_location("ddp_step_worker", Path(__file__).with_name("ddp_step_worker.py"))
+_spec = importlib.util.spec_from_file_location("ddp_step_worker", (Path(__file__).resolve().parents[1] / "ddp_step_worker.py"))
 worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(worker)
 
@@ -299,11 +299,12 @@ def test_gspo_and_top_entropy_step_runs_and_reports(model, rows):
     assert result.loss == pytest.approx(result.metrics["policy_loss"] + 0.04 * result.metrics["kl"], rel=1e-9)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_two_processes_give_the_single_process_gradient(base_model, rows, tiny_model_dir, tmp_path):
     out = tmp_path / "rank0.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(Path(__file__).with_name("ddp_step_worker.py")), str(tiny_model_dir), str(out)]
+           str((Path(__file__).resolve().parents[1] / "ddp_step_worker.py")), str(tiny_model_dir), str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = torch.load(out)

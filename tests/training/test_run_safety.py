@@ -21,7 +21,7 @@ from maxent_grpo.cli import main
 from maxent_grpo.training.checkpoint import find_latest_checkpoint, list_checkpoints, verify_checkpoint
 from maxent_grpo.training.metrics import read_metrics
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def _args(model_dir, out, steps, *extra, reward="length, kwargs: {max_length: 100}"):

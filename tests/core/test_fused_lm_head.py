@@ -5,7 +5,6 @@ float64 autograd through that reference."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,6 @@ from maxent_grpo.core.completion_logits import supports_fused_head
 from maxent_grpo.core.fused_lm_head import lm_head_logps
 from maxent_grpo.core.logprobs import get_per_token_logps_and_entropies
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_logprobs import _grouped_batch, _tiny_model, values_and_grads  # noqa: E402
 
 

@@ -288,7 +288,7 @@ def test_humaneval_recipe_trains_a_step_with_code_check(tiny_model_dir, tmp_path
     from maxent_grpo.training.metrics import read_metrics
     from tiny_runs import tiny_overrides
 
-    recipe = Path(__file__).resolve().parents[1] / "recipes" / "humaneval-code.yaml"
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "humaneval-code.yaml"
     out = tmp_path / "run"
     args = tiny_overrides(tiny_model_dir, out, rewards="[{name: code_check, kwargs: {timeout_s: 5}}]", steps=1,
                           extra=["data.source=human_eval", "data.size=4", "data.eval_size=0"])

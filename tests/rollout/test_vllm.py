@@ -287,6 +287,7 @@ def test_training_with_vllm_learns(vllm_model_dir, tmp_path):
     assert _max_diff(_policy(final), groups, 8, tok.pad_token_id) < 1e-5
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_colocated_processes(vllm_model_dir, tmp_path, strategy):
     """torchrun, two ranks, one engine each (external_launcher): both engines sample and take weight pushes,
@@ -296,7 +297,7 @@ def test_two_colocated_processes(vllm_model_dir, tmp_path, strategy):
         "generation.backend=vllm", "generation.vllm.enforce_eager=true", f"training.strategy={strategy}",
     ])
     env = {**os.environ, "MAXENT_GRPO_LOG": "WARNING", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          "-m", "maxent_grpo.cli", "train", *args],

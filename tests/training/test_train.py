@@ -16,7 +16,7 @@ from maxent_grpo.training.config import ConfigError, load_config, parse_override
 from maxent_grpo.training.metrics import read_metrics
 from tiny_runs import tiny_overrides as tiny_run_args
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # The *-fsdp2 recipes are for several GPUs (torchrun); test_sharding.py loads them.
 RECIPES = sorted(p for p in (REPO / "recipes").glob("*.yaml") if not p.stem.endswith("-fsdp2"))
 # One recipe per registered method, named after it.
@@ -202,7 +202,7 @@ def test_bad_inputs_one_line_errors(tiny_model_dir, tmp_path):
 def test_failing_reward_stops_the_run_when_every_batch_fails(fn, needles, tiny_model_dir, tmp_path):
     base = tiny_overrides(tiny_model_dir, tmp_path / "o", extra=[
         f"rewards=[{{name: 'learnable_rewards:{fn}'}}]", "data.size=16"])
-    env_path = str(Path(__file__).parent)
+    env_path = str(Path(__file__).resolve().parents[1])
     proc = subprocess.run(
         [sys.executable, "-m", "maxent_grpo.cli", "train", *base], cwd=tmp_path, capture_output=True, text=True,
         env={**os.environ, "PYTHONPATH": env_path, "MAXENT_GRPO_LOG": "WARNING"}, timeout=300,

@@ -18,7 +18,7 @@ from maxent_grpo.training.config import load_config
 from maxent_grpo.training.config_schema import TrainConfig
 from maxent_grpo.training.metrics import read_metrics
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TINY = ["--set", "generation.max_new_tokens=4", "--set", "generation.num_generations=2",
         "--set", "training.prompts_per_step=1", "--set", "training.micro_batch_size=2",
         "--set", "logging.progress_bar=false"]

@@ -105,6 +105,7 @@ def _rank_errors(proc) -> str:
     return "\n".join(lines[:20]) or proc.stderr[-2000:]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_two_process_run_resumes_exactly(tiny_model_dir, tmp_path):
     """Two gloo processes (torchrun): one record per step, and stop+resume equals an uninterrupted run."""

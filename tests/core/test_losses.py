@@ -16,7 +16,7 @@ from maxent_grpo.core.losses import (
     listwise_cross_entropy,
     listwise_weighted_mle,
 )
-from maxent_grpo.core.entropy_terms import entropy_bonus, kl_adaptive_alpha, top_entropy_mask
+from maxent_grpo.core.entropy_terms import entropy_bonus, top_entropy_mask
 
 F64 = torch.float64
 
@@ -268,20 +268,6 @@ def test_entropy_bonus_aggregates_like_the_loss():
     # A uniform distribution over V gives B = 1.
     uniform = torch.full((1, 3), math.log(100), dtype=F64)
     assert entropy_bonus(uniform, torch.ones(1, 3), 100, "dapo", StepNormalizer(1, 3, 1)).item() == pytest.approx(1)
-
-
-def test_kl_adaptive_alpha():
-    assert kl_adaptive_alpha(0.1, kl=0.05, target=0.1, gain=0.5) == pytest.approx(0.1 * 1.25)
-    assert kl_adaptive_alpha(0.1, kl=0.2, target=0.1, gain=0.5) == pytest.approx(0.1 / 1.5)
-    assert kl_adaptive_alpha(0.1, kl=0.1, target=0.1, gain=0.5) == pytest.approx(0.1)
-    # The clamp bounds the multiplier, not alpha: small alphas stay small.
-    assert kl_adaptive_alpha(0.01, kl=0.0, target=0.1, gain=10) == pytest.approx(0.02)
-    assert kl_adaptive_alpha(0.01, kl=5.0, target=0.1, gain=10) == pytest.approx(0.005)
-    assert kl_adaptive_alpha(0.0, kl=0.0, target=0.1, gain=1) == 0
-    for kwargs, name in [(dict(alpha=-1.0), "alpha"), (dict(target=0.0), "target"), (dict(gain=-1.0), "gain")]:
-        args = dict(alpha=0.1, kl=0.1, target=0.1, gain=1.0) | kwargs
-        with pytest.raises(ValueError, match=name):
-            kl_adaptive_alpha(**args)
 
 
 # ---------------------------------------------------------------- listwise

@@ -1,6 +1,7 @@
 """Entropy terms of the loss (ALGORITHMS.md §3, §6): the step-wide top-entropy token mask
-("80/20"), the normalised entropy bonus averaged as the loss is, and the KL-adaptive update of
-its coefficient. ``core.step`` applies them around the registered policy loss.
+("80/20") and the normalised entropy bonus averaged as the loss is. ``core.step`` applies them
+around the registered policy loss. (§6's optional KL-adaptive coefficient is not implemented:
+``loss.entropy_coef`` is a constant.)
 """
 
 from __future__ import annotations
@@ -71,31 +72,3 @@ def entropy_bonus(
     if loss_type not in ENTROPY_AGGREGATIONS:
         raise ValueError(f"loss_type must be one of {sorted(ENTROPY_AGGREGATIONS)}, got {loss_type!r}")
     return ENTROPY_AGGREGATIONS[loss_type](entropies / math.log(vocab_size), mask.to(entropies.dtype), norm)
-
-
-# Bounds on the factor kl_adaptive_alpha applies to alpha in one call.
-ALPHA_MULTIPLIER_BOUNDS = (0.5, 2.0)
-
-
-def kl_adaptive_alpha(alpha: float, kl: float, target: float, gain: float) -> float:
-    """One KL-adaptive update of the entropy coefficient (§6).
-
-    Below the target ``k`` alpha is multiplied by ``1 + g*(k-KL)/k``, above it
-    divided by ``1 + g*(KL-k)/k``. The clamp ``[0.5, 2]`` is on that *multiplier*,
-    so one call changes alpha by at most a factor 2 either way; alpha itself is
-    not bounded (the caller keeps it between steps).
-    """
-    if alpha < 0:
-        raise ValueError(f"alpha must be >= 0, got {alpha}")
-    if target <= 0:
-        raise ValueError(f"target must be > 0, got {target}")
-    if gain < 0:
-        raise ValueError(f"gain must be >= 0, got {gain}")
-    if not math.isfinite(kl):
-        raise ValueError(f"kl must be finite, got {kl}")
-    if kl <= target:
-        factor = 1 + gain * (target - kl) / target
-    else:
-        factor = 1 / (1 + gain * (kl - target) / target)
-    lo, hi = ALPHA_MULTIPLIER_BOUNDS
-    return alpha * min(max(factor, lo), hi)

@@ -23,6 +23,7 @@ from maxent_grpo.rollout.backends import BACKENDS
 from maxent_grpo.run_files import write_text_atomic
 from maxent_grpo.training.plan import compile_method
 from maxent_grpo.training.strategy import STRATEGIES, Strategy
+from maxent_grpo.training.trackers import TRACKER_NAMES
 from maxent_grpo.training.weighting_config import weighting_from_config
 # The sections live in config_schema.py; imported here so that ``training.config``
 # stays the one import for the whole configuration.
@@ -328,7 +329,7 @@ def validate(cfg: TrainConfig) -> None:
         "eval.every_steps",
         "in-loop validation needs a held-out split: set data.eval_size > 0",
     )
-    known = {"tensorboard", "wandb", "mlflow", "trackio", "none", "all"}
+    known = {*TRACKER_NAMES, "none", "all"}
     for i, name in enumerate(cfg.logging.report_to):
         _check(name in known, f"logging.report_to[{i}]", f"unknown tracker {name!r}{_suggest(name, known)}")
 

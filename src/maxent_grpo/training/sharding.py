@@ -24,7 +24,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 
 def _layer_class_names(model: torch.nn.Module) -> set[str]:
@@ -67,10 +66,6 @@ def fsdp2_gradient_sync(model: torch.nn.Module) -> Callable[[bool], AbstractCont
         yield
 
     return sync
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -143,8 +143,8 @@ def build_run(
     log_device(dist)
     strategy = STRATEGIES[cfg.training.strategy](dist)
     if dist.world_size < strategy.min_processes:
-        raise ConfigError(f"training.strategy: {strategy.name} needs {strategy.min_processes} or more processes "
-                          "(torchrun --nproc_per_node N); with one process use ddp")
+        raise ConfigError(f"training.strategy: {strategy.name} needs several processes (torchrun --nproc_per_node N, "
+                          f"N >= {strategy.min_processes}); with one process use ddp")
     cfg = resolve_precision(cfg, bf16_is_fast(dist.device))
     plan = compile_run(cfg)
     output_dir = Path(cfg.logging.output_dir)

@@ -24,7 +24,7 @@ from maxent_grpo.rewards.registry import build_reward_spec
 from maxent_grpo.rollout.backends import BACKENDS, BackendInputs
 from maxent_grpo.run_files import write_text_atomic
 from maxent_grpo.training.checkpoint import CheckpointError, find_latest_checkpoint, read_trainer_state
-from maxent_grpo.training.config import ConfigError, TrainConfig, save_config, to_dict
+from maxent_grpo.training.config import ConfigError, TrainConfig, TrainingConfig, save_config, to_dict
 from maxent_grpo.training.distributed import Dist, log_device
 from maxent_grpo.training.pipeline import PipelineContext
 from maxent_grpo.training.plan import RunPlan, compile_run, describe_rollout_correction
@@ -176,7 +176,7 @@ def build_run(
 
     model, tokenizer = _load_policy(cfg, model_path, dist, strategy)
     reference = _reference_scorer(cfg, plan, model, model_path, strategy) if method.needs_reference else None
-    optimizer, lr_scheduler = _optimizer(cfg, model)
+    optimizer, lr_scheduler = build_optimizer(model, cfg.training)
     train_model, gradient_sync = strategy.wrap(model)
 
     sampler = PromptSampler(
@@ -235,9 +235,9 @@ def _load_policy(cfg: TrainConfig, model_path: str, dist: Dist, strategy: Strate
     return model, tokenizer
 
 
-def _optimizer(cfg: TrainConfig, model: torch.nn.Module):
-    """AdamW on the trained parameters and its LR schedule over every update of the run."""
-    t = cfg.training
+def build_optimizer(model: torch.nn.Module, t: TrainingConfig) -> tuple[torch.optim.Optimizer, object]:
+    """The run's AdamW over the trainable parameters and its LR schedule (over every update of the run),
+    from ``training:``."""
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=t.learning_rate,
         betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay,

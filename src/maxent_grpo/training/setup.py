@@ -27,7 +27,7 @@ from maxent_grpo.training.checkpoint import (
     CheckpointError, describe_write_error, find_latest_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint,
     save_failed,
 )
-from maxent_grpo.training.config import ConfigError, TrainConfig, save_config, to_dict
+from maxent_grpo.training.config import ConfigError, TrainConfig, TrainingConfig, save_config, to_dict
 from maxent_grpo.data.datasets import PromptSampler, load_prompt_dataset, split_train_eval
 from maxent_grpo.training.distributed import DataParallelPolicy, Dist, ddp_gradient_sync, log_device
 from maxent_grpo.training.pipeline import PipelineContext
@@ -42,6 +42,19 @@ from maxent_grpo.training.trackers import make_trackers
 from maxent_grpo.training.weighting_config import weighting_from_config
 
 log = logging.getLogger("maxent_grpo")
+
+
+def build_optimizer(model: torch.nn.Module, t: TrainingConfig) -> tuple[torch.optim.Optimizer, object]:
+    """The run's AdamW over the trainable parameters and its LR schedule, from ``training:``."""
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=t.learning_rate,
+        betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay,
+    )
+    lr_scheduler = get_scheduler(
+        {"constant": "constant_with_warmup"}.get(t.lr_scheduler, t.lr_scheduler),
+        optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=t.max_steps * t.num_iterations,
+    )
+    return optimizer, lr_scheduler
 
 
 class ShardedSampler:
@@ -260,15 +273,7 @@ def build_run(
         shard_model(model, mixed_precision=dist.device.type == "cuda" and cfg.training.autocast_bf16)
     reference = _reference_scorer(cfg, plan, model, model_path) if method.needs_reference else None
 
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=cfg.training.learning_rate,
-        betas=(cfg.training.adam_beta1, cfg.training.adam_beta2), weight_decay=cfg.training.weight_decay,
-    )
-    total_updates = cfg.training.max_steps * cfg.training.num_iterations
-    lr_scheduler = get_scheduler(
-        {"constant": "constant_with_warmup"}.get(cfg.training.lr_scheduler, cfg.training.lr_scheduler),
-        optimizer, num_warmup_steps=cfg.training.warmup_steps, num_training_steps=total_updates,
-    )
+    optimizer, lr_scheduler = build_optimizer(model, cfg.training)
     train_model, gradient_sync = model, fsdp2_gradient_sync(model) if fsdp2 else None
     if dist.world_size > 1 and not fsdp2:
         train_model = DataParallelPolicy(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None,

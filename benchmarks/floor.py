@@ -5,7 +5,9 @@ sampling as the trainers), then, per micro-batch, a reference forward under
 ``no_grad`` when beta > 0 and one policy forward + backward over
 prompt+completion (logits only at completion positions, log-probs by gather
 minus logsumexp), then one AdamW step. No rewards, no advantages, no clipping,
-no logging. A trainer's ratio to this number is its overhead.
+no logging. A trainer's ratio to this number is its overhead. Outside the
+timed step, it records the hash of each step's prompt token ids
+(:func:`benchmarks.tasks.step_prompt_hash`).
 
 Run as ``python -m benchmarks.floor --setting S.json --model-dir D --out R.json``.
 """
@@ -20,7 +22,7 @@ from pathlib import Path
 from benchmarks.children import own_peak_rss_bytes
 from benchmarks.results import RunResult
 from benchmarks.settings import BenchSetting
-from benchmarks.tasks import rows_for_step, task_rows
+from benchmarks.tasks import rows_for_step, setting_rows, step_prompt_hash
 
 
 def _completion_logps(model, input_ids, attention_mask, completion_len: int, temperature: float):
@@ -63,10 +65,10 @@ def run_floor(setting: BenchSetting, model_dir: Path) -> RunResult:
         max_new_tokens=setting.max_new_tokens, do_sample=True, temperature=setting.temperature,
         top_p=1.0, top_k=0, pad_token_id=tok.pad_token_id, eos_token_id=eos_ids,
     )
-    rows = task_rows(setting.task, setting.dataset_size, setting.seed, default_task=setting.default_task)
+    rows = setting_rows(setting)
     G, micro = setting.num_generations, setting.micro_batch_size
 
-    step_times, gen_times, tokens, cpu_times = [], [], [], []
+    step_times, gen_times, tokens, cpu_times, prompt_hashes = [], [], [], [], []
     for step in range(setting.steps):
         texts = [
             tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
@@ -99,6 +101,9 @@ def run_floor(setting: BenchSetting, model_dir: Path) -> RunResult:
         step_times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)
         tokens.append(n_tokens)
+        # Outside the timed step: the prompt ids generate was fed (left padding dropped).
+        fed = [ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"], enc["attention_mask"])]
+        prompt_hashes.append(step_prompt_hash(fed, G))
     return RunResult(
         side="floor",
         step_times=step_times,
@@ -106,6 +111,7 @@ def run_floor(setting: BenchSetting, model_dir: Path) -> RunResult:
         completion_tokens=tokens,
         generate_times=gen_times,
         cpu_times=cpu_times,
+        prompt_hashes=prompt_hashes,
         peak_rss_bytes=own_peak_rss_bytes(),
         extra={"torch_threads": torch.get_num_threads()},
     )

@@ -49,7 +49,7 @@ def heldout_eval(model_dir: Path, setting: BenchSetting, prompts: int, samples: 
         "benchmarks.sample_eval", "--model-dir", str(model_dir), "--task", setting.task,
         "--prompts", str(prompts), "--samples", str(samples), "--max-new-tokens", str(setting.max_new_tokens),
         "--seed", str(setting.seed), "--out", str(out), *(["--bf16"] if setting.bf16 else []),
-        *(["--default-task"] if setting.default_task else []),
+        "--task-kwargs", json.dumps(setting.task_kwargs), "--few-shot", json.dumps(setting.few_shot),
     )
     run_child(cmd, out.with_suffix(".log"), env)
     return json.loads(out.read_text())

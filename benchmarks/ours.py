@@ -20,7 +20,7 @@ from benchmarks.common_rewards import REWARD_NAMES, REWARD_WEIGHTS
 from benchmarks.results import RunResult
 from benchmarks.settings import BenchSetting
 from benchmarks.pair_sum import TASK as PAIR_SUM
-from benchmarks.tasks import default_task_options, task_rows
+from benchmarks.tasks import setting_rows
 
 CLI = "maxent-grpo"
 
@@ -30,6 +30,7 @@ REWARD = "reward"
 MEAN_LENGTH = "completions/mean_length"  # optional: tokens/s is shown only when logged
 GENERATE_TIME = "time/generate"  # optional: the generate share is shown only when logged
 CPU_TIME = "step_cpu_time"  # optional
+PROMPT_HASH = "prompt_ids_hash"  # the prompt token ids the step trained on (maxent_grpo.run_files)
 
 
 def cli_path() -> str | None:
@@ -66,10 +67,16 @@ def ours_config(setting: BenchSetting, model_dir: Path, extra: dict | None = Non
         if rows_file is None:
             raise ValueError(f"task {PAIR_SUM}: rows_file (the JSONL of its rows) is required")
         # The rows carry their prompt as finished messages (example turn and instruction included).
-        data = {"source": str(rows_file), "instruction": None, "shuffle": False}
+        data = {"source": str(rows_file), "instruction": None, "shuffle": False, "few_shot": []}
     else:
-        # The same rows as benchmarks.tasks.task_rows: data.size problems from the run's seed, in order.
-        data = {"source": f"reasoning_gym:{setting.task}", "size": setting.dataset_size, "shuffle": False}
+        # The same rows as benchmarks.tasks.setting_rows: data.size problems from the run's seed, in
+        # order, with the setting's generator options and examples. Both are always written: our
+        # trainer's own defaults (the default task's) must not reach a run that did not ask for them.
+        data = {
+            "source": f"reasoning_gym:{setting.task}", "size": setting.dataset_size, "shuffle": False,
+            "task_kwargs": dict(setting.task_kwargs),
+            "few_shot": [{"prompt": p, "completion": c} for p, c in setting.few_shot],
+        }
     config = {
         "method": setting.method,
         "model": {"name_or_path": str(model_dir), "dtype": "bfloat16" if setting.bf16 else "float32"},
@@ -104,10 +111,6 @@ def ours_config(setting: BenchSetting, model_dir: Path, extra: dict | None = Non
         "checkpoint": {"save_steps": 0},
         "eval": {"every_steps": 0},
     }
-    if setting.default_task:
-        options, examples = default_task_options(setting.task)
-        config["data"]["task_kwargs"] = options
-        config["data"]["few_shot"] = [{"prompt": ex.prompt, "completion": ex.completion} for ex in examples]
     for section, values in (extra or {}).items():
         if isinstance(values, dict) and isinstance(config.get(section), dict):
             config[section] = {**config[section], **values}
@@ -122,7 +125,7 @@ def write_config(setting: BenchSetting, model_dir: Path, path: Path, extra: dict
     rows_file = None
     if setting.task == PAIR_SUM:
         rows_file = path.with_suffix(".rows.jsonl")
-        rows = task_rows(setting.task, setting.dataset_size, setting.seed)
+        rows = setting_rows(setting)
         rows_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
     path.write_text(yaml.safe_dump(ours_config(setting, model_dir, extra, rows_file), sort_keys=False))
     return path
@@ -143,13 +146,15 @@ def read_metrics(output_dir: Path) -> list[dict]:
 
 
 def result_from_metrics(records: list[dict], setting: BenchSetting, child: ChildRun) -> RunResult:
-    """A RunResult from our metrics.jsonl; ``step_time`` and ``reward`` are required on every line."""
+    """A RunResult from our metrics.jsonl; ``step_time``, ``reward`` and ``prompt_ids_hash`` are
+    required on every line."""
     steps = [r for r in records if STEP_TIME in r]
     if len(steps) != setting.steps:
         raise ValueError(f"metrics.jsonl: {len(steps)} lines with {STEP_TIME!r}, expected {setting.steps}")
-    missing = [i for i, r in enumerate(steps) if REWARD not in r]
-    if missing:
-        raise ValueError(f"metrics.jsonl: step lines {missing} have no {REWARD!r}")
+    for key in (REWARD, PROMPT_HASH):
+        missing = [i for i, r in enumerate(steps) if key not in r]
+        if missing:
+            raise ValueError(f"metrics.jsonl: step lines {missing} have no {key!r}")
     n = setting.completions_per_step
 
     def optional(key: str, scale: float = 1.0) -> list:
@@ -165,6 +170,7 @@ def result_from_metrics(records: list[dict], setting: BenchSetting, child: Child
         completion_tokens=[None if t is None else round(t) for t in tokens],
         generate_times=optional(GENERATE_TIME),
         cpu_times=optional(CPU_TIME),
+        prompt_hashes=[int(r[PROMPT_HASH]) for r in steps],
         peak_rss_bytes=child.peak_rss_bytes,
         wall_s=child.wall_s,
         extra={"metrics": steps, "process_cpu_s": child.cpu_s},

@@ -28,6 +28,8 @@ class RunResult:
     peak_rss_bytes: int = 0
     wall_s: float = 0.0
     extra: dict = field(default_factory=dict)
+    # Per step, the hash of the prompt token ids the step trained on (maxent_grpo.run_files.prompt_ids_hash).
+    prompt_hashes: list[int] = field(default_factory=list)
 
     def to_json(self, path: Path) -> None:
         Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=1))
@@ -35,6 +37,28 @@ class RunResult:
     @classmethod
     def from_json(cls, path: Path) -> RunResult:
         return cls(**json.loads(Path(path).read_text()))
+
+
+def prompt_mismatch(runs: dict[str, list[RunResult]]) -> str | None:
+    """None when, in every repetition, every side trained on the same prompt token ids at every
+    step; otherwise one line naming the first repetition, step and sides that differ."""
+    sides = list(runs)
+    for side in sides:
+        for rep, run in enumerate(runs[side]):
+            if len(run.prompt_hashes) != len(run.step_times):
+                return (f"rep {rep + 1}: {side} recorded {len(run.prompt_hashes)} prompt hashes for "
+                        f"{len(run.step_times)} steps")
+    first = sides[0]
+    for rep in range(min(len(runs[s]) for s in sides)):
+        for side in sides[1:]:
+            mine, theirs = runs[first][rep].prompt_hashes, runs[side][rep].prompt_hashes
+            if len(mine) != len(theirs):
+                return f"rep {rep + 1}: {first} ran {len(mine)} steps, {side} {len(theirs)}"
+            for step, (a, b) in enumerate(zip(mine, theirs), start=1):
+                if a != b:
+                    return (f"rep {rep + 1} step {step}: {first} and {side} trained on different prompt token ids "
+                            f"(prompt hash {a:013x} vs {b:013x})")
+    return None
 
 
 @dataclass(frozen=True)

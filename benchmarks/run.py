@@ -9,8 +9,10 @@ sampling, rewards, optimizer and LR (one :class:`BenchSetting` JSON). The
 table reports seconds per optimizer step over the steps after each run's
 first (warm-up) step, ratios to TRL and to the floor, peak RSS (each child's
 own ``ru_maxrss``), generated tokens per second and the process CPU time per
-step. "Ours" is skipped, with the reason printed, only when our CLI is absent;
-"ours_vllm" (our trainer with ``generation.backend: vllm``) also when vLLM is
+step. Every side records a hash of the prompt token ids each step trained on
+(``prompt_hashes``); the run fails, with no table, when two sides differ at any
+step of any repetition. "Ours" is skipped, with the reason printed, only when
+our CLI is absent; "ours_vllm" (our trainer with ``generation.backend: vllm``) also when vLLM is
 (run it from ``.venv-vllm``: ``.venv-vllm/bin/python benchmarks/run.py --sides ours,ours_vllm,trl,floor``).
 """
 
@@ -30,7 +32,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from benchmarks.children import child_env  # noqa: E402
 from benchmarks.model_paths import resolve_model  # noqa: E402
 from benchmarks.ours import ours_available, ours_vllm_available  # noqa: E402
-from benchmarks.results import SIDES, RunResult, markdown_table, summarize  # noqa: E402
+from benchmarks.results import SIDES, RunResult, markdown_table, prompt_mismatch, summarize  # noqa: E402
 from benchmarks.settings import BenchSetting, add_setting_args, setting_from_args  # noqa: E402
 from benchmarks.sides import run_side  # noqa: E402
 
@@ -95,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     runs = compare(setting, sides, args.reps, work_dir, args.threads, args.timeout)
     load_after = os.getloadavg()
+    mismatch = prompt_mismatch(runs)
+    if mismatch is not None:
+        print(f"FAILED: the sides did not train on the same prompts: {mismatch} (raw results in {work_dir})",
+              file=sys.stderr)
+        return 1
     summaries = {side: summarize(side, side_runs) for side, side_runs in runs.items()}
     process_cpu = ", ".join(
         f"{side} {statistics.median(r.extra['process_cpu_s'] for r in side_runs):.0f}" for side, side_runs in runs.items()

@@ -55,7 +55,7 @@ def summarize_samples(scores: list[list[float]], answers: list[list[str | None]]
 
 def evaluate_model(model_dir: Path, task: str, prompts: int, samples: int, max_new_tokens: int,
                    seed: int, temperature: float = 1.0, bf16: bool = False, batch_prompts: int = 4,
-                   default_task: bool = False) -> EvalResult:
+                   task_kwargs: dict | None = None, few_shot: tuple[tuple[str, str], ...] = ()) -> EvalResult:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -67,7 +67,7 @@ def evaluate_model(model_dir: Path, task: str, prompts: int, samples: int, max_n
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if bf16 else torch.float32).eval()
-    rows = task_rows(task, prompts, seed + EVAL_SEED_OFFSET, default_task=default_task)
+    rows = task_rows(task, prompts, seed + EVAL_SEED_OFFSET, task_kwargs=task_kwargs, few_shot=few_shot)
     scores, answers, formats = [], [], []
     for lo in range(0, len(rows), batch_prompts):
         batch = rows[lo : lo + batch_prompts]
@@ -103,11 +103,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bf16", action="store_true")
-    p.add_argument("--default-task", action="store_true", help="the default recipe's task options and solved example")
+    p.add_argument("--task-kwargs", type=json.loads, default={}, help="the task generator's options, as JSON")
+    p.add_argument("--few-shot", type=json.loads, default=[], help="solved examples [[prompt, completion], ...], as JSON")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     result = evaluate_model(a.model_dir, a.task, a.prompts, a.samples, a.max_new_tokens, a.seed, bf16=a.bf16,
-                            default_task=a.default_task)
+                            task_kwargs=a.task_kwargs, few_shot=tuple(tuple(pair) for pair in a.few_shot))
     a.out.write_text(json.dumps(result.to_dict(), indent=1))
     print(json.dumps(result.to_dict()))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
@@ -34,11 +34,20 @@ class BenchSetting:
     seed: int = 0  # data (reasoning-gym), sampling and training seed
     steps: int = 3  # optimizer steps per run; the first is the warm-up
     method: str = "grpo"  # our trainer's method; TRL always runs GRPO
-    # The default recipe's task instead of reasoning-gym's defaults: its generator options
-    # (one-digit a + b) and its solved example as an earlier chat turn, on every side.
-    default_task: bool = False
+    # The prompts, pinned here so that no side falls back on its own defaults: the task
+    # generator's options (reasoning-gym tasks) and the solved examples placed as earlier
+    # user/assistant turns, (prompt, completion) pairs. Empty: reasoning-gym's own problems,
+    # no example. ``default_task_fields`` gives the built-in default run's.
+    task_kwargs: dict = field(default_factory=dict)
+    few_shot: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
+        # JSON gives lists back: the pairs are kept as tuples, so a setting read back compares equal.
+        object.__setattr__(self, "few_shot", tuple(tuple(pair) for pair in self.few_shot))
+        if any(len(pair) != 2 or not all(isinstance(x, str) for x in pair) for pair in self.few_shot):
+            raise ValueError(f"few_shot must hold (prompt, completion) string pairs, got {self.few_shot!r}")
+        if not isinstance(self.task_kwargs, dict):
+            raise ValueError(f"task_kwargs must be a mapping, got {self.task_kwargs!r}")
         positive = ("dataset_size", "prompts_per_step", "micro_batch_size", "max_new_tokens", "steps")
         for key in positive:
             if getattr(self, key) < 1:
@@ -74,6 +83,15 @@ class BenchSetting:
         return cls(**json.loads(Path(path).read_text()))
 
 
+def default_task_fields(task: str) -> dict:
+    """``task_kwargs`` and ``few_shot`` of the built-in default run, whose task ``task`` must be."""
+    from maxent_grpo.training.config_schema import DEFAULT_FEW_SHOT, DEFAULT_SOURCE, DEFAULT_TASK_KWARGS
+
+    if DEFAULT_SOURCE != f"reasoning_gym:{task}":
+        raise ValueError(f"default task: the default run's task is {DEFAULT_SOURCE!r}, not reasoning_gym:{task}")
+    return {"task_kwargs": dict(DEFAULT_TASK_KWARGS), "few_shot": (DEFAULT_FEW_SHOT,)}
+
+
 PRESETS: dict[str, BenchSetting] = {
     # Seconds on 2 cores: the harness smoke test and quick overhead checks.
     "tiny": BenchSetting(
@@ -86,7 +104,7 @@ PRESETS: dict[str, BenchSetting] = {
     # The built-in default run's task and sizes (learning comparisons: the model learns it in ~15 steps).
     "smollm2-default": BenchSetting(
         name="smollm2-default", model="smollm2-135m-instruct", max_new_tokens=48, learning_rate=1e-5,
-        steps=15, default_task=True,
+        steps=15, **default_task_fields("chain_sum"),
     ),
     # The method comparison: the benchmark's pair_sum task (many correct answers per prompt).
     "smollm2-pair-sum": BenchSetting(
@@ -111,12 +129,13 @@ def add_setting_args(parser) -> None:
     parser.add_argument("--micro-batch-size", type=int)
     parser.add_argument("--learning-rate", type=float)
     parser.add_argument("--seed", type=int)
-    parser.add_argument("--default-task", action=argparse.BooleanOptionalAction, default=None,
-                        help="the default recipe's task options and solved example")
+    parser.add_argument("--default-task", action="store_true",
+                        help="the built-in default run's task options and solved example (task chain_sum)")
 
 
 def setting_from_args(args) -> BenchSetting:
     fields = ("task", "beta", "bf16", "loss_type", "steps", "dataset_size", "prompts_per_step",
-              "num_generations", "max_new_tokens", "micro_batch_size", "learning_rate", "seed", "default_task")
+              "num_generations", "max_new_tokens", "micro_batch_size", "learning_rate", "seed")
     overrides = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
-    return PRESETS[args.setting].replace(**overrides)
+    setting = PRESETS[args.setting].replace(**overrides)
+    return setting.replace(**default_task_fields(setting.task)) if args.default_task else setting

@@ -6,7 +6,9 @@ trl 1.16): one generation batch of P*G completions per optimizer step, split
 into micro-batches of ``micro_batch_size`` with gradient accumulation; prompts
 in dataset order (``shuffle_dataset=False``) as the floor and our trainer take
 them; constant LR; TRL's default fused AdamW; gradient checkpointing off (TRL
-turns it on by default; neither the floor nor our trainer uses it).
+turns it on by default; neither the floor nor our trainer uses it). The
+prompt token ids of each step are read where TRL generates from them
+(:func:`_record_prompt_ids`).
 
 Run as ``python -m benchmarks.trl_runner --setting S.json --model-dir D --out R.json``.
 """
@@ -22,7 +24,7 @@ from benchmarks.common_rewards import REWARD_WEIGHTS, boxed_accuracy, boxed_form
 from benchmarks.children import own_peak_rss_bytes
 from benchmarks.results import RunResult
 from benchmarks.settings import BenchSetting
-from benchmarks.tasks import task_rows
+from benchmarks.tasks import setting_rows, step_prompt_hash
 
 
 def grpo_config_kwargs(setting: BenchSetting, output_dir: str) -> dict:
@@ -114,13 +116,27 @@ def _time_generate(model, recorder) -> None:
     model.generate = timed_generate
 
 
+def _record_prompt_ids(trainer, fed: list[list[list[int]]]) -> None:
+    """Wrap this trainer's ``_generate`` (one call per generation batch, i.e. per optimizer step
+    here) so that ``fed`` gets the prompt token ids it generated from, one list per completion.
+    The hashes are taken after training, outside the timed steps."""
+    original = trainer._generate
+
+    def recording_generate(prompts):
+        out = original(prompts)
+        fed.append([list(ids) for ids in out[0]])  # out[0]: prompt_ids, one list per completion
+        return out
+
+    trainer._generate = recording_generate
+
+
 def run_trl(setting: BenchSetting, model_dir: Path, save_dir: Path | None = None) -> RunResult:
     """Train ``setting.steps`` steps; with ``save_dir``, save the final model and tokenizer there."""
     import torch
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    dataset = Dataset.from_list(task_rows(setting.task, setting.dataset_size, setting.seed, default_task=setting.default_task))
+    dataset = Dataset.from_list(setting_rows(setting))
     recorder = _step_recorder()
     with tempfile.TemporaryDirectory(prefix="trl-bench-") as out_dir:
         args = GRPOConfig(**grpo_config_kwargs(setting, out_dir))
@@ -132,13 +148,16 @@ def run_trl(setting: BenchSetting, model_dir: Path, save_dir: Path | None = None
             callbacks=[recorder],
         )
         _time_generate(trainer.model, recorder)
+        fed: list[list[list[int]]] = []
+        _record_prompt_ids(trainer, fed)
         trainer.train()
         if save_dir is not None:
             trainer.save_model(str(save_dir))
             trainer.processing_class.save_pretrained(str(save_dir))
-    if len(recorder.step_times) != setting.steps or len(recorder.logs) != setting.steps:
+    if len(recorder.step_times) != setting.steps or len(recorder.logs) != setting.steps or len(fed) != setting.steps:
         raise RuntimeError(
-            f"TRL ran {len(recorder.step_times)} steps and logged {len(recorder.logs)}, expected {setting.steps}"
+            f"TRL ran {len(recorder.step_times)} steps, logged {len(recorder.logs)} and generated {len(fed)} "
+            f"batches, expected {setting.steps}"
         )
     n = setting.completions_per_step
     return RunResult(
@@ -148,6 +167,7 @@ def run_trl(setting: BenchSetting, model_dir: Path, save_dir: Path | None = None
         completion_tokens=[round(float(log["completions/mean_length"]) * n) for log in recorder.logs],
         generate_times=recorder.generate_times,
         cpu_times=recorder.cpu_times,
+        prompt_hashes=[step_prompt_hash(rows, setting.num_generations) for rows in fed],
         peak_rss_bytes=own_peak_rss_bytes(),
         extra={"torch_threads": torch.get_num_threads(), "logs": recorder.logs},
     )

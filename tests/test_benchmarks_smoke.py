@@ -17,10 +17,11 @@ sys.path.insert(0, str(REPO_ROOT))
 from benchmarks.children import ChildFailed, child_env, run_child  # noqa: E402
 from benchmarks.common_rewards import REWARD_NAMES, boxed_accuracy, boxed_format  # noqa: E402
 from benchmarks.ours import ours_available, ours_config, write_config  # noqa: E402
-from benchmarks.results import RunResult, summarize  # noqa: E402
+from benchmarks.results import RunResult, prompt_mismatch, summarize  # noqa: E402
 from benchmarks.sample_eval import summarize_samples  # noqa: E402
 from benchmarks.settings import PRESETS, BenchSetting  # noqa: E402
-from benchmarks.tasks import rows_for_step, task_rows  # noqa: E402
+from benchmarks.tasks import rows_for_step, setting_rows, step_prompt_hash, task_rows  # noqa: E402
+from maxent_grpo.run_files import prompt_ids_hash  # noqa: E402
 
 
 # ------------------------------------------------------------------ pass@k
@@ -53,8 +54,9 @@ def test_task_rows_are_the_prompts_our_trainer_builds():
 
 @pytest.mark.slow  # importing datasets takes seconds
 def test_default_task_rows_show_every_side_the_prompt_our_trainer_formats(tiny_model_dir, tmp_path):
-    """--default-task: TRL and the floor template the rows' messages; ours formats its source with
-    data.few_shot from the benchmark config. Both must give the same text and the same problems."""
+    """The default task's options and example, pinned in the setting: TRL and the floor template the
+    rows' messages; ours formats its source with data.few_shot from the benchmark config. Both must
+    give the same text and the same problems."""
     from maxent_grpo.models import load_model_and_tokenizer
     from maxent_grpo.training.config import load_config
     from maxent_grpo.data.datasets import load_prompt_dataset
@@ -63,12 +65,34 @@ def test_default_task_rows_show_every_side_the_prompt_our_trainer_formats(tiny_m
     setting = PRESETS["smollm2-default"].replace(dataset_size=5)
     cfg = load_config(write_config(setting, tiny_model_dir, tmp_path / "c.yaml"))
     ours = load_prompt_dataset(cfg.data.source, size=5, seed=setting.seed, task_kwargs=cfg.data.task_kwargs)
-    rows = task_rows(setting.task, 5, setting.seed, default_task=True)
+    rows = setting_rows(setting)
     _, tok = load_model_and_tokenizer(tiny_model_dir)
     theirs = [tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows]
     assert theirs == [format_prompt(tok, p, few_shot=cfg.data.few_shot) for p in ours["prompt"]]
     assert len(rows[0]["prompt"]) == 3  # example question, example answer, the problem
     assert all(json.loads(r["rg_entry"])["metadata"]["num_terms"] == 2 for r in rows)  # the default's a + b
+
+
+def test_a_plain_setting_gives_our_trainer_no_default_task_options_or_example(tmp_path):
+    """Our trainer's own defaults (the default task's a + b and solved example) must not reach a
+    benchmark run: the setting's (here empty) options and examples are written out."""
+    from maxent_grpo.training.config import load_config
+
+    setting = PRESETS["tiny"]
+    assert setting.task_kwargs == {} and setting.few_shot == ()
+    cfg = load_config(write_config(setting, tmp_path / "model", tmp_path / "c.yaml"))
+    assert cfg.data.source == "reasoning_gym:chain_sum"  # the default run's source, yet not its options
+    assert cfg.data.task_kwargs == {} and cfg.data.few_shot == []
+    pinned = PRESETS["smollm2-default"]
+    cfg = load_config(write_config(pinned, tmp_path / "model", tmp_path / "d.yaml"))
+    assert cfg.data.task_kwargs == pinned.task_kwargs
+    assert [(ex.prompt, ex.completion) for ex in cfg.data.few_shot] == list(pinned.few_shot)
+
+
+def test_setting_json_round_trip_keeps_the_pinned_prompts(tmp_path):
+    setting = PRESETS["smollm2-default"]
+    setting.to_json(tmp_path / "s.json")
+    assert BenchSetting.from_json(tmp_path / "s.json") == setting
 
 
 def test_pair_sum_rows_reach_our_trainer_as_the_other_sides_see_them(tiny_model_dir, tmp_path):
@@ -164,6 +188,50 @@ def test_bench_setting_rejects_bad_values_by_name():
         BenchSetting(name="x", model="tiny", num_generations=1, micro_batch_size=1)
 
 
+# ------------------------------------------------------------------ same prompts on every side
+
+
+def test_prompt_ids_hash_names_the_multiset_of_prompts():
+    h = prompt_ids_hash([[1, 2, 3], [4]])
+    assert h == prompt_ids_hash([[4], [1, 2, 3]])  # the order of the prompts does not count
+    assert h != prompt_ids_hash([[1, 2], [3, 4]]) and h != prompt_ids_hash([[1, 2, 3], [4], [4]])
+    assert 0 <= h < 2**52 and float(h) == h  # exact as a float (the trackers)
+    # One row per completion, G consecutive rows per prompt: each prompt counted once.
+    assert step_prompt_hash([[4], [4], [1, 2, 3], [1, 2, 3]], 2) == h
+    with pytest.raises(ValueError, match="different prompts"):
+        step_prompt_hash([[4], [5], [1, 2, 3], [1, 2, 3]], 2)
+
+
+def _run(side: str, hashes: list[int]) -> RunResult:
+    return RunResult(side, [1.0] * len(hashes), [None] * len(hashes), [None] * len(hashes), prompt_hashes=hashes)
+
+
+def test_prompt_mismatch_names_the_rep_step_and_sides():
+    same = {"ours": [_run("ours", [1, 2]), _run("ours", [1, 2])], "trl": [_run("trl", [1, 2]), _run("trl", [1, 2])],
+            "floor": [_run("floor", [1, 2]), _run("floor", [1, 2])]}
+    assert prompt_mismatch(same) is None
+    differ = {**same, "trl": [_run("trl", [1, 2]), _run("trl", [1, 3])]}
+    assert prompt_mismatch(differ) == (
+        "rep 2 step 2: ours and trl trained on different prompt token ids (prompt hash 0000000000002 vs 0000000000003)"
+    )
+    assert prompt_mismatch({**same, "floor": [_run("floor", [1, 2]), _run("floor", [])]}) == "rep 2: ours ran 2 steps, floor 0"
+    assert prompt_mismatch({**same, "floor": [_run("floor", [1, 2]), RunResult("floor", [1.0], [None], [None])]}) == (
+        "rep 2: floor recorded 0 prompt hashes for 1 steps"
+    )
+
+
+def test_run_fails_with_one_line_when_the_sides_saw_different_prompts(monkeypatch, capsys, tmp_path):
+    import benchmarks.run as run
+
+    runs = {"trl": [_run("trl", [7, 8])], "floor": [_run("floor", [7, 9])]}
+    monkeypatch.setattr(run, "compare", lambda *args, **kwargs: runs)
+    code = run.main(["--setting", "tiny", "--sides", "trl,floor", "--reps", "1", "--work-dir", str(tmp_path)])
+    err = capsys.readouterr()
+    assert code == 1 and "| side |" not in err.out
+    (line,) = [ln for ln in err.err.splitlines() if "FAILED" in ln]
+    assert "rep 1 step 2: trl and floor trained on different prompt token ids" in line
+
+
 # ------------------------------------------------------------------ measurement
 
 
@@ -224,9 +292,45 @@ def test_harness_prints_the_table_for_every_side(tmp_path):
         assert run["peak_rss_bytes"] > 50 * 2**20  # a Python process with torch loaded
         # every completion of a step is generated: P*G sequences of at most max_new_tokens
         assert all(0 < n <= 2 * 4 * 8 for n in run["completion_tokens"] if n is not None)
+    # Every side trained on the same prompt token ids at each step (run.py would have failed),
+    # and the two steps took different prompts.
+    hashes = {side: payload["runs"][side][0]["prompt_hashes"] for side in expected}
+    assert all(h == hashes["trl"] for h in hashes.values()) and len(set(hashes["trl"])) == 2, hashes
     summary = payload["summaries"]["trl"]
     assert summary["steps_timed"] == 1 and summary["warmup_dropped"] is True
     assert summary["median_s"] == pytest.approx(payload["runs"]["trl"][0]["step_times"][1])
+
+
+@pytest.mark.slow
+def test_every_side_trains_on_the_pinned_few_shot_prompts(tmp_path):
+    """--default-task: the default task's options and solved example on every side. Each side's
+    per-step prompt hash is the hash of the rows' templated token ids, step by step."""
+    pytest.importorskip("trl")
+    from transformers import AutoTokenizer
+
+    from benchmarks.model_paths import resolve_model
+    from benchmarks.settings import default_task_fields
+
+    out, steps = tmp_path / "bench.json", 2
+    cmd = [
+        sys.executable, str(REPO_ROOT / "benchmarks" / "run.py"), "--setting", "tiny", "--default-task",
+        "--steps", str(steps), "--reps", "1", "--max-new-tokens", "4", "--threads", "1",
+        "--work-dir", str(tmp_path / "work"), "--json-out", str(out), "--timeout", "240",
+    ]
+    env = {**os.environ, "MAXENT_GRPO_BENCH_CACHE": str(tmp_path / "models")}
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    setting = PRESETS["tiny"].replace(steps=steps, max_new_tokens=4, **default_task_fields("chain_sum"))
+    tok = AutoTokenizer.from_pretrained(resolve_model("tiny", tmp_path / "models"))
+    rows = setting_rows(setting)
+    expected = []
+    for step in range(steps):
+        texts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
+                 for r in rows_for_step(rows, step, setting.prompts_per_step)]
+        expected.append(prompt_ids_hash(tok(texts, add_special_tokens=False)["input_ids"]))
+    runs = json.loads(out.read_text())["runs"]
+    assert len(rows[0]["prompt"]) == 3 and len(set(expected)) == steps
+    assert {side: runs[side][0]["prompt_hashes"] for side in runs} == {side: expected for side in runs}
 
 
 @pytest.mark.slow

@@ -9,12 +9,29 @@ half of one.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
 METRICS_NAME = "metrics.jsonl"
+# 52 bits: the hash is exact as a float too (the trackers log metrics as floats).
+PROMPT_HASH_HEX_DIGITS = 13
+
+
+def prompt_ids_hash(prompt_ids: Sequence[Sequence[int]]) -> int:
+    """``metrics.jsonl``'s ``prompt_ids_hash``: which prompts a step trained on, as one integer.
+
+    ``prompt_ids`` holds the token ids each prompt was fed to generation with, one list per
+    prompt (not per completion), without padding. They are sorted first, so the hash names the
+    step's multiset of prompts whatever their order or their split over processes; it is the
+    first 52 bits of the SHA-256 of their compact JSON. The benchmarks compare it across
+    trainers (``benchmarks/run.py``).
+    """
+    canonical = sorted([int(t) for t in ids] for ids in prompt_ids)
+    digest = hashlib.sha256(json.dumps(canonical, separators=(",", ":")).encode()).hexdigest()
+    return int(digest[:PROMPT_HASH_HEX_DIGITS], 16)
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:

@@ -29,7 +29,7 @@ from maxent_grpo.core.rollout_correction import MismatchSums, combine_mismatch_s
 from maxent_grpo.core.step import StepResult
 from maxent_grpo.training.distributed import Dist
 from maxent_grpo.kill_points import kill_point
-from maxent_grpo.run_files import read_metrics, write_text_atomic
+from maxent_grpo.run_files import prompt_ids_hash, read_metrics, write_text_atomic
 from maxent_grpo.rewards.maxent import RewardComputation, WeightLoggingView, WeightStats
 from maxent_grpo.training.pipeline import PreparedBatch
 from maxent_grpo.training.tables import gather_completion_rows, write_completion_table
@@ -157,6 +157,7 @@ def build_training_metrics_dict(
         m[key] = dist.mean(value)
     m.update(controller)
     m["num_tokens"] = float(dist.all_reduce_sum(torch.tensor([float(prepared.total_input_tokens)]))[0])
+    m["prompt_ids_hash"] = prompt_ids_hash(dist.gather_objects(prepared.rollout.prompt_ids))
     for key, value in timings.items():
         m[key] = value
     m["step_time"] = timings["time/total"]

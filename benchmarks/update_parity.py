@@ -92,7 +92,7 @@ CASES = [
          note="TRL told constant_with_warmup"),
     Case("constant-warmup3-trl-constant", warmup_steps=3,
          note="differs: TRL's 'constant' ignores warmup_steps"),
-    Case("weight-decay-0.1", weight_decay=0.1, note="differs: TRL does not decay norm weights"),
+    Case("weight-decay-0.1", weight_decay=0.1, note="both exempt biases and norm gains from decay"),
     Case("dapo-trl-shuffle", trl_shuffle=True, note="TRL's row shuffle on: dapo does not depend on the split"),
     Case("bnpo-trl-shuffle", loss_type="bnpo", trl_shuffle=True,
          note="differs: TRL's micro-batches are a random split"),

@@ -28,6 +28,7 @@ CASE = {case.name: case for case in CASES}
     "dapo-fp64",  # TRL's fused LM head accumulates in float32: the same float32 floor
     "betas-0.8-0.95-2steps",  # the betas act from the second step on
     "linear-warmup3-2steps",  # lr 0 then lr/3 on both sides
+    "weight-decay-0.1",  # both decay the 2-D weights only (biases and norm gains are exempt)
 ])
 def test_one_step_matches_trl(name, tiny_model_dir):
     row = compare(CASE[name], tiny_model_dir)
@@ -42,11 +43,6 @@ def test_the_conventions_that_differ_from_trl(tiny_model_dir):
     # TRL's "constant" schedule ignores warmup_steps; ours warms up (HF's warmup applies lr 0 at step 1).
     row = compare(CASE["constant-warmup3-trl-constant"], tiny_model_dir)
     assert (row["lrs_ours"], row["lrs_trl"]) == ([0.0], [LEARNING_RATE])
-    # Weight decay: ours decays every parameter, TRL (HF) not biases and norm weights. The RMSNorm
-    # gains start at 1, so the gap is lr * weight_decay * 1 on them; the gradients still agree.
-    row = compare(CASE["weight-decay-0.1"], tiny_model_dir)
-    assert row["grad_rel"] < 2e-6
-    assert row["delta_max_abs"] == pytest.approx(LEARNING_RATE * 0.1, rel=0.05)
     # bnpo normalises each micro-batch by its own tokens: TRL's random split changes the step.
     row = compare(CASE["bnpo-trl-shuffle"], tiny_model_dir)
     assert row["grad_rel"] > 1e-2

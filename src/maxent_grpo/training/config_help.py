@@ -99,7 +99,7 @@ HELP: dict[str, str] = {
     "training.learning_rate": "AdamW learning rate",
     "training.lr_scheduler": "constant, linear or cosine (after warm-up)",
     "training.warmup_steps": "linear warm-up steps",
-    "training.weight_decay": "AdamW weight decay",
+    "training.weight_decay": "AdamW weight decay on the 2-D weights (biases and norm gains are not decayed, as in HF/TRL)",
     "training.adam_beta1": "AdamW beta1",
     "training.adam_beta2": "AdamW beta2",
     "training.max_grad_norm": "gradient clipping norm (null = off)",

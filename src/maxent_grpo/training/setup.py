@@ -238,9 +238,16 @@ def _load_policy(cfg: TrainConfig, model_path: str, dist: Dist, strategy: Strate
 def build_optimizer(model: torch.nn.Module, t: TrainingConfig) -> tuple[torch.optim.Optimizer, object]:
     """The run's AdamW over the trainable parameters and its LR schedule (over every update of the run),
     from ``training:``."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    params: list = trained
+    if t.weight_decay > 0:
+        # Biases and norm gains (the 1-D parameters) are not decayed, as in HF / TRL and
+        # OpenRLHF: decay would pull an RMSNorm gain from 1 toward 0. One group when there is
+        # no decay, so checkpoints of earlier runs (one group) still resume.
+        params = [{"params": [p for p in trained if p.ndim >= 2]},
+                  {"params": [p for p in trained if p.ndim < 2], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=t.learning_rate,
-        betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay,
+        params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay,
     )
     lr_scheduler = get_scheduler(
         {"constant": "constant_with_warmup"}.get(t.lr_scheduler, t.lr_scheduler),

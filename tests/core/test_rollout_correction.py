@@ -15,6 +15,8 @@ from maxent_grpo.core.rollout_correction import (
     mismatch_metrics,
     rollout_correction_weights,
     rollout_mismatch_sums,
+    seq_error_weights,
+    seq_mult_prob_error,
 )
 
 _spec = importlib.util.spec_from_file_location("ddp_step_worker", (Path(__file__).resolve().parents[1] / "ddp_step_worker.py"))
@@ -153,8 +155,8 @@ def _reference_loss(model, rows, mode, cap, eps=0.2, beta=0.04):
 
 def _step(model, mbs, cfg):
     before = [p.detach().clone() for p in model.parameters()]
-    result = worker.step(model, torch.optim.SGD(model.parameters(), lr=1.0), mbs, loss_type="dapo", beta=0.04,
-                         share_prompts=False, **cfg)
+    result = worker.step(model, torch.optim.SGD(model.parameters(), lr=1.0), mbs,
+                         **{"loss_type": "dapo", "beta": 0.04, "share_prompts": False, **cfg})
     return result, [b - p.detach() for b, p in zip(before, model.parameters())]
 
 
@@ -186,3 +188,42 @@ def test_correction_without_behaviour_logps_is_an_error(base_model, rows):
     plain = {k: v for k, v in rows.items() if k != "behaviour_logps"}
     with pytest.raises(ValueError, match="behaviour_logps is required"):
         _step(copy.deepcopy(base_model), worker.micro_batches(plain, [(0, N)]), dict(rollout_correction="token_truncate"))
+
+
+# ------------------------------------------------------- seq_logprob_error_threshold (NeMo-RL)
+
+
+def test_seq_error_matches_reference_and_masks_above_the_threshold():
+    old, behaviour, mask, lengths = _toy(seed=2)
+    errors = seq_mult_prob_error(old, behaviour, mask)
+    for i, n in enumerate(lengths):
+        expected = sum(math.exp(abs(old[i, t].item() - behaviour[i, t].item())) for t in range(n)) / n if n else 1.0
+        assert errors[i].item() == pytest.approx(expected, rel=1e-12)
+    # The boundary: a sequence exactly at the threshold is kept.
+    threshold = float(sorted(errors.tolist())[-2])
+    w = seq_error_weights(old, behaviour, mask, threshold)
+    keep = [e <= threshold for e in errors.tolist()]
+    assert w.tolist() == [[1.0 if k else 0.0] * old.shape[1] for k in keep]
+    assert keep.count(False) == 1
+    sums = rollout_mismatch_sums(old, behaviour, mask, seq_error_threshold=threshold)
+    assert mismatch_metrics(sums)["seq_mult_prob_error/masked"] == 1.0
+    with pytest.raises(ValueError, match="seq_logprob_error_threshold"):
+        seq_error_weights(old, behaviour, mask, 1.0)
+
+
+def test_a_masked_sequence_trains_like_one_with_no_advantage(base_model, rows):
+    """Left out of the policy term, its tokens still count in the dapo normaliser (ALGORITHMS.md §15):
+    the gradient equals the step in which that sequence's advantage is 0."""
+    errors = seq_mult_prob_error(rows["old_logps"], rows["behaviour_logps"], rows["completion_mask"])
+    worst = int(errors.argmax())
+    threshold = (float(errors[worst]) + float(errors.sort().values[-2])) / 2  # masks the worst one only
+    mbs = worker.micro_batches(rows, [(0, 4), (4, 8)])
+    result, g_masked = _step(copy.deepcopy(base_model), mbs, dict(seq_logprob_error_threshold=threshold, beta=0.0))
+    zeroed = dict(rows, advantages=rows["advantages"].clone())
+    zeroed["advantages"][worst] = 0.0
+    _, g_zero = _step(copy.deepcopy(base_model), worker.micro_batches(zeroed, [(0, 4), (4, 8)]), dict(beta=0.0))
+    scale = max(float(g.abs().max()) for g in g_zero)
+    assert max(float((a - b).abs().max()) for a, b in zip(g_masked, g_zero)) < 1e-12 * scale
+    assert mismatch_metrics(result.mismatch)["seq_mult_prob_error/masked"] == 1.0
+    _, g_plain = _step(copy.deepcopy(base_model), mbs, dict(beta=0.0))
+    assert max(float((a - b).abs().max()) for a, b in zip(g_masked, g_plain)) > 1e-6 * scale

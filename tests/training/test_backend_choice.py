@@ -21,6 +21,7 @@ REWARDS = "[{name: boxed_accuracy}, {name: length, kwargs: {max_length: 100}}]"
     ("generation.vllm.max_model_len=10", "generation.vllm.max_model_len"),
     ("loss.rollout_correction=token", "loss.rollout_correction"),
     ("loss.rollout_correction_cap=0.5", "loss.rollout_correction_cap"),
+    ("loss.seq_logprob_error_threshold=1.0", "loss.seq_logprob_error_threshold"),
 ])
 def test_bad_backend_settings_name_their_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

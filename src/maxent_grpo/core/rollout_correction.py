@@ -25,6 +25,12 @@ token mean of the k3 estimate ``exp(d) - d - 1`` of ``KL(pi_gen || pi_old)``
 sequence's tokens, ``mean_t exp(|d|)`` (``seq_mult_prob_error/{mean,max}``; NeMo-RL's
 ``compute_and_apply_seq_logprob_error_masking``: "the same calculation as
 token_mult_prob_error but per-sequence", so its thresholds carry over).
+
+``seq_logprob_error_threshold`` (NeMo-RL's option of that name): a sequence whose
+``mean_t exp(|d|)`` exceeds it is left out of the policy term, weight 0 on all its
+tokens (:func:`seq_error_weights`). As with the ``*_mask`` corrections the masked
+tokens keep their place in the normaliser (ALGORITHMS.md §15); NeMo-RL removes the
+sample from its token count instead. ``seq_mult_prob_error/masked`` counts them.
 """
 
 from __future__ import annotations
@@ -86,6 +92,30 @@ def rollout_correction_weights(
     return torch.where(m > 0, weight, torch.ones_like(weight)).detach()
 
 
+def check_seq_logprob_error_threshold(threshold: float | None) -> None:
+    require(threshold is None or threshold > 1, "seq_logprob_error_threshold",
+            f"must be > 1 (mean_t exp(|d|) is >= 1; null: off), got {threshold}")
+
+
+def seq_mult_prob_error(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """NeMo-RL's per-sequence error ``mean_t exp(|logp_old - logp_gen|)`` ``[B]`` (1 for an empty completion)."""
+    _check(old_logp, behaviour_logp, mask)
+    m = mask.detach().to(torch.float64)
+    ad = ((old_logp.detach().to(torch.float64) - behaviour_logp.detach().to(torch.float64)) * m).abs()
+    lengths = m.sum(-1)
+    return torch.where(lengths > 0, (torch.exp(ad) * m).sum(-1) / lengths.clamp(min=1), torch.ones_like(lengths))
+
+
+def seq_error_weights(
+    old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, threshold: float
+) -> torch.Tensor:
+    """Weights ``[B, T]`` of the policy term: 0 on every token of a sequence whose
+    :func:`seq_mult_prob_error` exceeds ``threshold``, 1 elsewhere."""
+    check_seq_logprob_error_threshold(threshold)
+    keep = seq_mult_prob_error(old_logp, behaviour_logp, mask) <= threshold
+    return keep[:, None].expand_as(old_logp).to(old_logp.dtype)
+
+
 @dataclass(frozen=True)
 class MismatchSums:
     """Additive and extreme statistics of one process's mismatch; combined over ranks before dividing.
@@ -106,12 +136,15 @@ class MismatchSums:
     ratio_sum: float
     ratio_min: float
     ratio_max: float
+    seq_masked: float = 0.0  # sequences left out by seq_logprob_error_threshold
 
 
 def rollout_mismatch_sums(
-    old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, *, level: str = "token"
+    old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, *, level: str = "token",
+    seq_error_threshold: float | None = None,
 ) -> MismatchSums:
-    """Mismatch statistics of ``[B, T]`` log-probs (module notes), as sums and extremes over this batch."""
+    """Mismatch statistics of ``[B, T]`` log-probs (module notes), as sums and extremes over this batch;
+    ``seq_masked`` counts the non-empty sequences above ``seq_error_threshold``."""
     if level not in ("token", "sequence"):
         raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
     _check(old_logp, behaviour_logp, mask)
@@ -121,7 +154,8 @@ def rollout_mismatch_sums(
     ad = d.abs()
     lengths = m.sum(-1)
     rows = lengths > 0
-    seq_err = (torch.exp(ad) * m).sum(-1)[rows] / lengths[rows]
+    seq_err = seq_mult_prob_error(old_logp, behaviour_logp, mask)[rows]
+    masked = 0 if seq_error_threshold is None else int((seq_err > seq_error_threshold).sum())
     if level == "token":
         ratio = torch.exp(d[on])
     else:
@@ -145,7 +179,7 @@ def rollout_mismatch_sums(
         ext(ratio, torch.max, 0.0),  # ratios are > 0
     ])
     # One transfer for all twelve (on an accelerator each float() would be a sync).
-    return MismatchSums(*values.tolist())
+    return MismatchSums(*values.tolist(), seq_masked=float(masked))
 
 
 # How each field of MismatchSums combines; the empty batch's values are these operations' identities.
@@ -177,4 +211,5 @@ def mismatch_metrics(s: MismatchSums) -> dict[str, float]:
         "gen_kl_error": s.gen_kl_sum / tokens,
         "seq_mult_prob_error/mean": s.seq_mult_prob_error_sum / seqs if s.sequences else 1.0,
         "seq_mult_prob_error/max": s.seq_mult_prob_error_max,
+        "seq_mult_prob_error/masked": s.seq_masked,
     }

@@ -40,6 +40,8 @@ from maxent_grpo.core.losses import (
 from maxent_grpo.core.rollout_correction import (
     MismatchSums,
     check_rollout_correction,
+    check_seq_logprob_error_threshold,
+    seq_error_weights,
     combine_mismatch_sums,
     rollout_correction_weights,
     rollout_mismatch_sums,
@@ -127,6 +129,7 @@ class LossSpec:
     listwise_clip_coef: float = 0.0
     rollout_correction: str = "none"
     rollout_correction_cap: float = 2.0  # verl's threshold, ALGORITHMS.md §15
+    seq_logprob_error_threshold: float | None = None
     max_completion_length: int | None = None
 
     def __post_init__(self) -> None:
@@ -147,6 +150,7 @@ class LossSpec:
         check_top_entropy_quantile(self.top_entropy_quantile)
         require(self.listwise_clip_coef >= 0, "listwise_clip_coef", f"must be >= 0, got {self.listwise_clip_coef}")
         check_rollout_correction(self.rollout_correction, self.rollout_correction_cap)
+        check_seq_logprob_error_threshold(self.seq_logprob_error_threshold)
 
 
 @dataclass(frozen=True)
@@ -200,6 +204,8 @@ def _check_micro_batches(micro_batches: Sequence[MicroBatch], spec: LossSpec) ->
             raise ValueError(
                 f"micro_batches[{k}].behaviour_logps is required by rollout_correction={spec.rollout_correction!r}"
             )
+        if spec.seq_logprob_error_threshold is not None and mb.behaviour_logps is None:
+            raise ValueError(f"micro_batches[{k}].behaviour_logps is required by seq_logprob_error_threshold")
         if spec.beta > 0 and mb.ref_logps is None:
             raise ValueError(f"micro_batches[{k}].ref_logps is required when beta > 0")
         if spec.max_completion_length is not None and mb.completion_mask.shape[0] > 0:
@@ -304,10 +310,15 @@ def grpo_step(
             )
             per_token_policy = term.per_token_loss
             if mb.behaviour_logps is not None:
-                mismatch.append(rollout_mismatch_sums(old, mb.behaviour_logps, mask, level=ratio_level))
+                mismatch.append(rollout_mismatch_sums(old, mb.behaviour_logps, mask, level=ratio_level,
+                                                      seq_error_threshold=spec.seq_logprob_error_threshold))
                 if spec.rollout_correction != "none":
                     per_token_policy = per_token_policy * rollout_correction_weights(
                         old, mb.behaviour_logps, mask, spec.rollout_correction, spec.rollout_correction_cap
+                    ).to(per_token_policy.dtype)
+                if spec.seq_logprob_error_threshold is not None:
+                    per_token_policy = per_token_policy * seq_error_weights(
+                        old, mb.behaviour_logps, mask, spec.seq_logprob_error_threshold
                     ).to(per_token_policy.dtype)
             policy_part = aggregate(per_token_policy, mask, spec.loss_type, norm) + term.sequence_loss
             contribution = policy_part

@@ -129,6 +129,9 @@ class LossSection:
         "auto", "none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
     ] = "auto"
     rollout_correction_cap: float = 2.0  # verl's threshold (ALGORITHMS.md §15)
+    # NeMo-RL's option: a sequence whose mean_t exp(|logp_trainer - logp_sampler|) exceeds this
+    # is left out of the policy term (null: off; values are > 1).
+    seq_logprob_error_threshold: float | None = None
 
 
 @dataclass

@@ -85,6 +85,7 @@ def _base_loss(cfg: TrainConfig) -> LossSpec:
             # checked before that (load_config) has its bounds checked as if it were off.
             rollout_correction="none" if lo.rollout_correction == "auto" else lo.rollout_correction,
             rollout_correction_cap=lo.rollout_correction_cap,
+            seq_logprob_error_threshold=lo.seq_logprob_error_threshold,
             max_completion_length=cfg.generation.max_new_tokens,
         )
     except SpecError as err:

@@ -214,16 +214,24 @@ def test_seq_error_matches_reference_and_masks_above_the_threshold():
 def test_a_masked_sequence_trains_like_one_with_no_advantage(base_model, rows):
     """Left out of the policy term, its tokens still count in the dapo normaliser (ALGORITHMS.md §15):
     the gradient equals the step in which that sequence's advantage is 0."""
+    mbs = lambda r: worker.micro_batches(r, [(0, 4), (4, 8)])  # noqa: E731
+    _, g_plain = _step(copy.deepcopy(base_model), mbs(rows), dict(beta=0.0))
+    scale = max(float(g.abs().max()) for g in g_plain)
+
+    def without_advantage(j):
+        zeroed = dict(rows, advantages=rows["advantages"].clone())
+        zeroed["advantages"][j] = 0.0
+        return _step(copy.deepcopy(base_model), mbs(zeroed), dict(beta=0.0))[1]
+
+    # A sequence whose policy term moves the weights (some are clipped away entirely) ...
+    j, g_zero = next((j, g) for j in range(N) if worker.LENGTHS[j] > 0
+                     for g in [without_advantage(j)]
+                     if max(float((a - b).abs().max()) for a, b in zip(g, g_plain)) > 1e-6 * scale)
+    # ... made the one sequence far from its sampler.
     errors = seq_mult_prob_error(rows["old_logps"], rows["behaviour_logps"], rows["completion_mask"])
-    worst = int(errors.argmax())
-    threshold = (float(errors[worst]) + float(errors.sort().values[-2])) / 2  # masks the worst one only
-    mbs = worker.micro_batches(rows, [(0, 4), (4, 8)])
-    result, g_masked = _step(copy.deepcopy(base_model), mbs, dict(seq_logprob_error_threshold=threshold, beta=0.0))
-    zeroed = dict(rows, advantages=rows["advantages"].clone())
-    zeroed["advantages"][worst] = 0.0
-    _, g_zero = _step(copy.deepcopy(base_model), worker.micro_batches(zeroed, [(0, 4), (4, 8)]), dict(beta=0.0))
-    scale = max(float(g.abs().max()) for g in g_zero)
+    off = dict(rows, behaviour_logps=rows["behaviour_logps"].clone())
+    off["behaviour_logps"][j] = rows["old_logps"][j] - 3.0
+    threshold = float(errors.max()) + 1.0  # above every other sequence's error, below exp(3)
+    result, g_masked = _step(copy.deepcopy(base_model), mbs(off), dict(seq_logprob_error_threshold=threshold, beta=0.0))
     assert max(float((a - b).abs().max()) for a, b in zip(g_masked, g_zero)) < 1e-12 * scale
     assert mismatch_metrics(result.mismatch)["seq_mult_prob_error/masked"] == 1.0
-    _, g_plain = _step(copy.deepcopy(base_model), mbs, dict(beta=0.0))
-    assert max(float((a - b).abs().max()) for a, b in zip(g_masked, g_plain)) > 1e-6 * scale

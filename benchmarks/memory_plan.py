@@ -1,0 +1,174 @@
+"""A run's memory plan per GPU, from its config and the model's ``config.json`` (no model is loaded).
+
+    python benchmarks/memory_plan.py --config recipes/qwen2.5-1.5b-gsm8k-fsdp2.yaml \\
+        --model-config benchmarks/model_configs/qwen2.5-1.5b.json --gpus 8 --gpu-memory-gib 80
+
+Prints, per GPU, what the training phase holds (float32 master weights, gradients and
+AdamW state of the trained parameters, sharded 1/N under FSDP2; the reference model;
+a sampling copy; the activations of one micro-batch; the LM head's logits) and what a
+colocated vLLM engine takes. These are estimates for planning, not measurements:
+
+* parameters are counted from ``config.json`` (a Llama/Qwen2-style decoder: embeddings,
+  per layer q/k/v/o and a gated MLP with their biases where the family has them, two
+  RMSNorms; tests check the count against transformers' own model on the meta device);
+* activations assume SDPA (no attention matrix kept) and count, per layer and token,
+  the tensors autograd keeps: ``6h + 2 kv + 4i`` values in the compute dtype, or only
+  the layer input ``h`` with ``training.gradient_checkpointing`` (plus one layer
+  recomputed at a time);
+* the logits are one micro-batch's completion positions in float32;
+* allocator fragmentation, CUDA context (about 0.5 GiB) and NCCL buffers are not counted.
+
+``--prompt-tokens`` is the longest prompt the run expects (the config does not know it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from maxent_grpo.rollout.backends import BACKENDS  # noqa: E402
+from maxent_grpo.training.config import load_config  # noqa: E402
+from maxent_grpo.training.plan import compile_run  # noqa: E402
+from maxent_grpo.training.precision import master_dtype, resolve_precision  # noqa: E402
+from maxent_grpo.training.strategy import STRATEGIES  # noqa: E402
+
+GIB = 2**30
+_BYTES = {"float32": 4, "bfloat16": 2, "float64": 8}
+_BIASED_QKV = {"qwen2"}  # families whose q/k/v projections carry a bias
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "Shape":
+        return cls(
+            hidden=cfg["hidden_size"], intermediate=cfg["intermediate_size"], layers=cfg["num_hidden_layers"],
+            heads=cfg["num_attention_heads"], kv_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
+            vocab=cfg["vocab_size"], tied=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=cfg.get("model_type") in _BIASED_QKV or bool(cfg.get("attention_bias", False)),
+        )
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * (self.hidden // self.heads)
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each linear module of one decoder layer, by its transformers name."""
+        h, kv, i = self.hidden, self.kv_dim, self.intermediate
+        return {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def layer_params(self) -> int:
+        linear = sum(a * b for a, b in self.linear_shapes().values())
+        bias = (self.hidden + 2 * self.kv_dim) if self.qkv_bias else 0
+        return linear + bias + 2 * self.hidden  # two RMSNorm gains
+
+    def params(self) -> int:
+        embed = self.vocab * self.hidden
+        return embed * (1 if self.tied else 2) + self.layers * self.layer_params() + self.hidden
+
+    def lora_params(self, r: int, targets: list[str]) -> int:
+        shapes = self.linear_shapes()
+        return self.layers * sum(r * (shapes[t][0] + shapes[t][1]) for t in targets if t in shapes)
+
+
+def plan(cfg, shape: Shape, gpus: int, gpu_memory_gib: float, prompt_tokens: int) -> list[tuple[str, float, str]]:
+    """Rows (what, GiB per GPU, how it was counted) for a loaded TrainConfig on ``gpus`` GPUs."""
+    cfg = resolve_precision(cfg, fast_bf16=True)  # a GPU multiplies bf16 natively
+    run = compile_run(cfg)
+    t, g, lora = cfg.training, cfg.generation, cfg.model.lora
+    shard = gpus if STRATEGIES[t.strategy].collective_forward else 1
+    p = shape.params()
+    compute = _BYTES["bfloat16"] if t.autocast_bf16 is True else _BYTES[cfg.model.dtype]
+    stored = _BYTES[master_dtype(cfg.model.dtype, lora.enabled)]
+    trained = shape.lora_params(lora.r, lora.target_modules) if lora.enabled else p
+    rows = [
+        ("policy weights", stored * p / shard / GIB,
+         f"{p / 1e9:.2f}B params x {stored} B" + (f" / {shard} (FSDP2)" if shard > 1 else "")),
+    ]
+    if lora.enabled:
+        rows.append(("LoRA adapters (float32)", 4 * trained / GIB, f"{trained / 1e6:.1f}M params, r={lora.r}"))
+    rows += [
+        ("gradients (float32)", 4 * trained / shard / GIB, "one per trained parameter"),
+        ("AdamW state (float32)", 8 * trained / shard / GIB, "exp_avg and exp_avg_sq"),
+    ]
+    if shard > 1:
+        rows.append(("FSDP2 gathered layers", 2 * compute * shape.layer_params() / GIB,
+                     "one decoder layer unsharded, one prefetched"))
+    if run.method.needs_reference and not lora.enabled:
+        rows.append(("reference model", _BYTES[cfg.model.dtype] * p / shard / GIB, f"in model.dtype {cfg.model.dtype}"))
+    backend = BACKENDS[g.backend]
+    if not backend.owns_weights and g.dtype not in (None, master_dtype(cfg.model.dtype, lora.enabled)):
+        rows.append(("sampling copy", _BYTES[g.dtype] * p / GIB, f"generation.dtype {g.dtype}, a whole model per GPU"))
+    tokens = t.micro_batch_size * (prompt_tokens + g.max_new_tokens)
+    h, kv, i = shape.hidden, shape.kv_dim, shape.intermediate
+    if t.gradient_checkpointing:
+        per_token = shape.layers * h + (6 * h + 2 * kv + 4 * i)
+        how = f"{tokens} tokens x (layer inputs + one layer recomputed)"
+    else:
+        per_token = shape.layers * (6 * h + 2 * kv + 4 * i)
+        how = f"{tokens} tokens x {shape.layers} layers x (6h + 2kv + 4i)"
+    rows.append(("activations (one micro-batch)", compute * tokens * per_token / GIB, how))
+    rows.append(("LM head logits (float32)", 4 * t.micro_batch_size * g.max_new_tokens * shape.vocab / GIB,
+                 f"{t.micro_batch_size} x {g.max_new_tokens} completion positions x V={shape.vocab}"))
+    if g.backend == "vllm":
+        v = g.vllm
+        asleep = "freed while training (sleep mode)" if v.enable_sleep_mode else "held while training too"
+        rows.append(("vLLM engine (generation)", v.gpu_memory_utilization * gpu_memory_gib,
+                     f"gpu_memory_utilization {v.gpu_memory_utilization} x {gpu_memory_gib:g} GiB; {asleep}"))
+    return rows
+
+
+def format_plan(rows: list[tuple[str, float, str]], cfg, gpus: int, gpu_memory_gib: float) -> str:
+    training = sum(gib for what, gib, _ in rows if not what.startswith("vLLM"))
+    engine = sum(gib for what, gib, _ in rows if what.startswith("vLLM"))
+    asleep = cfg.generation.backend == "vllm" and cfg.generation.vllm.enable_sleep_mode
+    peak = training if asleep else training + engine
+    lines = [f"memory plan per GPU: strategy {cfg.training.strategy}, {gpus} GPU(s) of {gpu_memory_gib:g} GiB, "
+             f"model.dtype {cfg.model.dtype}, backend {cfg.generation.backend}", "",
+             "| what | GiB per GPU | how |", "|---|---|---|"]
+    lines += [f"| {what} | {gib:.2f} | {how} |" for what, gib, how in rows]
+    lines += ["", f"training phase: {training:.2f} GiB; with the engine: {peak:.2f} GiB of {gpu_memory_gib:g} "
+                  f"({'fits' if peak <= gpu_memory_gib * 0.95 else 'does NOT fit'}, 5% kept for the CUDA context "
+                  "and fragmentation)"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="A run's memory plan per GPU (estimates; see the module notes).")
+    p.add_argument("--config", required=True, help="the run's YAML")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides")
+    p.add_argument("--model-config", type=Path, help="the model's config.json (default: MODEL/config.json)")
+    p.add_argument("--gpus", type=int, default=1, help="processes (one GPU each)")
+    p.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    p.add_argument("--prompt-tokens", type=int, default=256, help="longest prompt the run expects")
+    args = p.parse_args(argv)
+    cfg = load_config(args.config, args.set)
+    model_config = args.model_config or Path(cfg.model.name_or_path) / "config.json"
+    if not model_config.is_file():
+        print(f"memory_plan: {model_config} not found; give the model's config.json with --model-config",
+              file=sys.stderr)
+        return 2
+    shape = Shape.from_config(json.loads(model_config.read_text()))
+    rows = plan(cfg, shape, args.gpus, args.gpu_memory_gib, args.prompt_tokens)
+    print(format_plan(rows, cfg, args.gpus, args.gpu_memory_gib))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""benchmarks/memory_plan.py: the parameter count it plans from is transformers' own, and the
+plan moves the way the settings say (FSDP2 shards, checkpointing keeps less, an engine adds its share)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # benchmarks/ is not part of the package
+
+from benchmarks.memory_plan import Shape, main, plan  # noqa: E402
+from maxent_grpo.training.config import load_config  # noqa: E402
+
+CONFIGS = sorted((REPO / "benchmarks" / "model_configs").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_the_parameter_count_is_transformers_own(path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**json.loads(path.read_text()))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert Shape.from_config(json.loads(path.read_text())).params() == sum(p.numel() for p in model.parameters())
+
+
+def _rows(sets, gpus=1):
+    shape = Shape.from_config(json.loads((REPO / "benchmarks/model_configs/qwen2.5-1.5b.json").read_text()))
+    return dict((what, gib) for what, gib, _ in plan(load_config(None, sets), shape, gpus, 80.0, 256))
+
+
+def test_fsdp2_shards_the_trained_state_and_checkpointing_keeps_less():
+    ddp, fsdp2 = _rows([], 8), _rows(["training.strategy=fsdp2"], 8)
+    for what in ("policy weights", "gradients (float32)", "AdamW state (float32)"):
+        assert fsdp2[what] == pytest.approx(ddp[what] / 8)
+    assert "FSDP2 gathered layers" in fsdp2 and "FSDP2 gathered layers" not in ddp
+    # 1.54B float32 master weights: 5.7 GiB whole, AdamW twice that.
+    assert ddp["policy weights"] == pytest.approx(1.54e9 * 4 / 2**30, rel=0.01)
+    assert ddp["AdamW state (float32)"] == pytest.approx(2 * ddp["policy weights"])
+    plain = _rows(["training.share_prompts=false"])
+    checkpointed = _rows(["training.share_prompts=false", "training.gradient_checkpointing=true"])
+    assert checkpointed["activations (one micro-batch)"] < plain["activations (one micro-batch)"] / 5
+
+
+def test_a_reference_an_engine_and_lora_appear_when_the_config_asks():
+    assert "reference model" not in _rows(["loss.beta=0.0"])
+    assert "reference model" in _rows(["loss.beta=0.04"])
+    engine = _rows(["generation.backend=vllm", "generation.vllm.gpu_memory_utilization=0.3"])
+    assert engine["vLLM engine (generation)"] == pytest.approx(24.0)
+    lora = _rows(["model.lora.enabled=true", "model.dtype=bfloat16", "generation.dtype=null"])
+    assert lora["gradients (float32)"] < _rows([])["gradients (float32)"] / 50
+
+
+def test_the_command_prints_the_plan(capsys):
+    recipe = REPO / "recipes" / "qwen2.5-1.5b-gsm8k-fsdp2.yaml"
+    assert main(["--config", str(recipe), "--model-config", str(CONFIGS[1]), "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("memory plan per GPU: strategy fsdp2, 8 GPU(s)") and "training phase:" in out

@@ -19,6 +19,7 @@ FLOORS = [
     ("maxent_grpo.rollout", "maxent_grpo.tasks"),
     ("maxent_grpo.rewards",),  # the reward functions
     ("maxent_grpo.rewards.maxent",),  # the batch statistics built from rewards
+    ("maxent_grpo.envs",),  # multi-turn environments and their rollout
     ("maxent_grpo.methods", "maxent_grpo.data", "maxent_grpo.models"),
     ("maxent_grpo.evaluate",),
     ("maxent_grpo.training",),

@@ -16,6 +16,11 @@ Completion conventions, shared by every backend:
 * ``logps[t]`` is ``log_softmax(logits_t / temperature)[token_t]`` under the
   raw model logits: top-k / top-p filtering is not applied, which is what the
   trainer recomputes.
+
+A multi-turn episode (``maxent_grpo.envs``) is one completion whose tokens
+interleave the model's turns with the environment's: ``loss_mask`` is 1 on the
+model's tokens and 0 on the environment's, whose ``logps`` are 0 (nobody
+sampled them). ``None`` means every token is the model's.
 """
 
 from __future__ import annotations
@@ -61,12 +66,17 @@ class Completion:
     text: str
     finish_reason: str  # "stop" | "length"
     logps: list[float] | None = None  # behaviour log-probs, one per token
+    loss_mask: list[int] | None = None  # 1: the model sampled the token; 0: the environment wrote it
 
     def __post_init__(self) -> None:
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
         if self.logps is not None and len(self.logps) != len(self.token_ids):
             raise ValueError(f"logps has {len(self.logps)} entries for {len(self.token_ids)} tokens")
+        if self.loss_mask is not None and (
+            len(self.loss_mask) != len(self.token_ids) or any(m not in (0, 1) for m in self.loss_mask)
+        ):
+            raise ValueError(f"loss_mask must hold one 0/1 per token ({len(self.token_ids)} tokens)")
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,8 @@ class RolloutBatch:
     finish_reasons: list[str]
     behaviour_logps: list[list[float]] | None
     num_generations: int
+    # Per-token 1/0: model / environment token (multi-turn episodes); None: every token the model's.
+    loss_masks: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         g = self.num_generations
@@ -131,6 +143,10 @@ class RolloutBatch:
                 len(lp) != len(ids) for lp, ids in zip(self.behaviour_logps, self.completion_ids)
             ):
                 raise ValueError("behaviour_logps must have one entry per completion token")
+        if self.loss_masks is not None and (
+            len(self.loss_masks) != n or any(len(m) != len(ids) for m, ids in zip(self.loss_masks, self.completion_ids))
+        ):
+            raise ValueError("loss_masks must have one entry per completion token")
 
     @property
     def num_prompts(self) -> int:
@@ -158,6 +174,10 @@ def build_rollout_batch(groups: Sequence[PromptGroup], num_generations: int) -> 
         finish_reasons=[c.finish_reason for c in comps],
         behaviour_logps=[list(c.logps) for c in comps] if comps and all(with_logps) else None,
         num_generations=num_generations,
+        loss_masks=(
+            [list(c.loss_mask) if c.loss_mask is not None else [1] * len(c.token_ids) for c in comps]
+            if any(c.loss_mask is not None for c in comps) else None
+        ),
     )
 
 
@@ -173,6 +193,7 @@ def select_groups(batch: RolloutBatch, keep: Sequence[int]) -> RolloutBatch:
         finish_reasons=[batch.finish_reasons[i] for i in rows],
         behaviour_logps=None if batch.behaviour_logps is None else [batch.behaviour_logps[i] for i in rows],
         num_generations=g,
+        loss_masks=None if batch.loss_masks is None else [batch.loss_masks[i] for i in rows],
     )
 
 
@@ -184,6 +205,7 @@ def concat_rollouts(batches: Sequence[RolloutBatch]) -> RolloutBatch:
     if any(b.num_generations != g for b in batches):
         raise ValueError("batches: every batch must have the same num_generations")
     with_logps = all(b.behaviour_logps is not None for b in batches)
+    with_masks = any(b.loss_masks is not None for b in batches)
     return RolloutBatch(
         prompts=[x for b in batches for x in b.prompts],
         prompt_ids=[x for b in batches for x in b.prompt_ids],
@@ -192,6 +214,10 @@ def concat_rollouts(batches: Sequence[RolloutBatch]) -> RolloutBatch:
         finish_reasons=[x for b in batches for x in b.finish_reasons],
         behaviour_logps=[x for b in batches for x in b.behaviour_logps] if with_logps else None,
         num_generations=g,
+        loss_masks=[
+            m for b in batches
+            for m in (b.loss_masks if b.loss_masks is not None else [[1] * len(ids) for ids in b.completion_ids])
+        ] if with_masks else None,
     )
 
 
@@ -255,7 +281,7 @@ class PackedRollout:
 
     input_ids: torch.Tensor  # [N, Lp + T] long
     attention_mask: torch.Tensor  # [N, Lp + T] long
-    completion_mask: torch.Tensor  # [N, T] float32
+    completion_mask: torch.Tensor  # [N, T] float32: 1 on the model's tokens, 0 on padding and environment tokens
     prompt_length: int  # Lp
     behaviour_logps: torch.Tensor | None  # [N, T] float32, 0 at padding
     truncated: torch.Tensor  # [N] bool: finish_reason == "length"
@@ -282,7 +308,9 @@ def pack_rollout(batch: RolloutBatch, pad_token_id: int, *, device: str | torch.
         if comp:
             input_ids[i, lp : lp + len(comp)] = torch.tensor(comp, dtype=torch.long)
             attention_mask[i, lp : lp + len(comp)] = 1
-            completion_mask[i, : len(comp)] = 1.0
+            completion_mask[i, : len(comp)] = (
+                1.0 if batch.loss_masks is None else torch.tensor(batch.loss_masks[i], dtype=torch.float32)
+            )
             if logps is not None:
                 logps[i, : len(comp)] = torch.tensor(batch.behaviour_logps[i], dtype=torch.float32)
     return PackedRollout(

@@ -135,11 +135,26 @@ class HFGenerationBackend:
                 self.model.load_state_dict(policy.state_dict())
 
     def generate(self, prompts: list[str], num_generations: int, params: SamplingParams) -> list[PromptGroup]:
-        if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 1:
-            raise ValueError(f"num_generations must be a positive integer, got {num_generations!r}")
         if not prompts or not all(isinstance(p, str) and p for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty strings")
         prompt_ids = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+        return self._generate(list(prompts), prompt_ids, num_generations, params)
+
+    def generate_ids(
+        self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams
+    ) -> list[PromptGroup]:
+        """``generate`` from token ids: a multi-turn episode continues from exactly the tokens it holds
+        (re-tokenising its text could give other ids). Each group's ``prompt`` is the ids' decoding."""
+        if not prompt_ids or not all(isinstance(p, list) and p for p in prompt_ids):
+            raise ValueError("prompt_ids must be a non-empty list of non-empty token id lists")
+        texts = self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return self._generate(texts, prompt_ids, num_generations, params)
+
+    def _generate(
+        self, prompts: list[str], prompt_ids: list[list[int]], num_generations: int, params: SamplingParams
+    ) -> list[PromptGroup]:
+        if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 1:
+            raise ValueError(f"num_generations must be a positive integer, got {num_generations!r}")
         rows = [i for i in range(len(prompts)) for _ in range(num_generations)]  # prompt-major
         per_call = self.batch_size or len(rows)
         completions: list[Completion] = []

@@ -1,0 +1,9 @@
+"""Multi-turn environments: the protocol, tools, the built-in environments and the episode rollout.
+
+Importing the package registers every environment defined in it.
+"""
+
+from maxent_grpo.envs import calculator  # noqa: F401 - registers "calculator"
+from maxent_grpo.envs.protocol import ENVIRONMENTS, Environment, StepResult, get_environment, register_environment
+
+__all__ = ["ENVIRONMENTS", "Environment", "StepResult", "get_environment", "register_environment"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
@@ -42,6 +43,9 @@ def bad_inputs(tmp_path, tiny_model_dir):
     (tmp_path / "wizard.jsonl").write_text('{"prompt": [{"role": "wizard", "content": "hi"}], "answer": "1"}\n' * 4)
     (tmp_path / "ok.jsonl").write_text("".join(f'{{"prompt": "q{i}", "answer": "{i}"}}\n' for i in range(4)))
     (tmp_path / "a_file").write_text("in the way")
+    envs = ["calculator", None, "nope", "calculator"]
+    (tmp_path / "envs.jsonl").write_text("".join(
+        f'{{"prompt": "q{i}", "answer": "{i}", "environment": {json.dumps(e)}}}\n' for i, e in enumerate(envs)))
     broken = tmp_path / "broken-model"
     shutil.copytree(tiny_model_dir, broken)
     weights = broken / "model.safetensors"
@@ -64,6 +68,14 @@ CASES = {
         ["--set", "data.source={d}/ok.jsonl", "--set", "training.prompts_per_step=8"],
         "training.prompts_per_step: 8 prompts x 1 process(es) per step is more than the 4 training rows",
     ),
+    "row-environment": (["--set", "data.source={d}/envs.jsonl", "--set", "environment.name=calculator"],
+                        "row 2: column 'environment' names 'nope', which is no environment; registered: calculator"),
+    "environment-column-unset": (["--set", "data.source={d}/envs.jsonl"],
+                                 "environment.name: the dataset {d}/envs.jsonl has an 'environment' column"),
+    "unknown-environment": (["--set", "environment.name=calculatr"],
+                            "environment.name: no environment 'calculatr' (did you mean 'calculator'?)"),
+    "episode-tokens": (["--set", "environment.name=calculator", "--set", "environment.max_episode_tokens=2"],
+                       "environment.max_episode_tokens: must be >= the model's tokens over all turns"),
     "negative-timeout": (["--set", "rewards=[{{name: format, timeout_s: -1}}]"], "rewards[0].timeout_s: must be > 0"),
 }
 
@@ -73,7 +85,7 @@ def test_bad_input_is_one_line_and_a_non_zero_exit(case, bad_inputs, capsys):
     args, message = CASES[case]
     argv = ["train", "--output-dir", str(bad_inputs / "out"), *TINY,
             *[a.format(d=bad_inputs) for a in args]]
-    assert message in _one_line_exit(capsys, argv)
+    assert message.format(d=bad_inputs) in _one_line_exit(capsys, argv)
     assert not (bad_inputs / "out" / "metrics.jsonl").exists()
 
 

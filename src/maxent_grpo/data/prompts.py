@@ -30,6 +30,20 @@ def format_prompt(
     system message and before the prompt's own messages."""
     if not tokenizer.chat_template:
         raise ValueError(f"tokenizer of {tokenizer.name_or_path!r} has no chat template; prompts cannot be formatted")
+    messages = prompt_messages(prompt, system_prompt=system_prompt, few_shot=few_shot)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if not isinstance(text, str):
+        raise ValueError(f"chat template of {tokenizer.name_or_path!r} returned {type(text).__name__}, not a str")
+    return text
+
+
+def prompt_messages(
+    prompt: str | Sequence[Mapping[str, str]],
+    *,
+    system_prompt: str | None = None,
+    few_shot: Sequence[FewShotExample] = (),
+) -> list[dict]:
+    """The messages :func:`format_prompt` renders (an episode's opening gets the same frame)."""
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     elif isinstance(prompt, Sequence) and all(isinstance(m, Mapping) for m in prompt):
@@ -47,7 +61,4 @@ def format_prompt(
             for turn in ({"role": "user", "content": ex.prompt}, {"role": "assistant", "content": ex.completion})
         ]
         messages = [*messages[:head], *turns, *messages[head:]]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    if not isinstance(text, str):
-        raise ValueError(f"chat template of {tokenizer.name_or_path!r} returned {type(text).__name__}, not a str")
-    return text
+    return messages

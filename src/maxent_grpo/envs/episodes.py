@@ -27,10 +27,11 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from maxent_grpo.core.bounds import require
 from maxent_grpo.envs.protocol import Environment, EnvironmentFactory, Message, StepResult
 from maxent_grpo.envs.tools import CallTimeout, call_with_timeout, hermes_system_prompt, template_renders_tools, tool_schemas
 from maxent_grpo.rollout.backend import Completion, PromptGroup, RolloutBatch, SamplingParams, build_rollout_batch
@@ -51,13 +52,12 @@ class EpisodeLimits:
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_model_tokens", "max_episode_tokens"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_episode_tokens < self.max_model_tokens:
-            raise ValueError(f"max_episode_tokens ({self.max_episode_tokens}) must be >= max_model_tokens "
-                             f"({self.max_model_tokens})")
-        if self.step_timeout_s is not None and not self.step_timeout_s > 0:
-            raise ValueError(f"step_timeout_s must be > 0 or None, got {self.step_timeout_s!r}")
+            require(not isinstance(value, bool) and isinstance(value, int) and value >= 1, name,
+                    f"must be a positive integer, got {value!r}")
+        require(self.max_episode_tokens >= self.max_model_tokens, "max_episode_tokens",
+                f"must be >= the model's tokens over all turns ({self.max_model_tokens}), got {self.max_episode_tokens}")
+        require(self.step_timeout_s is None or self.step_timeout_s > 0, "step_timeout_s",
+                f"must be > 0 or null, got {self.step_timeout_s!r}")
 
 
 @dataclass
@@ -98,8 +98,12 @@ def run_episodes(
     num_generations: int,
     params: SamplingParams,
     limits: EpisodeLimits,
+    frame: Callable[[list[Message]], list[Message]] | None = None,
 ) -> EpisodeBatch:
-    """Play ``num_generations`` episodes of each row with its environment (``factories[i]`` for ``rows[i]``)."""
+    """Play ``num_generations`` episodes of each row with its environment (``factories[i]`` for ``rows[i]``).
+
+    ``frame`` puts the run's system prompt and few-shot turns around each opening (as one-shot prompts get them).
+    """
     if len(factories) != len(rows) or not rows:
         raise ValueError(f"{len(rows)} rows need as many environment factories, got {len(factories)}")
     clock = _Clock()
@@ -112,7 +116,7 @@ def run_episodes(
         tools = opened[0].env.tools if opened else []
         render = _Render(tokenizer, tools)
         for e in opened:
-            e.messages = render.opening(e.messages)
+            e.messages = render.opening(frame(e.messages) if frame is not None else e.messages)
         prompts.append(render.prompt_ids(opened[0].messages) if opened else [])
         renders.append(render)
         episodes += group

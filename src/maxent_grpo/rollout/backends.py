@@ -54,6 +54,8 @@ class Backend:
     build: Callable[[BackendInputs], GenerationBackend]
     owns_weights: bool
     supports_lora: bool
+    # Has ``generate_ids``: a multi-turn episode's next turn is sampled from its exact token ids (envs/).
+    continues_from_ids: bool = False
 
 
 def _check_hf(vllm: VllmConfig) -> None:
@@ -112,7 +114,7 @@ def _build_vllm_server(i: BackendInputs) -> GenerationBackend:
 
 BACKENDS: dict[str, Backend] = {
     b.name: b for b in (
-        Backend("hf", _check_hf, _build_hf, owns_weights=False, supports_lora=True),
+        Backend("hf", _check_hf, _build_hf, owns_weights=False, supports_lora=True, continues_from_ids=True),
         Backend("vllm", _check_vllm, _build_vllm, owns_weights=True, supports_lora=False),
         Backend("vllm_server", _check_vllm_server, _build_vllm_server, owns_weights=True, supports_lora=False),
     )

@@ -42,9 +42,23 @@ def _eval(node: ast.AST) -> float:
     raise ValueError("only numbers, + - * / and parentheses are allowed")
 
 
+def question(a: int, b: int) -> str:
+    return f"What is {a} * {b}? {INSTRUCTION}"
+
+
+# One solved episode before every problem: the call, the tool's answer, the boxed result.
+EXAMPLE = [
+    {"role": "user", "content": question(4821, 37)},
+    {"role": "assistant",
+     "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "4821 * 37"}}\n</tool_call>'},
+    {"role": "tool", "name": "calculator", "content": "178377"},
+    {"role": "assistant", "content": "4821 * 37 = \\boxed{178377}"},
+]
+
+
 def make_problem(rng: random.Random) -> dict:
     a, b = rng.randint(100, 9999), rng.randint(11, 99)
-    return {"prompt": f"What is {a} * {b}? {INSTRUCTION}", "answer": str(a * b)}
+    return {"prompt": [*EXAMPLE, {"role": "user", "content": question(a, b)}], "answer": str(a * b)}
 
 
 def calculator_rows(size: int, seed: int) -> list[dict]:

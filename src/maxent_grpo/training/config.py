@@ -16,6 +16,9 @@ from typing import Any, Literal
 
 import yaml
 
+from maxent_grpo.core.bounds import SpecError
+from maxent_grpo.envs import ENVIRONMENTS
+from maxent_grpo.envs.settings import episode_limits
 from maxent_grpo.errors import ConfigError
 from maxent_grpo.methods import METHODS, get_method
 from maxent_grpo.rewards.user_code import resolve_reference
@@ -236,6 +239,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict[str,
     for entry in cfg.rewards:
         if ":" in entry.name:
             entry.name = resolve_reference(entry.name, config_dir)
+    cfg.environment.tools = [resolve_reference(tool, config_dir) for tool in cfg.environment.tools]
     cfg.data.source = _resolve_data_file(cfg.data.source, config_dir)
     return cfg
 
@@ -300,6 +304,7 @@ def validate(cfg: TrainConfig) -> None:
     _check(t.num_iterations >= 1, "training.num_iterations", "must be >= 1")
     _check(t.warmup_steps >= 0, "training.warmup_steps", "must be >= 0")
     _check(lo.max_gen_batches >= 1, "loss.max_gen_batches", "must be >= 1")
+    _check_environment(cfg)
     weighting_from_config(cfg)  # loss.beta, maxent.*: the bounds of the records the run builds
     # The loss and the method: their records check their own bounds (training/plan.py names the key).
     compile_method(cfg)
@@ -332,6 +337,29 @@ def validate(cfg: TrainConfig) -> None:
     known = {*TRACKER_NAMES, "none", "all"}
     for i, name in enumerate(cfg.logging.report_to):
         _check(name in known, f"logging.report_to[{i}]", f"unknown tracker {name!r}{_suggest(name, known)}")
+
+
+def _check_environment(cfg: TrainConfig) -> None:
+    """Multi-turn episodes: the limits' own bounds, a known environment, a sampler that continues from token ids."""
+    e = cfg.environment
+    try:
+        episode_limits(e, cfg.generation.max_new_tokens)
+    except SpecError as err:
+        raise ConfigError(f"environment.{err.setting}: {err.problem}") from None
+    _check(e.tool_timeout_s is None or e.tool_timeout_s > 0, "environment.tool_timeout_s",
+           f"must be > 0 or null, got {e.tool_timeout_s!r}")
+    if not e.enabled:
+        return
+    if e.name is not None:
+        _check(e.name in ENVIRONMENTS, "environment.name",
+               f"no environment {e.name!r}{_suggest(e.name, ENVIRONMENTS)}; registered: {', '.join(sorted(ENVIRONMENTS))}")
+    for i, tool in enumerate(e.tools):
+        _check(":" in tool, f"environment.tools[{i}]", f"must look like 'module:function' or 'file.py:function', got {tool!r}")
+    _check(BACKENDS[cfg.generation.backend].continues_from_ids, "generation.backend",
+           f"{cfg.generation.backend} cannot continue an episode from its token ids yet; use hf with environment:")
+    _check(not STRATEGIES[cfg.training.strategy].collective_forward, "training.strategy",
+           f"multi-turn episodes are not supported with {cfg.training.strategy} (ranks would run different "
+           "numbers of generate calls); use ddp")
 
 
 def _check_strategy(cfg: TrainConfig, strategy: type[Strategy]) -> None:

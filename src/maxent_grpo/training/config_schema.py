@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Literal
 
 from maxent_grpo.data.prompts import FewShotExample
+from maxent_grpo.envs.settings import EnvironmentConfig
 from maxent_grpo.methods import method_sections
 from maxent_grpo.rewards.maxent import MaxEntConfig
 from maxent_grpo.rollout.backends import BACKENDS
@@ -209,6 +210,7 @@ class CoreConfig:
         default_factory=lambda: [RewardEntry("boxed_accuracy", 1.0), RewardEntry("format", 0.5)]
     )
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     loss: LossSection = field(default_factory=LossSection)
     maxent: MaxEntConfig = field(default_factory=MaxEntConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)

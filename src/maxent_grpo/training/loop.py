@@ -143,7 +143,7 @@ def _update_and_log(run: Run, prepared, step: int, t_start: float, cpu_start: fl
         prepared, result, step=step, dist=ctx.dist, metrics_log=metrics_log, trackers=run.trackers,
         output_dir=run.output_dir, extra=extra, completion_table=_log_completions(cfg, step),
         learning_rate=run.lr_scheduler.get_last_lr()[0], timings=timings, controller=_controller_metrics(run),
-        max_completion_length=run.ctx.plan.batch.sampling.max_new_tokens, weight_view=view,
+        max_completion_length=run.ctx.plan.method.loss.max_completion_length, weight_view=view,
     )
     return step
 

@@ -39,7 +39,9 @@ from maxent_grpo.rollout.backend import (
     pack_rollout,
     select_groups,
 )
-from maxent_grpo.data.prompts import format_prompt
+from maxent_grpo.data.prompts import format_prompt, prompt_messages
+from maxent_grpo.envs.episodes import run_episodes
+from maxent_grpo.envs.protocol import EnvironmentFactory
 from maxent_grpo.training.diversity import group_diversity
 from maxent_grpo.training.distributed import Dist
 from maxent_grpo.training.plan import RunPlan
@@ -67,6 +69,8 @@ class PipelineContext:
     # Completion log-probs [N, T] under the frozen reference, no grad: (input_ids, attention_mask,
     # prompt_length) -> [N, T]; None when the method scores no reference.
     reference_logps: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
+    # Multi-turn episodes: the environment factory of a row (plan.batch.episodes set); None: one-shot prompts.
+    environment_of: Callable[[dict], EnvironmentFactory] | None = None
     skips: Counter = field(default_factory=Counter)
     last_error: str | None = None
 
@@ -137,8 +141,10 @@ class PreparedBatch:
 
 # ----------------------------------------------------------------- stages
 
-def _generate(ctx: PipelineContext, rows: list[dict]) -> tuple[list[dict], RolloutBatch]:
+def _generate(ctx: PipelineContext, rows: list[dict]) -> tuple[list[dict], RolloutBatch, dict[str, float]]:
     b = ctx.plan.batch
+    if b.episodes is not None:
+        return _play_episodes(ctx, rows)
     prompts = [format_prompt(ctx.tokenizer, r["prompt"], system_prompt=b.system_prompt, few_shot=list(b.few_shot))
                for r in rows]
     try:
@@ -152,7 +158,25 @@ def _generate(ctx: PipelineContext, rows: list[dict]) -> tuple[list[dict], Rollo
         rows = [r for i, r in enumerate(rows) if i not in set(dropped)]
     if not rows:
         raise SkipBatch("generation", "every prompt came back with fewer than num_generations completions")
-    return rows, rollout
+    return rows, rollout, {}
+
+
+def _play_episodes(ctx: PipelineContext, rows: list[dict]) -> tuple[list[dict], RolloutBatch, dict[str, float]]:
+    """Multi-turn rollouts (envs/episodes.py): a row whose episodes failed leaves with its group."""
+    b = ctx.plan.batch
+    try:
+        played = run_episodes(
+            ctx.backend, ctx.tokenizer, rows, [ctx.environment_of(r) for r in rows], b.num_generations, b.sampling,
+            b.episodes, frame=lambda m: prompt_messages(m, system_prompt=b.system_prompt, few_shot=list(b.few_shot)),
+        )
+    except (RuntimeError, ValueError) as err:
+        raise SkipBatch("generation", str(err)) from err
+    if played.failures:
+        ctx.skips["failed_episodes"] += len(played.failures)
+        log.warning("%d episode(s) failed, their groups dropped; first: %s", len(played.failures), played.failures[0])
+    if not played.kept_rows:
+        raise SkipBatch("environment", f"every group had a failed episode; first: {played.failures[0]}")
+    return [rows[i] for i in played.kept_rows], played.rollout, played.stats
 
 
 def _reward_matrix(ctx: PipelineContext, rows: list[dict], rollout: RolloutBatch, timings: dict) -> torch.Tensor:
@@ -176,18 +200,18 @@ def _call_rewards(ctx: PipelineContext, rows: list[dict], rollout: RolloutBatch)
 
 def _rollout_and_rewards(ctx: PipelineContext, rows: list[dict], more_rows: Callable[[], list[dict]] | None, timings: dict):
     """Generate and score; with dynamic sampling keep only groups whose rewards vary (§9)."""
-    rows, rollout = _generate(ctx, rows)
+    rows, rollout, stats = _generate(ctx, rows)
     per_fn = _reward_matrix(ctx, rows, rollout, timings)
     b = ctx.plan.batch
     if not b.dynamic_sampling:
-        return rows, rollout, per_fn, {}
+        return rows, rollout, per_fn, stats
     g, target = rollout.num_generations, b.prompts_per_step
     kept_rows, kept_rollouts, kept_rewards, seen = [], [], [], 0
     for round_idx in range(b.max_gen_batches):
         if round_idx > 0:
             if more_rows is None:
                 break
-            rows, rollout = _generate(ctx, more_rows())
+            rows, rollout, stats = _generate(ctx, more_rows())
             per_fn = _reward_matrix(ctx, rows, rollout, timings)
         seen += len(rows)
         flat = zero_std_groups(combine_rewards(per_fn, ctx.reward_spec.weight_tensor()), g)
@@ -204,7 +228,7 @@ def _rollout_and_rewards(ctx: PipelineContext, rows: list[dict], more_rows: Call
     kept_rows = kept_rows[:target]
     rollout = select_groups(concat_rollouts(kept_rollouts), list(range(len(kept_rows))))
     per_fn = torch.cat(kept_rewards)[: len(kept_rows) * g]
-    return kept_rows, rollout, per_fn, {"dynamic_sampling/groups_seen": float(seen)}
+    return kept_rows, rollout, per_fn, {**stats, "dynamic_sampling/groups_seen": float(seen)}
 
 
 def _policy_entropy(ctx: PipelineContext, packed: PackedRollout) -> torch.Tensor:

@@ -19,6 +19,8 @@ from maxent_grpo.core.bounds import SpecError
 from maxent_grpo.core.losses import ClipSettings
 from maxent_grpo.core.step import LossSpec
 from maxent_grpo.data.prompts import FewShotExample
+from maxent_grpo.envs.episodes import EpisodeLimits
+from maxent_grpo.envs.settings import episode_limits
 from maxent_grpo.errors import ConfigError
 from maxent_grpo.methods import MethodPlan, PlanInputs, get_method
 from maxent_grpo.rewards.maxent import RewardStatsSettings
@@ -42,6 +44,7 @@ class BatchPlan:
     zero_truncated_completion_rewards: bool
     reward_stats: RewardStatsSettings
     policy_entropy_bonus_coef: float
+    episodes: EpisodeLimits | None = None  # multi-turn episodes (environment:); None: one-shot prompts
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,12 @@ _KEYS = {
 }
 
 
+def completion_budget(cfg: TrainConfig) -> int:
+    """The most tokens a completion's loss counts: the model's tokens of an episode, else max_new_tokens."""
+    limits = episode_limits(cfg.environment, cfg.generation.max_new_tokens)
+    return cfg.generation.max_new_tokens if limits is None else limits.max_model_tokens
+
+
 _SPEC_FIELDS = {f.name for f in dataclasses.fields(LossSpec)}
 
 
@@ -86,7 +95,7 @@ def _base_loss(cfg: TrainConfig) -> LossSpec:
             rollout_correction="none" if lo.rollout_correction == "auto" else lo.rollout_correction,
             rollout_correction_cap=lo.rollout_correction_cap,
             seq_logprob_error_threshold=lo.seq_logprob_error_threshold,
-            max_completion_length=cfg.generation.max_new_tokens,
+            max_completion_length=completion_budget(cfg),
         )
     except SpecError as err:
         raise ConfigError(f"{_KEYS.get(err.setting, 'loss.' + err.setting)}: {err.problem}") from None
@@ -99,7 +108,7 @@ def plan_inputs(cfg: TrainConfig) -> PlanInputs:
         loss=_base_loss(cfg),
         settings=getattr(cfg, method.section) if method.section is not None else None,
         maxent=cfg.maxent, num_generations=cfg.generation.num_generations,
-        micro_batch_size=cfg.training.micro_batch_size, max_new_tokens=cfg.generation.max_new_tokens,
+        micro_batch_size=cfg.training.micro_batch_size, max_new_tokens=completion_budget(cfg),
     )
 
 
@@ -141,6 +150,7 @@ def compile_run(cfg: TrainConfig) -> RunPlan:
             scale_rewards=lo.scale_rewards, advantage_estimator=lo.advantage_estimator,
         ),
         policy_entropy_bonus_coef=lo.policy_entropy_bonus_coef,
+        episodes=episode_limits(cfg.environment, g.max_new_tokens),
     )
     return RunPlan(
         method=compile_method(cfg),

@@ -14,6 +14,7 @@ from datasets import Dataset
 from transformers import get_scheduler
 
 from maxent_grpo.core.step import Comm
+from maxent_grpo.envs.settings import ENVIRONMENT_COLUMN, row_environments
 from maxent_grpo.data.datasets import PromptSampler, load_prompt_dataset, split_train_eval
 from maxent_grpo.models import (
     apply_lora, enable_activation_checkpointing, load_model_and_tokenizer, load_reference_model, parse_dtype,
@@ -162,6 +163,7 @@ def build_run(
 
     # Data and rewards first: their errors must come before the slow model load.
     train_ds, eval_rows = _load_data(cfg, dist)
+    environments = _environments(cfg, train_ds)
     reward_spec = build_reward_spec(cfg.rewards)
     BACKENDS[cfg.generation.backend].check(cfg.generation.vllm)
     model_path = resolve_model_path(cfg.model.name_or_path)
@@ -187,6 +189,7 @@ def build_run(
         plan=plan, model=model, tokenizer=tokenizer,
         backend=_generation_backend(cfg, model, tokenizer, model_path, output_dir, dist, strategy),
         reward_spec=reward_spec, weighting=weighting_from_config(cfg), dist=dist, reference_logps=reference,
+        environment_of=environments,
     )
     run = Run(
         cfg=cfg, output_dir=output_dir, ctx=ctx, train_model=train_model, optimizer=optimizer,
@@ -198,6 +201,17 @@ def build_run(
     if ckpt is not None:
         _resume(run, ckpt)
     return run
+
+
+def _environments(cfg: TrainConfig, train_ds: Dataset):
+    """Each row's environment factory when the run plays episodes (``environment:``), else None."""
+    has_column = ENVIRONMENT_COLUMN in train_ds.column_names
+    if not cfg.environment.enabled:
+        if has_column:
+            raise ConfigError(f"environment.name: the dataset {cfg.data.source} has an {ENVIRONMENT_COLUMN!r} column "
+                              "(one environment per row); set environment.name, the environment of rows without one")
+        return None
+    return row_environments(cfg.environment, train_ds[ENVIRONMENT_COLUMN] if has_column else None)
 
 
 def _load_data(cfg: TrainConfig, dist: Dist) -> tuple[Dataset, list[dict]]:

@@ -1,0 +1,80 @@
+"""The ``environment:`` section of the run configuration, and the episode limits it compiles to."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from maxent_grpo.envs.episodes import EpisodeLimits
+from maxent_grpo.envs.protocol import ENVIRONMENTS, EnvironmentFactory
+from maxent_grpo.envs.tool_env import ToolEnvironment
+from maxent_grpo.errors import ConfigError, DataError
+from maxent_grpo.rewards.user_code import RewardImportError, import_reference
+
+ENVIRONMENT_COLUMN = "environment"  # TRL's column name: the environment each row plays
+
+
+@dataclass
+class EnvironmentConfig:
+    # A registered environment (maxent_grpo.envs) each row plays over several turns; null with no
+    # tools: one-shot prompts. A dataset column `environment` names one per row, over this default.
+    name: str | None = None
+    # module:function or file.py:function tools; with no name they make the "tools" environment.
+    tools: list[str] = field(default_factory=list)
+    max_turns: int = 4
+    # Sampled tokens over all turns (null: max_turns x generation.max_new_tokens, the per-turn cap).
+    max_model_tokens: int | None = None
+    # Model plus environment tokens after the prompt.
+    max_episode_tokens: int = 1024
+    # Seconds a reset or step may take before the episode fails (null: no limit).
+    step_timeout_s: float | None = 30.0
+    # Seconds one tool call may take before the model is told it timed out.
+    tool_timeout_s: float | None = 10.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.name is not None or bool(self.tools)
+
+    @property
+    def default_name(self) -> str:
+        return self.name if self.name is not None else "tools"
+
+
+def episode_limits(env: EnvironmentConfig, max_new_tokens: int) -> EpisodeLimits | None:
+    """The limits a run's episodes play under; None for one-shot prompts."""
+    if not env.enabled:
+        return None
+    model = env.max_model_tokens if env.max_model_tokens is not None else env.max_turns * max_new_tokens
+    return EpisodeLimits(max_turns=env.max_turns, max_model_tokens=model, max_episode_tokens=env.max_episode_tokens,
+                         step_timeout_s=env.step_timeout_s)
+
+
+def row_environments(env: EnvironmentConfig, column: Sequence[Any] | None) -> Callable[[Mapping], EnvironmentFactory]:
+    """The environment factory of each row: its ``environment`` column, else ``env``'s default.
+
+    Imports the configured tools and checks every row's name, so a bad one stops the run
+    before the model loads (one line naming the row and the column).
+    """
+    table = dict(ENVIRONMENTS)
+    if env.tools:
+        tools = []
+        for i, ref in enumerate(env.tools):
+            try:
+                tools.append(import_reference(ref))
+            except RewardImportError as err:
+                raise ConfigError(f"environment.tools[{i}]: {err}") from None
+        table["tools"] = lambda: ToolEnvironment(tools, call_timeout_s=env.tool_timeout_s)
+    default = env.default_name
+    if default not in table:
+        raise ConfigError(f"environment.name: no environment {default!r}; registered: {', '.join(sorted(table))}")
+    for row, name in enumerate(column or ()):
+        if name is not None and name not in table:
+            raise DataError(f"row {row}: column {ENVIRONMENT_COLUMN!r} names {name!r}, which is no environment; "
+                            f"registered: {', '.join(sorted(table))}")
+
+    def factory(row: Mapping) -> EnvironmentFactory:
+        name = row[ENVIRONMENT_COLUMN] if ENVIRONMENT_COLUMN in row else None
+        return table[name if name is not None else default]
+
+    return factory

@@ -37,6 +37,9 @@ class Scripted:
             return StepResult(None, {"answered": 1.0})
         return StepResult([{"role": "user", "content": f"observation {self.seen}: go on"}])
 
+    def get_reward(self):
+        return float(self.seen)  # turns the environment answered: the episode's own score
+
 
 # The tiny random model rarely samples eos: common letters end its turns, so episodes reach the
 # environment (a turn that runs out of tokens ends its episode).
@@ -67,6 +70,11 @@ def test_a_three_turn_episode_is_the_sampled_ids_with_the_environment_masked(tin
     assert any(t.startswith("<|im_end|>\n<|im_start|>user\nobservation 1: go on<|im_end|>\n<|im_start|>assistant\n")
                for t in env_texts)
     assert batch.stats["env/turns"] > 1 and batch.stats["env/env_tokens"] > 0
+    # get_reward is asked once per episode, however it ended: an episode the environment ended
+    # answered every model turn but the last.
+    for mask, reason, reward in zip(r.loss_masks, r.finish_reasons, r.env_rewards):
+        if reason == "stop":
+            assert reward == _model_turns(mask)
 
 
 def test_limits_end_episodes_and_count_tokens_separately(tiny_model_dir):

@@ -4,6 +4,13 @@ Importing the package registers every environment defined in it.
 """
 
 from maxent_grpo.envs import calculator  # noqa: F401 - registers "calculator"
-from maxent_grpo.envs.protocol import ENVIRONMENTS, Environment, StepResult, get_environment, register_environment
+from maxent_grpo.envs.protocol import (
+    ENVIRONMENT_COLUMN,
+    ENVIRONMENTS,
+    Environment,
+    StepResult,
+    get_environment,
+    register_environment,
+)
 
-__all__ = ["ENVIRONMENTS", "Environment", "StepResult", "get_environment", "register_environment"]
+__all__ = ["ENVIRONMENT_COLUMN", "ENVIRONMENTS", "Environment", "StepResult", "get_environment", "register_environment"]

@@ -72,6 +72,7 @@ class _Episode:
     failure: str | None = None
     turns: int = 0
     info: Counter = field(default_factory=Counter)
+    reward: float | None = None
 
     @property
     def model_tokens(self) -> int:
@@ -140,6 +141,8 @@ def run_episodes(
     for e in episodes:
         if not e.over:  # max_turns ran out with the environment still answering
             e.finish = "length"
+        if e.failure is None:
+            _score(e, clock, limits.step_timeout_s)
     return _collect(episodes, rows, prompts, num_generations, tokenizer, clock)
 
 
@@ -216,6 +219,20 @@ def _take_turn(e: _Episode, comp: Completion, render: "_Render", tokenizer, cloc
     e.logps += [0.0] * len(suffix)
 
 
+def _score(e: _Episode, clock: _Clock, timeout_s) -> None:
+    try:
+        reward = clock.call(e.env.get_reward, timeout_s)
+    except CallTimeout as exc:
+        e.failure = f"row {e.row}: get_reward: {exc}"
+        return
+    except Exception as exc:  # noqa: BLE001 - a failed episode is counted and bounded, not a crash
+        e.failure = f"row {e.row}: get_reward raised {type(exc).__name__}: {exc}"
+        return
+    if reward is not None and not isinstance(reward, (int, float)):
+        raise TypeError(f"row {e.row}: get_reward must return a number or None, got {type(reward).__name__}")
+    e.reward = None if reward is None else float(reward)
+
+
 def _ends_turn(comp: Completion, tokenizer) -> bool:
     return bool(comp.token_ids) and comp.token_ids[-1] == tokenizer.eos_token_id
 
@@ -274,7 +291,7 @@ def _collect(episodes, rows, prompts, g, tokenizer, clock: _Clock) -> EpisodeBat
             completions=[Completion(
                 token_ids=e.tokens,
                 text=tokenizer.decode(e.tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False),
-                finish_reason=e.finish, logps=e.logps, loss_mask=e.mask,
+                finish_reason=e.finish, logps=e.logps, loss_mask=e.mask, env_reward=e.reward,
             ) for e in group],
         ))
     done = [e for e in episodes if e.failure is None]

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 Message = dict[str, Any]
+ENVIRONMENT_COLUMN = "environment"  # TRL's dataset column: the name of each row's environment
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,11 @@ class Environment(Protocol):
 
     def step(self, messages: Sequence[Message], assistant: Message) -> StepResult:
         """Answer the assistant's newest turn; ``messages`` is the conversation before it."""
+        ...
+
+    def get_reward(self) -> float | None:
+        """The environment's score of the episode, asked once when it ends however it ended (TRL's
+        ``get_reward``; the ``environment`` reward function reads it); None: the environment does not score."""
         ...
 
 

@@ -7,12 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from maxent_grpo.envs.episodes import EpisodeLimits
-from maxent_grpo.envs.protocol import ENVIRONMENTS, EnvironmentFactory
+from maxent_grpo.envs.protocol import ENVIRONMENT_COLUMN, ENVIRONMENTS, EnvironmentFactory
 from maxent_grpo.envs.tool_env import ToolEnvironment
+from maxent_grpo.envs.trl_compat import TRLEnvironment, is_trl_environment
 from maxent_grpo.errors import ConfigError, DataError
 from maxent_grpo.rewards.user_code import RewardImportError, import_reference
-
-ENVIRONMENT_COLUMN = "environment"  # TRL's column name: the environment each row plays
 
 
 @dataclass
@@ -22,6 +21,10 @@ class EnvironmentConfig:
     name: str | None = None
     # module:function or file.py:function tools; with no name they make the "tools" environment.
     tools: list[str] = field(default_factory=list)
+    # This run's own environments, name -> module:Class or file.py:Class: a class of this package's
+    # protocol (reset, step, tools) or a TRL environment_factory class (reset, public methods as tools,
+    # optional get_reward), used unchanged.
+    classes: dict[str, str] = field(default_factory=dict)
     max_turns: int = 4
     # Sampled tokens over all turns (null: max_turns x generation.max_new_tokens, the per-turn cap).
     max_model_tokens: int | None = None
@@ -34,11 +37,13 @@ class EnvironmentConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.name is not None or bool(self.tools)
+        return self.name is not None or bool(self.tools) or bool(self.classes)
 
     @property
     def default_name(self) -> str:
-        return self.name if self.name is not None else "tools"
+        if self.name is not None:
+            return self.name
+        return next(iter(self.classes)) if self.classes and not self.tools else "tools"
 
 
 def episode_limits(env: EnvironmentConfig, max_new_tokens: int) -> EpisodeLimits | None:
@@ -65,6 +70,14 @@ def row_environments(env: EnvironmentConfig, column: Sequence[Any] | None) -> Ca
             except RewardImportError as err:
                 raise ConfigError(f"environment.tools[{i}]: {err}") from None
         table["tools"] = lambda: ToolEnvironment(tools, call_timeout_s=env.tool_timeout_s)
+    for name, ref in env.classes.items():
+        try:
+            cls = import_reference(ref)
+        except RewardImportError as err:
+            raise ConfigError(f"environment.classes.{name}: {err}") from None
+        if not isinstance(cls, type):
+            raise ConfigError(f"environment.classes.{name}: {ref} is a {type(cls).__name__}, not a class")
+        table[name] = _trl_factory(cls, env.tool_timeout_s) if is_trl_environment(cls) else cls
     default = env.default_name
     if default not in table:
         raise ConfigError(f"environment.name: no environment {default!r}; registered: {', '.join(sorted(table))}")
@@ -78,3 +91,7 @@ def row_environments(env: EnvironmentConfig, column: Sequence[Any] | None) -> Ca
         return table[name if name is not None else default]
 
     return factory
+
+
+def _trl_factory(cls: type, timeout_s: float | None) -> EnvironmentFactory:
+    return lambda: TRLEnvironment(cls(), call_timeout_s=timeout_s)

@@ -374,6 +374,22 @@ def make_reasoning_gym(*, entry_column: str = "rg_entry", task_column: str = "ta
     return _named(reasoning_gym_reward, "reasoning_gym")
 
 
+ENV_REWARD_COLUMN = "environment_reward"  # each episode's score from its environment (envs/)
+
+
+def make_environment() -> RewardFunction:
+    """The environment's own score of each multi-turn episode (TRL's ``get_reward``), None where it gave none.
+
+    Reads the ``environment_reward`` column the training pipeline adds when the run plays episodes.
+    """
+
+    def environment_reward(prompts, completions, **columns) -> list[float | None]:
+        return [None if r is None else float(r)
+                for r in _column(columns, ENV_REWARD_COLUMN, len(completions), "environment")]
+
+    return _named(environment_reward, "environment")
+
+
 accuracy_reward = make_accuracy()
 boxed_accuracy_reward = make_boxed_accuracy()
 format_reward = make_format()

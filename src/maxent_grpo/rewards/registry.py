@@ -41,6 +41,7 @@ REWARD_FUNCTIONS: dict[str, Callable[..., RewardFunction]] = {
     "reasoning_gym": builtin.make_reasoning_gym,
     "code_unit_tests": code.make_code_unit_tests,
     "code_check": code.make_code_check,
+    "environment": builtin.make_environment,  # a multi-turn episode's score from its environment (envs/)
     "modebench": make_modebench_reward,  # the ModeBench task verifiers (data.source: modebench:<task>)
 }
 

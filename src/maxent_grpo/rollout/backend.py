@@ -67,6 +67,7 @@ class Completion:
     finish_reason: str  # "stop" | "length"
     logps: list[float] | None = None  # behaviour log-probs, one per token
     loss_mask: list[int] | None = None  # 1: the model sampled the token; 0: the environment wrote it
+    env_reward: float | None = None  # an episode's score from its environment (None: it gave none)
 
     def __post_init__(self) -> None:
         if self.finish_reason not in FINISH_REASONS:
@@ -119,6 +120,8 @@ class RolloutBatch:
     num_generations: int
     # Per-token 1/0: model / environment token (multi-turn episodes); None: every token the model's.
     loss_masks: list[list[int]] | None = None
+    # Each episode's score from its environment (None where it gave none); None for one-shot prompts.
+    env_rewards: list[float | None] | None = None
 
     def __post_init__(self) -> None:
         g = self.num_generations
@@ -147,6 +150,8 @@ class RolloutBatch:
             len(self.loss_masks) != n or any(len(m) != len(ids) for m, ids in zip(self.loss_masks, self.completion_ids))
         ):
             raise ValueError("loss_masks must have one entry per completion token")
+        if self.env_rewards is not None and len(self.env_rewards) != n:
+            raise ValueError(f"env_rewards has {len(self.env_rewards)} rows, expected {n}")
 
     @property
     def num_prompts(self) -> int:
@@ -178,6 +183,7 @@ def build_rollout_batch(groups: Sequence[PromptGroup], num_generations: int) -> 
             [list(c.loss_mask) if c.loss_mask is not None else [1] * len(c.token_ids) for c in comps]
             if any(c.loss_mask is not None for c in comps) else None
         ),
+        env_rewards=[c.env_reward for c in comps] if any(c.env_reward is not None for c in comps) else None,
     )
 
 
@@ -194,6 +200,7 @@ def select_groups(batch: RolloutBatch, keep: Sequence[int]) -> RolloutBatch:
         behaviour_logps=None if batch.behaviour_logps is None else [batch.behaviour_logps[i] for i in rows],
         num_generations=g,
         loss_masks=None if batch.loss_masks is None else [batch.loss_masks[i] for i in rows],
+        env_rewards=None if batch.env_rewards is None else [batch.env_rewards[i] for i in rows],
     )
 
 
@@ -218,6 +225,9 @@ def concat_rollouts(batches: Sequence[RolloutBatch]) -> RolloutBatch:
             m for b in batches
             for m in (b.loss_masks if b.loss_masks is not None else [[1] * len(ids) for ids in b.completion_ids])
         ] if with_masks else None,
+        env_rewards=[
+            r for b in batches for r in (b.env_rewards if b.env_rewards is not None else [None] * b.num_completions)
+        ] if any(b.env_rewards is not None for b in batches) else None,
     )
 
 

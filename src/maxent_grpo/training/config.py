@@ -240,6 +240,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict[str,
         if ":" in entry.name:
             entry.name = resolve_reference(entry.name, config_dir)
     cfg.environment.tools = [resolve_reference(tool, config_dir) for tool in cfg.environment.tools]
+    cfg.environment.classes = {k: resolve_reference(v, config_dir) for k, v in cfg.environment.classes.items()}
     cfg.data.source = _resolve_data_file(cfg.data.source, config_dir)
     return cfg
 
@@ -350,11 +351,16 @@ def _check_environment(cfg: TrainConfig) -> None:
            f"must be > 0 or null, got {e.tool_timeout_s!r}")
     if not e.enabled:
         return
+    known = {*ENVIRONMENTS, *e.classes, *(["tools"] if e.tools else [])}
     if e.name is not None:
-        _check(e.name in ENVIRONMENTS, "environment.name",
-               f"no environment {e.name!r}{_suggest(e.name, ENVIRONMENTS)}; registered: {', '.join(sorted(ENVIRONMENTS))}")
+        _check(e.name in known, "environment.name",
+               f"no environment {e.name!r}{_suggest(e.name, known)}; registered: {', '.join(sorted(known))}")
     for i, tool in enumerate(e.tools):
         _check(":" in tool, f"environment.tools[{i}]", f"must look like 'module:function' or 'file.py:function', got {tool!r}")
+    for name, ref in e.classes.items():
+        _check(name not in ENVIRONMENTS and name != "tools", f"environment.classes.{name}",
+               "the name is taken by a registered environment; choose another")
+        _check(":" in ref, f"environment.classes.{name}", f"must look like 'module:Class' or 'file.py:Class', got {ref!r}")
     _check(BACKENDS[cfg.generation.backend].continues_from_ids, "generation.backend",
            f"{cfg.generation.backend} cannot continue an episode from its token ids yet; use hf with environment:")
     _check(not STRATEGIES[cfg.training.strategy].collective_forward, "training.strategy",

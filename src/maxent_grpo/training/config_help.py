@@ -46,6 +46,7 @@ HELP: dict[str, str] = {
     "generation.vllm.max_model_len": "vllm: longest prompt + completion the engine plans for (null = the model's)",
     "environment.name": "registered environment each row plays over several turns (maxent_grpo.envs, e.g. calculator); null with no tools = one-shot prompts; a dataset column 'environment' picks one per row",
     "environment.tools": "module:function or file.py:function tools the model may call (Hermes <tool_call> JSON); with no name they make the 'tools' environment",
+    "environment.classes": "this run's environments, name -> module:Class or file.py:Class (this package's protocol, or a TRL environment_factory class used unchanged)",
     "environment.max_turns": "most model turns in an episode",
     "environment.max_model_tokens": "most sampled tokens over an episode's turns (null = max_turns x generation.max_new_tokens)",
     "environment.max_episode_tokens": "most model plus environment tokens after the prompt",

@@ -29,6 +29,7 @@ from maxent_grpo.rewards.maxent import (
     apply_policy_entropy_bonus,
     compute_reward_statistics,
 )
+from maxent_grpo.rewards.builtin import ENV_REWARD_COLUMN
 from maxent_grpo.rewards.registry import RewardFunctionError, RewardSpec, evaluate_rewards, grouped_reward_inputs
 from maxent_grpo.rollout.backend import (
     GenerationBackend,
@@ -188,9 +189,12 @@ def _reward_matrix(ctx: PipelineContext, rows: list[dict], rollout: RolloutBatch
 
 
 def _call_rewards(ctx: PipelineContext, rows: list[dict], rollout: RolloutBatch) -> torch.Tensor:
-    inputs = grouped_reward_inputs(rows, rollout.completion_texts, rollout.completion_ids, rollout.num_generations)
+    prompts, completions, columns = grouped_reward_inputs(
+        rows, rollout.completion_texts, rollout.completion_ids, rollout.num_generations)
+    if rollout.env_rewards is not None:  # the `environment` reward function reads them
+        columns[ENV_REWARD_COLUMN] = list(rollout.env_rewards)
     try:
-        rewards = evaluate_rewards(ctx.reward_spec, *inputs)
+        rewards = evaluate_rewards(ctx.reward_spec, prompts, completions, columns)
     except RewardFunctionError as err:
         raise SkipBatch("reward", str(err)) from err
     if torch.isnan(rewards).all():

@@ -14,7 +14,8 @@ from datasets import Dataset
 from transformers import get_scheduler
 
 from maxent_grpo.core.step import Comm
-from maxent_grpo.envs.settings import ENVIRONMENT_COLUMN, row_environments
+from maxent_grpo.envs import ENVIRONMENT_COLUMN
+from maxent_grpo.envs.settings import row_environments
 from maxent_grpo.data.datasets import PromptSampler, load_prompt_dataset, split_train_eval
 from maxent_grpo.models import (
     apply_lora, enable_activation_checkpointing, load_model_and_tokenizer, load_reference_model, parse_dtype,

@@ -2,8 +2,9 @@
 
     python benchmarks/default_learning.py --seeds 0 1 2 [--out outputs/default] [-- extra train args]
 
-For each seed: wall time, and the mean reward (and per-reward means) over the first
-and the last fifth of the optimizer steps, read from the run's metrics.jsonl.
+For each seed: wall time, and the mean reward (and per-reward means; tool calls and turns
+per episode for a multi-turn run) over the first and the last fifth of the optimizer steps,
+read from the run's metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def main() -> None:
         wall = time.perf_counter() - t0
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
         names = [k for k in rows[0] if k.startswith("rewards/") and k.endswith("/mean")]
+        names += [k for k in ("env/tool_calls", "env/turns") if k in rows[0]]  # multi-turn runs
         table.append((seed, wall, len(rows), fifths(rows, "reward"), {k: fifths(rows, k) for k in names}))
     print("\n| seed | wall (s) | steps | reward first 1/5 | reward last 1/5 | " +
           " | ".join(f"{k.split('/')[1]} first -> last" for k in table[0][4]) + " |")

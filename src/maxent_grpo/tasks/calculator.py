@@ -10,6 +10,7 @@ walk, never ``eval``).
 from __future__ import annotations
 
 import ast
+import json
 import operator
 import random
 
@@ -46,14 +47,20 @@ def question(a: int, b: int) -> str:
     return f"What is {a} * {b}? {INSTRUCTION}"
 
 
-# One solved episode before every problem: the call, the tool's answer, the boxed result.
-EXAMPLE = [
-    {"role": "user", "content": question(4821, 37)},
-    {"role": "assistant",
-     "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "4821 * 37"}}\n</tool_call>'},
-    {"role": "tool", "name": "calculator", "content": "178377"},
-    {"role": "assistant", "content": "4821 * 37 = \\boxed{178377}"},
-]
+def solved(a: int, b: int) -> list[dict]:
+    """A solved episode: the call, the tool's answer, the boxed result."""
+    call = {"name": "calculator", "arguments": {"expression": f"{a} * {b}"}}
+    return [
+        {"role": "user", "content": question(a, b)},
+        {"role": "assistant", "content": f"<tool_call>\n{json.dumps(call)}\n</tool_call>"},
+        {"role": "tool", "name": "calculator", "content": str(a * b)},
+        {"role": "assistant", "content": f"{a} * {b} = \\boxed{{{a * b}}}"},
+    ]
+
+
+# Two solved episodes before every problem. With one, SmolLM2-135M copies the last assistant turn
+# (a boxed guess) and calls the tool in 1 of 32 samples; with two, in 12 of 32 (4 prompts x 8).
+EXAMPLE = [*solved(4821, 37), *solved(352, 14)]
 
 
 def make_problem(rng: random.Random) -> dict:

@@ -16,6 +16,9 @@ import torch
 
 from maxent_grpo.data.datasets import RG_PREFIX, load_prompt_dataset, split_train_eval
 from maxent_grpo.errors import ConfigError
+from maxent_grpo.envs import ENVIRONMENT_COLUMN
+from maxent_grpo.envs.episodes import EpisodePlay
+from maxent_grpo.envs.settings import episode_limits, row_environments
 from maxent_grpo.evaluate import eval_seed, evaluate_prompts, per_prompt_metrics, per_task_means, write_eval_outputs
 from maxent_grpo.models import load_model_and_tokenizer, parse_dtype, resolve_model_path
 from maxent_grpo.rewards.registry import build_reward_spec
@@ -102,6 +105,11 @@ def run_eval_cli(args) -> int:
     warn_training_overlap(rows, dataset, cfg.data.eval_size, cfg.training.seed, cfg.data.source)
     spec = build_reward_spec(cfg.rewards)
     g = cfg.generation
+    limits = episode_limits(cfg.environment, g.max_new_tokens)
+    # A multi-turn run is evaluated on episodes, each row with its environment (checked before the model loads).
+    episodes = None if limits is None else EpisodePlay(
+        row_environments(cfg.environment, [r[ENVIRONMENT_COLUMN] if ENVIRONMENT_COLUMN in r else None for r in rows]),
+        limits)
     BACKENDS[g.backend].check(g.vllm)  # before the model loads
     model_path = resolve_model_path(args.model)
     model, tokenizer = load_model_and_tokenizer(model_path, dtype=cfg.model.dtype, device=device)
@@ -118,7 +126,7 @@ def run_eval_cli(args) -> int:
     torch.manual_seed(eval_seed(cfg.training.seed))
     summary, records = evaluate_prompts(
         backend, tokenizer, rows, spec, k=k, sampling=sampling,
-        system_prompt=cfg.data.system_prompt, few_shot=cfg.data.few_shot,
+        system_prompt=cfg.data.system_prompt, few_shot=cfg.data.few_shot, episodes=episodes,
     )
     summary.update(per_task_means(per_prompt_metrics(records, k)))
     summary["model"] = str(args.model)

@@ -41,8 +41,9 @@ import numpy as np
 import torch
 
 from maxent_grpo.core.eval_metrics import PromptSamples, summarize_eval
-from maxent_grpo.data.prompts import FewShotExample, format_prompt
-from maxent_grpo.rewards.registry import RewardSpec, evaluate_rewards, grouped_reward_inputs
+from maxent_grpo.data.prompts import FewShotExample, format_prompt, prompt_messages
+from maxent_grpo.envs.episodes import EpisodePlay, run_episodes
+from maxent_grpo.rewards.registry import RewardSpec, evaluate_rewards, rollout_reward_inputs
 from maxent_grpo.rollout.backend import GenerationBackend, RolloutBatch, SamplingParams, generate_groups
 from maxent_grpo.run_files import write_text_atomic
 from maxent_grpo.tasks.answers import canonical_answer, extract_final_answer
@@ -71,12 +72,27 @@ def eval_seed(seed: int) -> int:
 
 def _score(spec: RewardSpec, rows: list[dict], batch: RolloutBatch) -> torch.Tensor:
     """Every reward function on ``batch``, called exactly as in training: ``[N, K]``, NaN for None."""
-    inputs = grouped_reward_inputs(rows, batch.completion_texts, batch.completion_ids, batch.num_generations)
-    return evaluate_rewards(spec, *inputs)
+    return evaluate_rewards(spec, *rollout_reward_inputs(rows, batch))
 
 
-def _records(spec: RewardSpec, rows: list[dict], batch: RolloutBatch, indices: list[int], mode: str) -> list[dict]:
-    """One record per completion; ``prompt_index`` indexes the evaluated rows."""
+def _sample(backend, tokenizer, rows: list[dict], k: int, params: SamplingParams, system_prompt, few_shot,
+            episodes: EpisodePlay | None) -> tuple[RolloutBatch, list[int]]:
+    """``k`` completions (or episodes) per row, and the rows whose group did not come back."""
+    if episodes is None:
+        prompts = [format_prompt(tokenizer, r["prompt"], system_prompt=system_prompt, few_shot=few_shot) for r in rows]
+        return generate_groups(backend, prompts, k, params, max_retry_rounds=1)
+    played = run_episodes(
+        backend, tokenizer, rows, [episodes.environments.factory(r) for r in rows], k, params, episodes.limits,
+        frame=lambda m: prompt_messages(m, system_prompt=system_prompt, few_shot=few_shot),
+    )
+    kept = set(played.kept_rows)
+    return played.rollout, [i for i in range(len(rows)) if i not in kept]
+
+
+def _records(spec: RewardSpec, rows: list[dict], batch: RolloutBatch, indices: list[int], mode: str,
+             episodes: EpisodePlay | None) -> list[dict]:
+    """One record per completion; ``prompt_index`` indexes the evaluated rows; ``task`` is the ModeBench
+    task or, in a multi-turn run, the row's environment."""
     scores = _score(spec, rows, batch)
     g, out = batch.num_generations, []
     for i, text in enumerate(batch.completion_texts):
@@ -94,7 +110,7 @@ def _records(spec: RewardSpec, rows: list[dict], batch: RolloutBatch, indices: l
             "score": score,
             "correct": score is not None and score >= CORRECT_THRESHOLD,
             "answer": canonical_answer(answer) if answer is not None else None,
-            "task": rows[i // g].get("mb_task"),
+            "task": episodes.environments.name(rows[i // g]) if episodes is not None else rows[i // g].get("mb_task"),
             "mode_key": None if modes is None else modes[0],
             "num_valid": None if modes is None else modes[1],
             "length": len(batch.completion_ids[i]),
@@ -114,6 +130,7 @@ def evaluate_prompts(
     system_prompt: str | None = None,
     few_shot: Sequence[FewShotExample] = (),
     greedy: bool = True,
+    episodes: EpisodePlay | None = None,
 ) -> tuple[dict[str, float], list[dict]]:
     """Sample ``k`` completions per row (and one greedy one); return the summary and one record per completion.
 
@@ -122,25 +139,27 @@ def evaluate_prompts(
     came back). Records carry ``mode`` ("sampled" or "greedy"), ``prompt_index`` (into
     ``rows``), ``sample``, the completion, every reward (``rewards``), the deciding
     ``score``, ``correct``, the canonical ``answer``, ``length`` and ``finish_reason``.
+    With ``episodes`` each sample is a multi-turn episode (``envs/episodes.py``) and ``task``
+    names its environment.
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be a positive int, got {k!r}")
     if not rows:
         raise ValueError("rows must not be empty")
-    prompts = [format_prompt(tokenizer, r["prompt"], system_prompt=system_prompt, few_shot=few_shot) for r in rows]
     # Groups of k = 1 are legal here: evaluation needs no group statistics.
-    sampled, dropped = generate_groups(backend, prompts, k, sampling, max_retry_rounds=1)
+    sampled, dropped = _sample(backend, tokenizer, rows, k, sampling, system_prompt, few_shot, episodes)
     kept = [i for i in range(len(rows)) if i not in set(dropped)]
     if not kept:
         raise RuntimeError(f"evaluation: no prompt got its {k} samples back from the generator")
-    records = _records(spec, [rows[i] for i in kept], sampled, kept, "sampled")
+    records = _records(spec, [rows[i] for i in kept], sampled, kept, "sampled", episodes)
     greedy_correct: dict[int, bool] = {}
     if greedy:
         params = replace(sampling, do_sample=False, temperature=1.0, top_p=1.0, top_k=0)
-        gbatch, gdropped = generate_groups(backend, [prompts[i] for i in kept], 1, params, max_retry_rounds=1)
+        gbatch, gdropped = _sample(backend, tokenizer, [rows[i] for i in kept], 1, params, system_prompt, few_shot,
+                                   episodes)
         gkept = [kept[j] for j in range(len(kept)) if j not in set(gdropped)]
         if gkept:
-            greedy_records = _records(spec, [rows[i] for i in gkept], gbatch, gkept, "greedy")
+            greedy_records = _records(spec, [rows[i] for i in gkept], gbatch, gkept, "greedy", episodes)
             records += greedy_records
             greedy_correct = {r["prompt_index"]: r["correct"] for r in greedy_records}
     per_prompt = [
@@ -201,7 +220,8 @@ def write_eval_outputs(out_dir: str | Path, summary: dict, records: list[dict]) 
 
 
 def per_task_means(per_prompt: list[dict]) -> dict[str, float]:
-    """``<task>/<metric>``: each metric pooled over the prompts of each ModeBench task (empty without tasks)."""
+    """``<task>/<metric>``: each metric pooled over the prompts of each task (a ModeBench task, or a
+    multi-turn run's environment; empty without tasks)."""
     out: dict[str, float] = {}
     for task in sorted({p["task"] for p in per_prompt if p["task"] is not None}):
         mine = [p for p in per_prompt if p["task"] == task]

@@ -64,18 +64,23 @@ def test_a_trl_class_is_adapted_its_public_methods_are_tools(tmp_path):
     assert 1.0 <= env.get_reward() < 2.0  # one call, plus the class's own noise
 
 
-def test_a_trl_environment_factory_class_trains_unchanged(tmp_path, tiny_model_dir):
+def test_a_trl_environment_factory_class_trains_unchanged_beside_a_registered_one(tmp_path, tiny_model_dir):
+    """Rows name their environment (TRL's column): the user's TRL class on odd rows, the built-in
+    calculator (the default) on the others; validation reports each task on its own."""
     path, _ = _adder(tmp_path)
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1),
-                                        "environment": "adder" if i % 2 else None}) + "\n" for i in range(8)))
+                                        "environment": "adder" if i % 2 else None}) + "\n" for i in range(16)))
     out = tmp_path / "run"
-    args = tiny_overrides(tiny_model_dir, out, rewards="[{name: environment}]", extra=[
-        f"data.source={data}", f"environment.classes={{adder: {path}:Adder}}", "environment.name=adder",
-        "environment.max_turns=2", "data.task_kwargs={}", "data.few_shot=[]"])
+    args = tiny_overrides(tiny_model_dir, out, rewards="[{name: environment}, {name: boxed_accuracy}]", extra=[
+        f"data.source={data}", f"environment.classes={{adder: {path}:Adder}}", "environment.name=calculator",
+        "environment.max_turns=2", "data.task_kwargs={}", "data.few_shot=[]", "data.eval_size=8",
+        "eval.every_steps=1", "eval.num_prompts=8", "eval.k=2"])
     assert main(["train", *args]) == 0
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
-    # No completion of the tiny model calls a tool: each score is the class's own noise in [0, 1).
+    # No completion of the tiny model calls a tool: the adder's score is its own noise in [0, 1)
+    # and the calculator gives none, so the mean is over the adder's episodes.
     assert all(0.0 <= r["rewards/environment/mean"] < 1.0 for r in rows)
     assert all("env/turns" in r and r["env/turns"] >= 1 for r in rows)
+    assert all(f"eval/{task}/pass@1" in r for task in ("adder", "calculator") for r in rows)

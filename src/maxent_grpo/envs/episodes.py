@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from maxent_grpo.core.bounds import require
-from maxent_grpo.envs.protocol import Environment, EnvironmentFactory, Message, StepResult
+from maxent_grpo.envs.protocol import Environment, EnvironmentFactory, Message, RowEnvironments, StepResult
 from maxent_grpo.envs.tools import CallTimeout, call_with_timeout, hermes_system_prompt, template_renders_tools, tool_schemas
 from maxent_grpo.rollout.backend import Completion, PromptGroup, RolloutBatch, SamplingParams, build_rollout_batch
 
@@ -81,6 +81,14 @@ class _Episode:
     @property
     def over(self) -> bool:
         return self.finish is not None or self.failure is not None
+
+
+@dataclass(frozen=True)
+class EpisodePlay:
+    """How a run plays episodes: each row's environment and the limits."""
+
+    environments: RowEnvironments
+    limits: EpisodeLimits
 
 
 @dataclass(frozen=True)

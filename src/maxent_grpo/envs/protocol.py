@@ -84,3 +84,18 @@ def get_environment(name: str) -> EnvironmentFactory:
     if name not in ENVIRONMENTS:
         raise KeyError(f"no environment {name!r}; registered: {', '.join(sorted(ENVIRONMENTS)) or 'none'}")
     return ENVIRONMENTS[name]
+
+
+@dataclass(frozen=True)
+class RowEnvironments:
+    """Which environment each dataset row plays: its ``environment`` column, else ``default``."""
+
+    table: Mapping[str, EnvironmentFactory]
+    default: str
+
+    def name(self, row: Mapping[str, Any]) -> str:
+        named = row[ENVIRONMENT_COLUMN] if ENVIRONMENT_COLUMN in row else None
+        return named if named is not None else self.default
+
+    def factory(self, row: Mapping[str, Any]) -> EnvironmentFactory:
+        return self.table[self.name(row)]

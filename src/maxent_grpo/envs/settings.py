@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from maxent_grpo.envs.episodes import EpisodeLimits
-from maxent_grpo.envs.protocol import ENVIRONMENT_COLUMN, ENVIRONMENTS, EnvironmentFactory
+from maxent_grpo.envs.protocol import ENVIRONMENT_COLUMN, ENVIRONMENTS, EnvironmentFactory, RowEnvironments
 from maxent_grpo.envs.tool_env import ToolEnvironment
 from maxent_grpo.envs.trl_compat import TRLEnvironment, is_trl_environment
 from maxent_grpo.errors import ConfigError, DataError
@@ -55,11 +55,11 @@ def episode_limits(env: EnvironmentConfig, max_new_tokens: int) -> EpisodeLimits
                          step_timeout_s=env.step_timeout_s)
 
 
-def row_environments(env: EnvironmentConfig, column: Sequence[Any] | None) -> Callable[[Mapping], EnvironmentFactory]:
-    """The environment factory of each row: its ``environment`` column, else ``env``'s default.
+def row_environments(env: EnvironmentConfig, column: Sequence[Any] | None) -> RowEnvironments:
+    """Which environment each row plays: its ``environment`` column, else ``env``'s default.
 
-    Imports the configured tools and checks every row's name, so a bad one stops the run
-    before the model loads (one line naming the row and the column).
+    Imports the configured tools and classes and checks every row's name, so a bad one stops
+    the run before the model loads (one line naming the row and the column).
     """
     table = dict(ENVIRONMENTS)
     if env.tools:
@@ -85,12 +85,7 @@ def row_environments(env: EnvironmentConfig, column: Sequence[Any] | None) -> Ca
         if name is not None and name not in table:
             raise DataError(f"row {row}: column {ENVIRONMENT_COLUMN!r} names {name!r}, which is no environment; "
                             f"registered: {', '.join(sorted(table))}")
-
-    def factory(row: Mapping) -> EnvironmentFactory:
-        name = row[ENVIRONMENT_COLUMN] if ENVIRONMENT_COLUMN in row else None
-        return table[name if name is not None else default]
-
-    return factory
+    return RowEnvironments(table, default)
 
 
 def _trl_factory(cls: type, timeout_s: float | None) -> EnvironmentFactory:

@@ -26,6 +26,7 @@ from maxent_grpo.rewards import builtin, code
 from maxent_grpo.rewards.builtin import RewardFunction
 from maxent_grpo.rewards.invoke import call_all
 from maxent_grpo.rewards.user_code import import_reference, split_reference
+from maxent_grpo.rollout.backend import RolloutBatch
 from maxent_grpo.tasks.modebench import make_modebench_reward
 
 REWARD_FUNCTIONS: dict[str, Callable[..., RewardFunction]] = {
@@ -204,6 +205,16 @@ def grouped_reward_inputs(
     )
     columns = {k: [r[k] for r in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
     columns["completion_ids"] = [list(ids) for ids in completion_ids]
+    return prompts, completions, columns
+
+
+def rollout_reward_inputs(rows: list[dict], rollout: RolloutBatch) -> tuple[list, list, dict[str, list]]:
+    """:func:`grouped_reward_inputs` of a rollout, with its episodes' own scores (``environment_reward``)
+    for the ``environment`` reward function when it holds multi-turn episodes."""
+    prompts, completions, columns = grouped_reward_inputs(
+        rows, rollout.completion_texts, rollout.completion_ids, rollout.num_generations)
+    if rollout.env_rewards is not None:
+        columns[builtin.ENV_REWARD_COLUMN] = list(rollout.env_rewards)
     return prompts, completions, columns
 
 

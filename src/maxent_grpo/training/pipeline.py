@@ -29,8 +29,7 @@ from maxent_grpo.rewards.maxent import (
     apply_policy_entropy_bonus,
     compute_reward_statistics,
 )
-from maxent_grpo.rewards.builtin import ENV_REWARD_COLUMN
-from maxent_grpo.rewards.registry import RewardFunctionError, RewardSpec, evaluate_rewards, grouped_reward_inputs
+from maxent_grpo.rewards.registry import RewardFunctionError, RewardSpec, evaluate_rewards, rollout_reward_inputs
 from maxent_grpo.rollout.backend import (
     GenerationBackend,
     PackedRollout,
@@ -41,8 +40,7 @@ from maxent_grpo.rollout.backend import (
     select_groups,
 )
 from maxent_grpo.data.prompts import format_prompt, prompt_messages
-from maxent_grpo.envs.episodes import run_episodes
-from maxent_grpo.envs.protocol import EnvironmentFactory
+from maxent_grpo.envs.episodes import EpisodePlay, run_episodes
 from maxent_grpo.training.diversity import group_diversity
 from maxent_grpo.training.distributed import Dist
 from maxent_grpo.training.plan import RunPlan
@@ -70,8 +68,8 @@ class PipelineContext:
     # Completion log-probs [N, T] under the frozen reference, no grad: (input_ids, attention_mask,
     # prompt_length) -> [N, T]; None when the method scores no reference.
     reference_logps: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
-    # Multi-turn episodes: the environment factory of a row (plan.batch.episodes set); None: one-shot prompts.
-    environment_of: Callable[[dict], EnvironmentFactory] | None = None
+    # Multi-turn episodes: each row's environment and the limits; None: one-shot prompts.
+    episodes: EpisodePlay | None = None
     skips: Counter = field(default_factory=Counter)
     last_error: str | None = None
 
@@ -144,8 +142,8 @@ class PreparedBatch:
 
 def _generate(ctx: PipelineContext, rows: list[dict]) -> tuple[list[dict], RolloutBatch, dict[str, float]]:
     b = ctx.plan.batch
-    if b.episodes is not None:
-        return _play_episodes(ctx, rows)
+    if ctx.episodes is not None:
+        return _play_episodes(ctx, ctx.episodes, rows)
     prompts = [format_prompt(ctx.tokenizer, r["prompt"], system_prompt=b.system_prompt, few_shot=list(b.few_shot))
                for r in rows]
     try:
@@ -162,13 +160,14 @@ def _generate(ctx: PipelineContext, rows: list[dict]) -> tuple[list[dict], Rollo
     return rows, rollout, {}
 
 
-def _play_episodes(ctx: PipelineContext, rows: list[dict]) -> tuple[list[dict], RolloutBatch, dict[str, float]]:
+def _play_episodes(ctx: PipelineContext, play: EpisodePlay, rows: list[dict]) -> tuple[list[dict], RolloutBatch, dict]:
     """Multi-turn rollouts (envs/episodes.py): a row whose episodes failed leaves with its group."""
     b = ctx.plan.batch
     try:
         played = run_episodes(
-            ctx.backend, ctx.tokenizer, rows, [ctx.environment_of(r) for r in rows], b.num_generations, b.sampling,
-            b.episodes, frame=lambda m: prompt_messages(m, system_prompt=b.system_prompt, few_shot=list(b.few_shot)),
+            ctx.backend, ctx.tokenizer, rows, [play.environments.factory(r) for r in rows], b.num_generations,
+            b.sampling, play.limits,
+            frame=lambda m: prompt_messages(m, system_prompt=b.system_prompt, few_shot=list(b.few_shot)),
         )
     except (RuntimeError, ValueError) as err:
         raise SkipBatch("generation", str(err)) from err
@@ -189,12 +188,8 @@ def _reward_matrix(ctx: PipelineContext, rows: list[dict], rollout: RolloutBatch
 
 
 def _call_rewards(ctx: PipelineContext, rows: list[dict], rollout: RolloutBatch) -> torch.Tensor:
-    prompts, completions, columns = grouped_reward_inputs(
-        rows, rollout.completion_texts, rollout.completion_ids, rollout.num_generations)
-    if rollout.env_rewards is not None:  # the `environment` reward function reads them
-        columns[ENV_REWARD_COLUMN] = list(rollout.env_rewards)
     try:
-        rewards = evaluate_rewards(ctx.reward_spec, prompts, completions, columns)
+        rewards = evaluate_rewards(ctx.reward_spec, *rollout_reward_inputs(rows, rollout))
     except RewardFunctionError as err:
         raise SkipBatch("reward", str(err)) from err
     if torch.isnan(rewards).all():

@@ -15,6 +15,7 @@ from transformers import get_scheduler
 
 from maxent_grpo.core.step import Comm
 from maxent_grpo.envs import ENVIRONMENT_COLUMN
+from maxent_grpo.envs.episodes import EpisodePlay
 from maxent_grpo.envs.settings import row_environments
 from maxent_grpo.data.datasets import PromptSampler, load_prompt_dataset, split_train_eval
 from maxent_grpo.models import (
@@ -190,7 +191,7 @@ def build_run(
         plan=plan, model=model, tokenizer=tokenizer,
         backend=_generation_backend(cfg, model, tokenizer, model_path, output_dir, dist, strategy),
         reward_spec=reward_spec, weighting=weighting_from_config(cfg), dist=dist, reference_logps=reference,
-        environment_of=environments,
+        episodes=None if environments is None else EpisodePlay(environments, plan.batch.episodes),
     )
     run = Run(
         cfg=cfg, output_dir=output_dir, ctx=ctx, train_model=train_model, optimizer=optimizer,

@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from maxent_grpo.evaluate import eval_seed, evaluate_prompts, write_eval_outputs
+from maxent_grpo.evaluate import eval_seed, evaluate_prompts, per_prompt_metrics, per_task_means, write_eval_outputs
 
 
 def validate(run, step: int) -> dict[str, float]:
@@ -28,10 +28,12 @@ def validate(run, step: int) -> dict[str, float]:
             summary, records = evaluate_prompts(
                 run.ctx.backend, run.ctx.tokenizer, rows, run.ctx.reward_spec,
                 k=cfg.eval.k, sampling=run.ctx.plan.batch.sampling,
-                system_prompt=cfg.data.system_prompt, few_shot=cfg.data.few_shot,
+                system_prompt=cfg.data.system_prompt, few_shot=cfg.data.few_shot, episodes=run.ctx.episodes,
             )
         finally:
             random.setstate(py_state)
     if run.ctx.dist.is_main:
         write_eval_outputs(run.output_dir / "eval" / f"step-{step}", summary, records)
-    return {f"eval/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))}
+    # Each task on its own (a ModeBench task, a multi-turn run's environment), beside the pooled numbers.
+    per_task = per_task_means(per_prompt_metrics(records, cfg.eval.k))
+    return {f"eval/{k}": float(v) for k, v in {**summary, **per_task}.items() if isinstance(v, (int, float))}

@@ -128,6 +128,9 @@ def _config_values(cfg: dict):
 def _check_vllm(vllm: VllmConfig, model_path: str) -> None:
     _check_vllm_package()
     _check_not_moe(model_path)
+    if vllm.enable_sleep_mode and not torch.cuda.is_available():
+        raise ConfigError("generation.vllm.enable_sleep_mode: vLLM's sleep mode needs a CUDA GPU "
+                          "(it is refused on this device); set it to false")
 
 
 def _build_vllm(i: BackendInputs) -> GenerationBackend:

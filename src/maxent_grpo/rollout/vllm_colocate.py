@@ -54,7 +54,9 @@ class VLLMColocateBackend:
             model=str(model_path),
             tokenizer=str(model_path),
             dtype=self.dtype,
-            seed=seed,
+            # The engine seeds numpy with it, which takes 32 bits (eval's seeds are 63-bit); our samples
+            # draw from per-request seeds (request_seeds), not from this one.
+            seed=seed % 2**32,
             gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len,
             enable_sleep_mode=enable_sleep_mode,

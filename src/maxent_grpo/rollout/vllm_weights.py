@@ -9,7 +9,7 @@ of the base model's checkpoint (what vLLM's ``load_weights`` expects).
   head is cast and gathered once (the second name reuses the first tensor,
   which is therefore held until then).
 * A LoRA policy (peft) is pushed merged: for each adapted layer the base
-  weight plus ``scaling * B @ A`` (peft's ``get_delta_weight``), computed in
+  weight plus ``scaling * B @ A`` (peft's ``get_delta_weight``), summed in
   float32 and then cast, under the base layer's own name; the adapter tensors
   themselves are not sent. The trained peft model is not changed (no
   ``merge_adapter``): the push reads it only.
@@ -67,15 +67,17 @@ def _gathered(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def _merged_weight(layer, weight: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """``weight + sum over active adapters of scaling * B @ A``, in float32, then cast."""
+    """``weight + sum over active adapters of scaling * B @ A`` (peft's ``get_delta_weight``, in the
+    adapters' dtype), summed in float32 or wider, then cast."""
     if layer.merged:
         raise RuntimeError("the LoRA adapters are merged into the base weights already; the push expects them apart")
-    merged = weight.detach().to(torch.float32)
+    wide = torch.promote_types(torch.float32, dtype if dtype is not None else weight.dtype)
+    merged = weight.detach().to(wide)
     if not layer.disable_adapters:
         for adapter in layer.active_adapters:
             if adapter not in layer.lora_A and adapter not in layer.lora_embedding_A:
                 continue
             if layer.use_dora.get(adapter, False):
                 raise RuntimeError("DoRA adapters cannot be pushed merged to vLLM")
-            merged = merged + layer.get_delta_weight(adapter).to(torch.float32)
+            merged = merged + layer.get_delta_weight(adapter).to(wide)
     return merged.to(dtype if dtype is not None else weight.dtype)

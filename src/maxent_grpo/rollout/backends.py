@@ -91,8 +91,8 @@ def _installed_vllm() -> str | None:
     return None
 
 
-def _check_vllm_package() -> None:
-    installed = _installed_vllm() if importlib.util.find_spec("vllm") is not None else None
+def check_vllm_version(installed: str | None) -> None:
+    """One line when vLLM is missing (``installed`` None) or older than ``VLLM_FLOOR``."""
     if installed is None:
         raise ConfigError(
             "generation.backend: the vLLM backends need the vllm package: pip install 'maxent-grpo[vllm]' on a GPU "
@@ -126,8 +126,8 @@ def _config_values(cfg: dict):
 
 
 def _check_vllm(vllm: VllmConfig, model_path: str) -> None:
-    _check_vllm_package()
     _check_not_moe(model_path)
+    check_vllm_version(_installed_vllm() if importlib.util.find_spec("vllm") is not None else None)
     if vllm.enable_sleep_mode and not torch.cuda.is_available():
         raise ConfigError("generation.vllm.enable_sleep_mode: vLLM's sleep mode needs a CUDA GPU "
                           "(it is refused on this device); set it to false")

@@ -177,26 +177,6 @@ def test_stop_string_is_kept_and_ends_the_completion(engine, tokenizer):
         assert "1" not in prefix or c.token_ids[-1] == tokenizer.eos_token_id
 
 
-def test_bf16_sampler_shows_a_mismatch_and_fp32_none(engine, vllm_model_dir, tokenizer):
-    model = _policy(vllm_model_dir)
-    prompts = [_prompt(tokenizer), _prompt(tokenizer, "What is 10 + 2?")]
-    fp32 = mismatch_metrics(rollout_mismatch_sums(*_trainer_vs_sampler(
-        model, engine.generate(prompts, 4, SAMPLING), 4, tokenizer.pad_token_id)))
-    bf16_engine = VLLMColocateBackend(vllm_model_dir, tokenizer, model_dtype=torch.float32,
-                                      sample_dtype=torch.bfloat16, enforce_eager=True)
-    bf16 = mismatch_metrics(rollout_mismatch_sums(*_trainer_vs_sampler(
-        model, bf16_engine.generate(prompts, 4, SAMPLING), 4, tokenizer.pad_token_id)))
-    del bf16_engine
-    assert fp32["sampling/sampling_logp_difference/max"] < 1e-5
-    assert abs(fp32["token_mult_prob_error"] - 1) < 1e-5
-    assert bf16["sampling/sampling_logp_difference/max"] > 1e-3
-    assert bf16["token_mult_prob_error"] > 1 + 1e-4
-    assert bf16["gen_kl_error"] > 0
-
-
-# ------------------------------------------------------------------ LoRA
-
-
 def _adapted_policy(model_dir, seed):
     """The fp32 policy with LoRA adapters (q/k/v/o and the MLP) moved away from zero, as training would."""
     from maxent_grpo.models import apply_lora
@@ -238,6 +218,28 @@ def test_lora_push_sends_the_merged_weights_and_leaves_the_adapters_apart(engine
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     assert not any(m.merged for m in model.modules() if hasattr(m, "merged"))
+
+
+# The last test on the module's `engine`: deleting its second engine tears down the
+# process's vLLM distributed state, which the first one shares.
+def test_bf16_sampler_shows_a_mismatch_and_fp32_none(engine, vllm_model_dir, tokenizer):
+    model = _policy(vllm_model_dir)
+    prompts = [_prompt(tokenizer), _prompt(tokenizer, "What is 10 + 2?")]
+    fp32 = mismatch_metrics(rollout_mismatch_sums(*_trainer_vs_sampler(
+        model, engine.generate(prompts, 4, SAMPLING), 4, tokenizer.pad_token_id)))
+    bf16_engine = VLLMColocateBackend(vllm_model_dir, tokenizer, model_dtype=torch.float32,
+                                      sample_dtype=torch.bfloat16, enforce_eager=True)
+    bf16 = mismatch_metrics(rollout_mismatch_sums(*_trainer_vs_sampler(
+        model, bf16_engine.generate(prompts, 4, SAMPLING), 4, tokenizer.pad_token_id)))
+    del bf16_engine
+    assert fp32["sampling/sampling_logp_difference/max"] < 1e-5
+    assert abs(fp32["token_mult_prob_error"] - 1) < 1e-5
+    assert bf16["sampling/sampling_logp_difference/max"] > 1e-3
+    assert bf16["token_mult_prob_error"] > 1 + 1e-4
+    assert bf16["gen_kl_error"] > 0
+
+
+# ------------------------------------------------------------------ LoRA
 
 
 def test_training_with_lora_and_vllm(vllm_model_dir, tmp_path):
@@ -341,6 +343,26 @@ def test_server_generates_and_takes_weights_from_disk(server, vllm_model_dir, to
     assert _max_diff(model, groups, 4, tokenizer.pad_token_id) < 1e-5
     backend.sync_weights(_policy(vllm_model_dir))
     assert [p.name for p in (tmp_path / "sync").iterdir()] == ["weights-000002"]
+
+
+def test_server_takes_lora_merged_and_the_disk_sync_writes_the_engine_dtype(server, vllm_model_dir, tokenizer,
+                                                                           tmp_path):
+    from safetensors import safe_open
+
+    lora = _adapted_policy(vllm_model_dir, 1)
+    backend = VLLMServerBackend(server, tokenizer, sync_dir=tmp_path / "fp32", dtype=torch.float32)
+    try:
+        backend.sync_weights(lora)
+        groups = backend.generate([_prompt(tokenizer)], 4, SAMPLING)
+        assert _max_diff(lora, groups, 4, tokenizer.pad_token_id) < 1e-4  # the adapted policy (see the LoRA test)
+        assert _max_diff(_policy(vllm_model_dir), groups, 4, tokenizer.pad_token_id) > 1e-2
+        bf16 = VLLMServerBackend(server, tokenizer, sync_dir=tmp_path / "bf16", dtype=torch.bfloat16)
+        bf16.sync_weights(_policy(vllm_model_dir))
+        with safe_open(str(next((tmp_path / "bf16").glob("weights-*/model.safetensors"))), "pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+            assert "lm_head.weight" in f.keys()
+    finally:
+        backend.sync_weights(_policy(vllm_model_dir))
 
 
 def test_unreachable_server_is_one_line(vllm_model_dir, tmp_path, capsys):

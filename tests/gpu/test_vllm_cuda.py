@@ -9,18 +9,19 @@ tests/rollout/test_vllm_sleep.py checks the same wake / sleep sequence against a
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
+
+from maxent_grpo.rollout.backend import SamplingParams
+from maxent_grpo.rollout.vllm_colocate import VLLMColocateBackend  # imports vllm only when an engine is built
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: the GPU tier runs on a GPU machine"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM's CUDA wheel is not installed here"),
 ]
-
-vllm = pytest.importorskip("vllm", reason="vLLM's CUDA wheel is not installed here")
-
-from maxent_grpo.rollout.backend import SamplingParams  # noqa: E402
-from maxent_grpo.rollout.vllm_colocate import VLLMColocateBackend  # noqa: E402
 
 GREEDY = SamplingParams(max_new_tokens=24, do_sample=False)
 

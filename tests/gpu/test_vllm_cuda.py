@@ -39,6 +39,16 @@ def _policy(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda()
 
 
+def _engine(model_dir, sleep_mode: bool):
+    """(the fp32 policy on the GPU, an fp32 engine on the same weights, three chat prompts)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    engine = VLLMColocateBackend(model_dir, tokenizer, model_dtype=torch.float32, enable_sleep_mode=sleep_mode,
+                                 gpu_memory_utilization=0.2, max_model_len=512)
+    return _policy(model_dir), engine, _prompts(tokenizer)
+
+
 def _prompts(tokenizer):
     return [
         tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
@@ -56,13 +66,7 @@ def test_a_no_op_push_changes_nothing(model_dir, sleep_mode):
     """Greedy outputs and their log-probs are identical before and after pushing the unchanged weights
     (through the wake / push / sleep sequence with sleep mode); a phase after a level-2 sleep with no
     push since pushes the policy itself and samples the same."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    policy = _policy(model_dir)
-    engine = VLLMColocateBackend(model_dir, tokenizer, model_dtype=torch.float32, enable_sleep_mode=sleep_mode,
-                                 gpu_memory_utilization=0.2, max_model_len=512)
-    prompts = _prompts(tokenizer)
+    policy, engine, prompts = _engine(model_dir, sleep_mode)
     with engine.rollout_phase(policy):
         before = _greedy(engine, prompts)
     engine.sync_weights(policy)
@@ -79,13 +83,7 @@ def test_a_no_op_push_changes_nothing(model_dir, sleep_mode):
 def test_sleep_frees_the_engine_memory_and_the_phase_gets_it_back(model_dir):
     """After a rollout phase the engine's weights and KV cache are released (level 2): free device memory
     rises by at least the KV cache the engine reserved; the next phase samples as before."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    policy = _policy(model_dir)
-    engine = VLLMColocateBackend(model_dir, tokenizer, model_dtype=torch.float32, enable_sleep_mode=True,
-                                 gpu_memory_utilization=0.2, max_model_len=512)
-    prompts = _prompts(tokenizer)
+    policy, engine, prompts = _engine(model_dir, True)
     with engine.rollout_phase(policy):
         first = _greedy(engine, prompts)
         free_awake = torch.cuda.mem_get_info()[0]

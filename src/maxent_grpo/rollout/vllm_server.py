@@ -17,7 +17,7 @@ concurrently. Weight sync after each optimizer step:
   ``/collective_rpc``, then ``/reset_prefix_cache``; the previous folder is
   removed. The folder must be readable by the server (same machine or shared
   file system); for a server on this machine it defaults to ``/dev/shm``
-  (memory, no disk), see ``default_sync_dir``.
+  (memory, no disk): ``shared_memory_sync_dir``.
 * ``nccl`` (GPU only): vLLM's weight-transfer endpoints over NCCL; not
   available in this build (docs/VLLM.md says why it was not tested).
 
@@ -32,10 +32,10 @@ import logging
 import os
 import shutil
 import sys
-import weakref
 import urllib.error
 import urllib.parse
 import urllib.request
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path

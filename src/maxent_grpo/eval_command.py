@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from maxent_grpo.data.datasets import RG_PREFIX, load_prompt_dataset, split_train_eval
+from maxent_grpo.data.prompts import longest_prompt_tokens
 from maxent_grpo.errors import ConfigError
 from maxent_grpo.envs import ENVIRONMENT_COLUMN
 from maxent_grpo.envs.episodes import EpisodePlay
@@ -110,8 +111,8 @@ def run_eval_cli(args) -> int:
     episodes = None if limits is None else EpisodePlay(
         row_environments(cfg.environment, [r[ENVIRONMENT_COLUMN] if ENVIRONMENT_COLUMN in r else None for r in rows]),
         limits)
-    BACKENDS[g.backend].check(g.vllm)  # before the model loads
     model_path = resolve_model_path(args.model)
+    BACKENDS[g.backend].check(g.vllm, model_path)  # before the model loads
     model, tokenizer = load_model_and_tokenizer(model_path, dtype=cfg.model.dtype, device=device)
     sampling = SamplingParams(
         max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, stop=tuple(g.stop),
@@ -122,12 +123,18 @@ def run_eval_cli(args) -> int:
         sample_dtype=None if g.dtype is None else parse_dtype(g.dtype), batch_size=g.batch_size,
         share_prompts=cfg.training.share_prompts, vllm=g.vllm, seed=eval_seed(cfg.training.seed),
         default_sync_dir=Path(args.output) / "vllm_weights",
+        # An episode's context grows past its prompt: the engine then keeps the model's length.
+        max_prompt_tokens=None if episodes is not None else longest_prompt_tokens(
+            tokenizer, [r["prompt"] for r in rows], system_prompt=cfg.data.system_prompt, few_shot=cfg.data.few_shot,
+        ),
+        max_new_tokens=g.max_new_tokens,
     ))
     torch.manual_seed(eval_seed(cfg.training.seed))
-    summary, records = evaluate_prompts(
-        backend, tokenizer, rows, spec, k=k, sampling=sampling,
-        system_prompt=cfg.data.system_prompt, few_shot=cfg.data.few_shot, episodes=episodes,
-    )
+    with backend.rollout_phase(model):
+        summary, records = evaluate_prompts(
+            backend, tokenizer, rows, spec, k=k, sampling=sampling,
+            system_prompt=cfg.data.system_prompt, few_shot=cfg.data.few_shot, episodes=episodes,
+        )
     summary.update(per_task_means(per_prompt_metrics(records, k)))
     summary["model"] = str(args.model)
     summary["deciding_reward"] = spec.names[0]

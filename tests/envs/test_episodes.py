@@ -3,47 +3,20 @@ scores exactly them, and environment tokens never reach the gradient."""
 
 from __future__ import annotations
 
-import itertools
 import threading
 
 import torch
 
 import ddp_step_worker as worker
+from scripted_envs import STOPS, Scripted, model_turns
 from maxent_grpo.core.logprobs import Scoring
 from maxent_grpo.core.step import MicroBatch
 from maxent_grpo.envs.episodes import EpisodeLimits, run_episodes
-from maxent_grpo.envs.protocol import StepResult
 from maxent_grpo.models import load_model_and_tokenizer
 from maxent_grpo.rollout.backend import SamplingParams, pack_rollout
 from maxent_grpo.rollout.hf import HFGenerationBackend
 
 
-class Scripted:
-    """Answers every assistant turn with a fixed user message until ``turns`` model turns were taken."""
-
-    tools = ()
-
-    def __init__(self, turns: int = 3, fail_on: int | None = None):
-        self.turns, self.fail_on, self.seen = turns, fail_on, 0
-
-    def reset(self, row):
-        return [{"role": "user", "content": row["prompt"]}]
-
-    def step(self, messages, assistant):
-        self.seen += 1
-        if self.fail_on == self.seen:
-            raise RuntimeError("the environment broke")
-        if self.seen >= self.turns:
-            return StepResult(None, {"answered": 1.0})
-        return StepResult([{"role": "user", "content": f"observation {self.seen}: go on"}])
-
-    def get_reward(self):
-        return float(self.seen)  # turns the environment answered: the episode's own score
-
-
-# The tiny random model rarely samples eos: common letters end its turns, so episodes reach the
-# environment (a turn that runs out of tokens ends its episode).
-STOPS = ("a", "e", "i", "o", "t")
 ROWS = [{"prompt": "count with me"}, {"prompt": "say something else"}]
 
 
@@ -74,7 +47,7 @@ def test_a_three_turn_episode_is_the_sampled_ids_with_the_environment_masked(tin
     # answered every model turn but the last.
     for mask, reason, reward in zip(r.loss_masks, r.finish_reasons, r.env_rewards):
         if reason == "stop":
-            assert reward == _model_turns(mask)
+            assert reward == model_turns(mask)
 
 
 def test_limits_end_episodes_and_count_tokens_separately(tiny_model_dir):
@@ -120,15 +93,11 @@ def _scored_against_sampler(model, batch):
     return packed, ((logps - packed.behaviour_logps).abs() * m).max()
 
 
-def _model_turns(mask: list[int]) -> int:
-    return sum(1 for k, _ in itertools.groupby(mask) if k == 1)
-
-
 def _three_turn_batch(model_dir, dtype=torch.float32):
     """The first seed whose rollout holds an episode of three model turns (most seeds do)."""
     for seed in range(6):
         model, tokenizer, batch = _episodes(model_dir, turns=3, max_new_tokens=10, seed=seed, dtype=dtype)
-        if any(_model_turns(m) == 3 for m in batch.rollout.loss_masks):
+        if any(model_turns(m) == 3 for m in batch.rollout.loss_masks):
             return model, tokenizer, batch
     raise AssertionError("no seed gave a three-turn episode")
 

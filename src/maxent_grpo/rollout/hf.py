@@ -128,6 +128,9 @@ class HFGenerationBackend:
         self.synced_gpus = synced_gpus
         self._calls = 0
 
+    def rollout_phase(self, policy) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # nothing to wake or put to sleep
+
     def sync_weights(self, policy) -> None:
         """Copy ``policy``'s weights into the generation copy; nothing to do when sampling from the policy itself."""
         if self.separate_copy:

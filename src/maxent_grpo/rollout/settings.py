@@ -16,10 +16,16 @@ class VllmConfig:
 
     # Colocated engine (backend vllm): share of GPU memory the engine may take; ignored on CPU.
     gpu_memory_utilization: float = 0.3
-    # Longest prompt + completion the engine plans for (null: prompt budget + max_new_tokens is not
-    # known up front, so vLLM's own default, the model's context length).
+    # Longest prompt + completion the engine plans for (null: the data's longest prompt in tokens +
+    # generation.max_new_tokens, measured at start; vLLM's default, the model's context, where unknown).
     max_model_len: int | None = None
-    # GPU only: offload the engine's weights and free its KV cache while the trainer runs.
+    # Most sequences the engine runs at once (null: vLLM's default for the device).
+    max_num_seqs: int | None = None
+    # Most tokens the engine schedules in one forward (null: vLLM's default for the device); a lower
+    # value lowers the engine's peak activation memory, a higher one speeds up prefill.
+    max_num_batched_tokens: int | None = None
+    # GPU only: the engine frees its weights and KV cache (sleep level 2) after each rollout phase
+    # and wakes them for the next push and phase (docs/VLLM.md).
     enable_sleep_mode: bool = False
     # Skip graph compilation (torch.compile, CUDA graphs): a fast engine start, slower sampling.
     enforce_eager: bool = False

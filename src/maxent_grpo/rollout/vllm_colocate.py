@@ -10,26 +10,24 @@ works on vLLM's CPU build, where the ``model_runner.model.load_weights`` path
 TRL uses fails), then resets the prefix cache: without that, prompts whose KV
 blocks were cached under the old weights keep them.
 
-GPU-only options (docs/VLLM.md): ``gpu_memory_utilization`` and sleep mode
-(the engine's weights are offloaded and its KV cache freed between generations,
-level 1, so a later ``generate`` without a weight push still has weights).
+GPU-only options (docs/VLLM.md): ``gpu_memory_utilization`` and sleep mode,
+whose wake / sleep sequence ``rollout/vllm_sleep.py`` owns: the weights wake
+alone for a push, the KV cache wakes once per rollout phase
+(``rollout_phase``), and the engine sleeps at level 2 at the phase's end.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from contextlib import AbstractContextManager
 
 import torch
 
 from maxent_grpo.rollout.backend import PromptGroup, SamplingParams
-from maxent_grpo.rollout.vllm_common import (
-    engine_dtype,
-    full_state_items,
-    request_seeds,
-    sampling_kwargs,
-    to_completion,
-)
+from maxent_grpo.rollout.vllm_common import engine_dtype, request_seeds, sampling_kwargs, to_completion
+from maxent_grpo.rollout.vllm_sleep import EngineSleep
+from maxent_grpo.rollout.vllm_weights import full_state_items
 
 log = logging.getLogger("maxent_grpo")
 
@@ -40,7 +38,8 @@ class VLLMColocateBackend:
     def __init__(
         self, model_path: str, tokenizer, *, model_dtype: torch.dtype, sample_dtype: torch.dtype | None = None,
         gpu_memory_utilization: float = 0.3, max_model_len: int | None = None, enable_sleep_mode: bool = False,
-        enforce_eager: bool = False, world_size: int = 1, seed: int = 0,
+        enforce_eager: bool = False, world_size: int = 1, seed: int = 0, max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
     ):
         # The engine core and its worker must live in this process: the weight push hands
         # them a generator of tensors that cannot cross a process boundary (and copying
@@ -50,14 +49,14 @@ class VLLMColocateBackend:
         import vllm  # the optional dependency: imported only by this backend
 
         self.tokenizer = tokenizer
-        self.enable_sleep_mode = enable_sleep_mode
-        self._asleep = False
         self.dtype = engine_dtype(model_dtype, sample_dtype)
         self.llm = vllm.LLM(
             model=str(model_path),
             tokenizer=str(model_path),
             dtype=self.dtype,
-            seed=seed,
+            # The engine seeds numpy with it, which takes 32 bits (eval's seeds are 63-bit); our samples
+            # draw from per-request seeds (request_seeds), not from this one.
+            seed=seed % 2**32,
             gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len,
             enable_sleep_mode=enable_sleep_mode,
@@ -65,25 +64,37 @@ class VLLMColocateBackend:
             logprobs_mode="processed_logprobs",
             distributed_executor_backend="external_launcher" if world_size > 1 else None,
             tensor_parallel_size=1,
+            max_num_seqs=max_num_seqs,  # None: vLLM's default for the platform
+            max_num_batched_tokens=max_num_batched_tokens,
         )
+        self.sleep = EngineSleep(self.llm, enabled=enable_sleep_mode)
         self._sampling_params = vllm.SamplingParams
 
     def generate(self, prompts: list[str], num_generations: int, params: SamplingParams) -> list[PromptGroup]:
         if not prompts or not all(isinstance(p, str) and p for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty strings")
         prompt_ids = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+        return self._generate(list(prompts), prompt_ids, num_generations, params)
+
+    def generate_ids(
+        self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams
+    ) -> list[PromptGroup]:
+        """``generate`` from token ids (a multi-turn episode continues from exactly the ids it holds)."""
+        if not prompt_ids or not all(isinstance(p, list) and p for p in prompt_ids):
+            raise ValueError("prompt_ids must be a non-empty list of non-empty token id lists")
+        texts = self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return self._generate(texts, prompt_ids, num_generations, params)
+
+    def _generate(
+        self, prompts: list[str], prompt_ids: list[list[int]], num_generations: int, params: SamplingParams
+    ) -> list[PromptGroup]:
         seeds = request_seeds(len(prompts), num_generations)
-        self._wake()
-        try:
-            outputs = self.llm.generate(
-                [{"prompt_token_ids": list(ids)} for ids in prompt_ids],
-                sampling_params=[
-                    self._sampling_params(**sampling_kwargs(params, num_generations, s)) for s in seeds
-                ],
-                use_tqdm=False,
-            )
-        finally:
-            self._sleep()
+        self.sleep.check_can_generate()
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": list(ids)} for ids in prompt_ids],
+            sampling_params=[self._sampling_params(**sampling_kwargs(params, num_generations, s)) for s in seeds],
+            use_tqdm=False,
+        )
         groups = []
         for prompt, ids, out in zip(prompts, prompt_ids, outputs):
             comps = [
@@ -96,22 +107,17 @@ class VLLMColocateBackend:
         return groups
 
     def sync_weights(self, policy: torch.nn.Module) -> None:
-        """Push ``policy``'s weights into the engine (cast to its dtype) and drop cached prompt blocks."""
-        self._wake()
-        items = ((name, t.to(_TORCH_DTYPES[self.dtype])) for name, t in full_state_items(policy))
+        """Push ``policy``'s weights into the engine (cast to its dtype, LoRA merged) and drop cached prompt blocks."""
+        self.sleep.push(lambda: self._load(policy))
+
+    def rollout_phase(self, policy: torch.nn.Module) -> AbstractContextManager[None]:
+        """Every generate call of one step inside: with sleep mode the KV cache wakes once and the engine
+        sleeps (level 2) at the end; ``policy`` is pushed first when the engine's weights were discarded."""
+        return self.sleep.rollout_phase(lambda: self._load(policy))
+
+    def _load(self, policy: torch.nn.Module) -> None:
+        items = full_state_items(policy, _TORCH_DTYPES[self.dtype])
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
-        self.llm.reset_prefix_cache()
-        self._sleep()
-
-    def _wake(self) -> None:
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
-
-    def _sleep(self) -> None:
-        if self.enable_sleep_mode and not self._asleep:
-            self.llm.sleep(level=1)
-            self._asleep = True
 
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from maxent_grpo.rollout.backend import Completion, SamplingParams
 
@@ -76,16 +75,3 @@ def engine_dtype(model_dtype: torch.dtype, sample_dtype: torch.dtype | None) -> 
     if dtype not in names:
         raise ValueError(f"vLLM cannot sample in {dtype}; set generation.dtype to float32 or bfloat16")
     return names[dtype]
-
-
-def full_state_items(policy: torch.nn.Module):
-    """``(name, tensor)`` of every weight the engine needs, from ``state_dict()``.
-
-    ``state_dict()`` and not ``named_parameters()``: a tied ``lm_head.weight``
-    appears only there, and an engine that is not sent it keeps the old head.
-    Sharded parameters (DTensor) are gathered one at a time.
-    """
-    for name, tensor in policy.state_dict().items():
-        if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()
-        yield name, tensor.detach()

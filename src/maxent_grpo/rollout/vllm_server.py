@@ -10,12 +10,14 @@ Requests: one ``/v1/completions`` call per prompt (token-id prompt, ``n``,
 its own ``seed``, ``logprobs: 0``, ``return_tokens_as_token_ids``), sent
 concurrently. Weight sync after each optimizer step:
 
-* ``disk`` (anywhere): the main process writes the weights as safetensors into
+* ``disk`` (anywhere): the main process writes the weights, in the server's
+  dtype (``generation.dtype``, else the policy's), as safetensors into
   a fresh folder (renamed into place when complete, so the server never reads
   half a file), asks the server to ``reload_weights`` from it through
   ``/collective_rpc``, then ``/reset_prefix_cache``; the previous folder is
   removed. The folder must be readable by the server (same machine or shared
-  file system).
+  file system); for a server on this machine it defaults to ``/dev/shm``
+  (memory, no disk): ``shared_memory_sync_dir``.
 * ``nccl`` (GPU only): vLLM's weight-transfer endpoints over NCCL; not
   available in this build (docs/VLLM.md says why it was not tested).
 
@@ -31,8 +33,11 @@ import os
 import shutil
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
+import weakref
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -41,7 +46,8 @@ from safetensors.torch import save_file
 
 from maxent_grpo.errors import UserError
 from maxent_grpo.rollout.backend import PromptGroup, SamplingParams
-from maxent_grpo.rollout.vllm_common import full_state_items, request_seeds, sampling_kwargs, to_completion
+from maxent_grpo.rollout.vllm_common import request_seeds, sampling_kwargs, to_completion
+from maxent_grpo.rollout.vllm_weights import full_state_items
 
 log = logging.getLogger("maxent_grpo")
 
@@ -62,6 +68,19 @@ def server_command(
         *extra,
     ]
     return cmd, {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+
+
+_LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def shared_memory_sync_dir(server_url: str) -> Path | None:
+    """Where the disk sync writes by default when the server runs on this machine: a folder of this
+    process under ``/dev/shm`` (memory: the push costs no disk write and read); None elsewhere."""
+    host = urllib.parse.urlsplit(server_url).hostname
+    shm = Path("/dev/shm")
+    if host not in _LOCAL_HOSTS or not shm.is_dir():
+        return None
+    return shm / f"maxent-grpo-{os.getpid()}-vllm-weights"
 
 
 class VLLMServerError(UserError, RuntimeError):
@@ -94,8 +113,10 @@ class VLLMServerBackend:
     def __init__(
         self, base_url: str, tokenizer, *, sync_dir: str | Path, is_main: bool = True,
         barrier: Callable[[], None] | None = None, timeout_s: float = 600.0, max_concurrency: int = 64,
+        dtype: torch.dtype | None = None, remove_sync_dir: bool = False,
     ):
         self.base_url = base_url.rstrip("/")
+        self.dtype = dtype  # what the disk sync writes (the server's dtype); None: the policy's own
         self.tokenizer = tokenizer
         self.sync_dir = Path(sync_dir)
         self.is_main = is_main
@@ -104,6 +125,9 @@ class VLLMServerBackend:
         self.max_concurrency = max_concurrency
         self._pushes = 0
         self.model_name = served_model(self.base_url, timeout_s=timeout_s)
+        if remove_sync_dir and is_main:
+            # A folder of our own under /dev/shm is memory: do not leave the last weights in it.
+            weakref.finalize(self, shutil.rmtree, self.sync_dir, True)
 
     def _request(self, method: str, path: str, body: dict | None = None) -> dict:
         return _request(self.base_url, method, path, body, self.timeout_s)
@@ -114,6 +138,20 @@ class VLLMServerBackend:
         if not prompts or not all(isinstance(p, str) and p for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty strings")
         prompt_ids = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+        return self._generate(list(prompts), prompt_ids, num_generations, params)
+
+    def generate_ids(
+        self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams
+    ) -> list[PromptGroup]:
+        """``generate`` from token ids (a multi-turn episode continues from exactly the ids it holds)."""
+        if not prompt_ids or not all(isinstance(p, list) and p for p in prompt_ids):
+            raise ValueError("prompt_ids must be a non-empty list of non-empty token id lists")
+        texts = self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return self._generate(texts, prompt_ids, num_generations, params)
+
+    def _generate(
+        self, prompts: list[str], prompt_ids: list[list[int]], num_generations: int, params: SamplingParams
+    ) -> list[PromptGroup]:
         seeds = request_seeds(len(prompts), num_generations)
         bodies = [
             {
@@ -143,8 +181,11 @@ class VLLMServerBackend:
 
     # ------------------------------------------------------------ weights
 
+    def rollout_phase(self, policy) -> AbstractContextManager[None]:
+        return nullcontext()  # nothing to wake or put to sleep
+
     def sync_weights(self, policy: torch.nn.Module) -> None:
-        items = full_state_items(policy)
+        items = full_state_items(policy, self.dtype)
         if not self.is_main:
             for _ in items:  # sharded weights are gathered by every rank; only the main one keeps them
                 pass
@@ -166,7 +207,8 @@ class VLLMServerBackend:
             if stale.exists():
                 shutil.rmtree(stale)
         tmp.mkdir(parents=True)
-        # safetensors refuses tensors sharing storage (a tied head): save a copy of each.
-        save_file({name: t.contiguous().clone().cpu() for name, t in items}, str(tmp / "model.safetensors"))
+        # One host copy per tensor, made straight from the device (no clone on the GPU); a copy
+        # also for a tensor already on the host, since safetensors refuses shared storage (a tied head).
+        save_file({name: t.to("cpu", copy=True).contiguous() for name, t in items}, str(tmp / "model.safetensors"))
         tmp.replace(final)
         return final

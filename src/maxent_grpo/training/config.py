@@ -274,11 +274,13 @@ def validate(cfg: TrainConfig) -> None:
     _check(0 < v.gpu_memory_utilization <= 1, "generation.vllm.gpu_memory_utilization", "must be in (0, 1]")
     _check(v.max_model_len is None or v.max_model_len > g.max_new_tokens, "generation.vllm.max_model_len",
            f"must exceed generation.max_new_tokens={g.max_new_tokens}")
+    for key, value in (("max_num_seqs", v.max_num_seqs), ("max_num_batched_tokens", v.max_num_batched_tokens)):
+        _check(value is None or value >= 1, f"generation.vllm.{key}", f"must be >= 1 or null, got {value}")
     _check(v.request_timeout_s > 0, "generation.vllm.request_timeout_s", "must be > 0")
     _check(v.server_url.startswith(("http://", "https://")), "generation.vllm.server_url",
            f"must start with http:// or https://, got {v.server_url!r}")
     _check(BACKENDS[g.backend].supports_lora or not cfg.model.lora.enabled, "generation.backend",
-           f"{g.backend} cannot push LoRA adapters to the engine yet; use hf with model.lora.enabled")
+           f"{g.backend} cannot sample from LoRA adapters; use hf with model.lora.enabled")
     _check(t.max_steps >= 1, "training.max_steps", f"must be >= 1, got {t.max_steps}")
     _check(not (t.gradient_checkpointing and t.share_prompts), "training.gradient_checkpointing",
            "needs training.share_prompts: false (a shared prompt's KV cache cannot be recomputed in the backward)")
@@ -324,10 +326,12 @@ def validate(cfg: TrainConfig) -> None:
         "false contradicts model.dtype: bfloat16 (bf16 compute by autocast over float32 master weights); "
         "for float32 compute set model.dtype: float32",
     )
+    # A vLLM engine holds its own (merged) copy in any dtype; HF would need a second peft model.
     _check(
-        g.dtype in (None, "auto") or not cfg.model.lora.enabled,
+        g.dtype in (None, "auto") or not cfg.model.lora.enabled or BACKENDS[g.backend].owns_weights,
         "generation.dtype",
-        "a separate generation copy is not supported with model.lora.enabled; set it to null",
+        "a separate generation copy is not supported with model.lora.enabled and generation.backend=hf; "
+        "set it to null",
     )
     _check_strategy(cfg, STRATEGIES[t.strategy])
     _check(
@@ -361,11 +365,13 @@ def _check_environment(cfg: TrainConfig) -> None:
         _check(name not in ENVIRONMENTS and name != "tools", f"environment.classes.{name}",
                "the name is taken by a registered environment; choose another")
         _check(":" in ref, f"environment.classes.{name}", f"must look like 'module:Class' or 'file.py:Class', got {ref!r}")
-    _check(BACKENDS[cfg.generation.backend].continues_from_ids, "generation.backend",
-           f"{cfg.generation.backend} cannot continue an episode from its token ids yet; use hf with environment:")
-    _check(not STRATEGIES[cfg.training.strategy].collective_forward, "training.strategy",
-           f"multi-turn episodes are not supported with {cfg.training.strategy} (ranks would run different "
-           "numbers of generate calls); use ddp")
+    backend = BACKENDS[cfg.generation.backend]
+    _check(backend.continues_from_ids, "generation.backend",
+           f"{backend.name} cannot continue an episode from its token ids; use hf, vllm or vllm_server")
+    # HF generate on a sharded policy is a collective: every rank would have to run as many turns.
+    _check(backend.owns_weights or not STRATEGIES[cfg.training.strategy].collective_forward, "training.strategy",
+           f"multi-turn episodes sampled by {backend.name} are not supported with {cfg.training.strategy} (ranks "
+           "would run different numbers of generate calls); use ddp, or generation.backend vllm")
 
 
 def _check_strategy(cfg: TrainConfig, strategy: type[Strategy]) -> None:

@@ -254,7 +254,10 @@ def prepare_training_batch(
     timings = {"time/reward": 0.0}
     t0 = time.perf_counter()
     try:
-        sampled, failed = _rollout_and_rewards(ctx, rows, more_rows, timings), None
+        # The step's rollout phase: every generate call of the step (retries, dynamic-sampling
+        # rounds) inside one bracket, so a sleeping vLLM engine wakes its KV cache once.
+        with ctx.backend.rollout_phase(ctx.model):
+            sampled, failed = _rollout_and_rewards(ctx, rows, more_rows, timings), None
     except SkipBatch as err:
         sampled, failed = None, err
     failed_anywhere, common = ctx.dist.any_and_min(failed is not None, len(sampled[0]) if sampled else 0)

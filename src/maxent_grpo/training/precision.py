@@ -53,9 +53,9 @@ def resolve_precision(cfg: TrainConfig, fast_bf16: bool) -> TrainConfig:
     (bf16 when ``fast_bf16``, else none), bf16 autocast (whenever ``model.dtype`` is bfloat16, the
     compute dtype), and the rollout correction that follows from them (:func:`sampler_is_trainer`)."""
     g, t, lo = cfg.generation, cfg.training, cfg.loss
-    # A LoRA policy, or an FSDP2 policy sampled by HF generate, samples from itself
+    # A LoRA policy or an FSDP2 policy sampled by HF generate samples from itself
     # (config.validate): no copy to make. A vLLM engine always holds its own weights.
-    own = cfg.model.lora.enabled or (STRATEGIES[t.strategy].collective_forward and not BACKENDS[g.backend].owns_weights)
+    own = not BACKENDS[g.backend].owns_weights and (cfg.model.lora.enabled or STRATEGIES[t.strategy].collective_forward)
     auto_dtype = "bfloat16" if fast_bf16 and not own else None
     dtype = auto_dtype if g.dtype == "auto" else g.dtype
     autocast = (fast_bf16 or cfg.model.dtype == "bfloat16") if t.autocast_bf16 == "auto" else t.autocast_bf16

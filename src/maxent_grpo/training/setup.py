@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from maxent_grpo.envs import ENVIRONMENT_COLUMN
 from maxent_grpo.envs.episodes import EpisodePlay
 from maxent_grpo.envs.settings import row_environments
 from maxent_grpo.data.datasets import PromptSampler, load_prompt_dataset, split_train_eval
+from maxent_grpo.data.prompts import longest_prompt_tokens
 from maxent_grpo.models import (
     apply_lora, enable_activation_checkpointing, load_model_and_tokenizer, load_reference_model, parse_dtype,
     reference_context, resolve_model_path,
@@ -124,8 +126,11 @@ def _reference_scorer(cfg: TrainConfig, plan: RunPlan, model, name_or_path: str,
 
 
 def _generation_backend(cfg: TrainConfig, model, tokenizer, model_path: str, output_dir: Path, dist: Dist,
-                        strategy: Strategy):
+                        strategy: Strategy, prompts: Callable[[], list]):
     g = cfg.generation
+    # Only a colocated engine with no vllm.max_model_len plans its KV cache from the data's prompts; an
+    # episode's context grows past its prompt (tool descriptions, turns): the engine keeps the model's length.
+    sized = BACKENDS[g.backend].plans_context and g.vllm.max_model_len is None and not cfg.environment.enabled
     return BACKENDS[g.backend].build(BackendInputs(
         model=model, tokenizer=tokenizer, model_path=model_path,
         sample_dtype=None if g.dtype is None else parse_dtype(g.dtype), batch_size=g.batch_size,
@@ -134,6 +139,10 @@ def _generation_backend(cfg: TrainConfig, model, tokenizer, model_path: str, out
         # Sharded: every forward gathers weights with the other ranks, so every rank
         # runs generate to the longest row of any rank.
         synced_gpus=strategy.collective_forward, default_sync_dir=output_dir / "vllm_weights",
+        max_prompt_tokens=longest_prompt_tokens(
+            tokenizer, prompts(), system_prompt=cfg.data.system_prompt, few_shot=cfg.data.few_shot,
+        ) if sized else None,
+        max_new_tokens=g.max_new_tokens,
     ))
 
 
@@ -167,8 +176,8 @@ def build_run(
     train_ds, eval_rows = _load_data(cfg, dist)
     environments = _environments(cfg, train_ds)
     reward_spec = build_reward_spec(cfg.rewards)
-    BACKENDS[cfg.generation.backend].check(cfg.generation.vllm)
     model_path = resolve_model_path(cfg.model.name_or_path)
+    BACKENDS[cfg.generation.backend].check(cfg.generation.vllm, model_path)
     if dist.is_main:
         save_config(cfg, output_dir / "config.yaml", header=history)
         write_text_atomic(output_dir / "run_info.json", json.dumps(
@@ -189,7 +198,8 @@ def build_run(
     )
     ctx = PipelineContext(
         plan=plan, model=model, tokenizer=tokenizer,
-        backend=_generation_backend(cfg, model, tokenizer, model_path, output_dir, dist, strategy),
+        backend=_generation_backend(cfg, model, tokenizer, model_path, output_dir, dist, strategy,
+                                    lambda: [*train_ds["prompt"], *(r["prompt"] for r in eval_rows)]),
         reward_spec=reward_spec, weighting=weighting_from_config(cfg), dist=dist, reference_logps=reference,
         episodes=None if environments is None else EpisodePlay(environments, plan.batch.episodes),
     )

@@ -22,7 +22,9 @@ def validate(run, step: int) -> dict[str, float]:
     rows = run.eval_rows[: cfg.eval.num_prompts]
     device = run.ctx.model.device
     py_state = random.getstate()
-    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+    rng = torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else [])
+    # One rollout phase for the evaluation's generate calls (a sleeping vLLM engine wakes once).
+    with rng, run.ctx.backend.rollout_phase(run.ctx.model):
         torch.manual_seed(eval_seed(cfg.training.seed))
         try:
             summary, records = evaluate_prompts(

@@ -1,0 +1,59 @@
+"""What a vLLM push sends (``rollout/vllm_weights.py``), without vLLM: names, dtype, a tied head once,
+LoRA merged. The engine taking them is tested in tests/rollout/test_vllm.py."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from maxent_grpo.core.logprobs import get_per_token_logps
+from maxent_grpo.models import apply_lora, load_model_and_tokenizer
+from maxent_grpo.rollout.vllm_weights import full_state_items
+
+
+def _model(tiny_model_dir):
+    return load_model_and_tokenizer(str(tiny_model_dir), dtype="float32")
+
+
+def test_every_weight_in_the_engine_dtype_and_a_tied_head_gathered_once(tiny_model_dir):
+    model, _ = _model(tiny_model_dir)
+    assert model.config.tie_word_embeddings
+    sent = dict(full_state_items(model, torch.bfloat16))
+    state = model.state_dict()
+    assert list(sent) == list(state)  # state_dict order: vLLM reloads layer by layer
+    assert all(t.dtype == torch.bfloat16 and torch.equal(t, state[k].to(torch.bfloat16)) for k, t in sent.items())
+    # The tied head is the embedding's tensor itself: cast (and, sharded, gathered) once.
+    assert sent["lm_head.weight"] is sent["model.embed_tokens.weight"]
+    # No dtype: the stored tensors, no copy.
+    assert dict(full_state_items(model))["model.norm.weight"].data_ptr() == state["model.norm.weight"].data_ptr()
+
+
+def test_lora_is_sent_merged_under_the_base_names_and_the_adapters_stay_apart(tiny_model_dir):
+    """float64: the merged model computes the peft model's log-probs to rounding; fp32: to fp32 rounding."""
+    model, tok = _model(tiny_model_dir)
+    peft = apply_lora(copy.deepcopy(model), r=4, alpha=8.0, dropout=0.0, target_modules="all-linear")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.3 * torch.randn_like(p))
+    peft.eval()
+    before = {k: v.clone() for k, v in peft.state_dict().items()}
+    ids = tok(["What is 2 + 2? The answer is 4 because 2 + 2 = 4."], return_tensors="pt")["input_ids"]
+    mask = torch.ones_like(ids)
+
+    peft64 = copy.deepcopy(peft).double()
+    merged = copy.deepcopy(model).double()
+    sent = dict(full_state_items(peft64, torch.float64))
+    assert list(sent) == list(merged.state_dict())
+    merged.load_state_dict(sent)
+    with torch.no_grad():
+        lp_peft = get_per_token_logps(peft64, ids, mask, 4)
+        lp_merged = get_per_token_logps(merged, ids, mask, 4)
+        lp_base = get_per_token_logps(model.double(), ids, mask, 4)
+    assert float((lp_peft - lp_merged).abs().max()) < 1e-10
+    assert float((lp_peft - lp_base).abs().max()) > 1e-2  # the adapters do change the policy
+    after = peft.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)  # read, not merged into
+    assert not any(m.merged for m in peft.modules() if hasattr(m, "merged"))

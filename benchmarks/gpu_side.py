@@ -30,10 +30,12 @@ PHASES = ("generate", "score", "update")
 class PhaseMeter:
     """Seconds and peak CUDA memory of each phase, per optimizer step (an outermost "update" ends a step)."""
 
-    def __init__(self) -> None:
+    def __init__(self, counters=None) -> None:
+        """``counters``: ``torch.cuda`` (its ``synchronize``, ``max_memory_allocated`` and
+        ``reset_peak_memory_stats``); the CPU smoke test gives a stand-in, CUDA being absent there."""
         import torch
 
-        self._cuda = torch.cuda
+        self._cuda = torch.cuda if counters is None else counters
         self._stack: list[str] = []
         self._start = time.perf_counter()
         self._current = self._empty()

@@ -411,3 +411,40 @@ def test_a_random_model_has_the_kept_shapes_and_a_tokenizer_for_every_id(tmp_pat
     last = tok.decode([shape.vocab - 1])
     assert last.startswith("<|r") and tok.convert_tokens_to_ids(last) == shape.vocab - 1
     assert float(model.model.layers[0].mlp.up_proj.weight.std()) == pytest.approx(0.02, rel=0.05)
+
+
+@pytest.mark.slow
+def test_gpu_side_meters_three_phases_per_step_on_both_sides_with_the_same_prompts(tmp_path):
+    """benchmarks/gpu_side.py's wiring, run on the CPU: each side's phase functions are found and
+    metered once per optimizer step, TRL's nested phases are told apart, both train on the same
+    prompts, and gpu.py's table reads the result. CUDA's memory counters are absent here: a
+    stand-in gives each phase a peak of its own, which must reach that phase's column."""
+    import types
+
+    from benchmarks.gpu import table
+    from benchmarks.gpu_side import PHASES, PhaseMeter, run_ours, run_trl
+    from benchmarks.model_paths import resolve_model
+
+    if ours_available() is not None:
+        pytest.skip(ours_available())
+    setting = PRESETS["tiny"].replace(steps=3, max_new_tokens=8)
+    model = resolve_model("tiny", tmp_path / "models")
+    runs = {}
+    for side, runner in (("ours", run_ours), ("trl", run_trl)):
+        peaks = {"generate": 3 * 2**30, "score": 2**30, "update": 2 * 2**30}
+        counters = types.SimpleNamespace(synchronize=lambda: None, reset_peak_memory_stats=lambda: None)
+        meter = PhaseMeter(counters)
+        # The innermost running phase's own peak.
+        counters.max_memory_allocated = lambda: peaks[meter._stack[-1]]
+        (tmp_path / side).mkdir()
+        result = runner(setting, model, tmp_path / side, meter)
+        assert len(meter.steps) == setting.steps
+        for step in meter.steps:
+            assert step["generate"]["seconds"] > 0 and step["update"]["seconds"] > 0
+            assert {p: step[p]["peak_bytes"] for p in PHASES} == peaks
+        result.extra = {"phases": meter.steps, "gpu": "a stand-in"}
+        runs[side] = result
+    assert prompt_mismatch({side: [r] for side, r in runs.items()}) is None
+    lines = table(setting, runs).splitlines()
+    assert [line.split(" | ")[0] for line in lines[-2:]] == ["| ours", "| trl"]
+    assert all(line.endswith("| 3.0 | 1.0 | 2.0 |") for line in lines[-2:])

@@ -414,7 +414,7 @@ def test_a_random_model_has_the_kept_shapes_and_a_tokenizer_for_every_id(tmp_pat
 
 
 @pytest.mark.slow
-def test_gpu_side_meters_three_phases_per_step_on_both_sides_with_the_same_prompts(tmp_path):
+def test_gpu_side_meters_three_phases_per_step_on_both_sides_with_the_same_prompts(tmp_path, monkeypatch):
     """benchmarks/gpu_side.py's wiring, run on the CPU: each side's phase functions are found and
     metered once per optimizer step, TRL's nested phases are told apart, both train on the same
     prompts, and gpu.py's table reads the result. CUDA's memory counters are absent here: a
@@ -425,8 +425,16 @@ def test_gpu_side_meters_three_phases_per_step_on_both_sides_with_the_same_promp
     from benchmarks.gpu_side import PHASES, PhaseMeter, run_ours, run_trl
     from benchmarks.model_paths import resolve_model
 
+    from trl import GRPOTrainer
+
+    from maxent_grpo.training import loop, pipeline
+
     if ours_available() is not None:
         pytest.skip(ours_available())
+    # The meter replaces these for good (a side runs alone in its process): put them back after the test.
+    for owner, name in ((pipeline, "_rollout_and_rewards"), (pipeline, "_score_and_weight"), (loop, "_update_and_log"),
+                        (GRPOTrainer, "_generate"), (GRPOTrainer, "_generate_and_score_completions")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))
     setting = PRESETS["tiny"].replace(steps=3, max_new_tokens=8)
     model = resolve_model("tiny", tmp_path / "models")
     runs = {}

@@ -1,7 +1,7 @@
 """How the policy is spread over the processes (``training.strategy``): ``STRATEGIES[name]``.
 
 A strategy owns what differs between whole-model data parallelism and sharding:
-loading the policy before the optimizer exists, and the reference model, wrapping
+loading the policy (before the optimizer exists) and the reference model, wrapping
 the policy for training (and ``grpo_step``'s ``gradient_sync``), and saving and
 loading checkpoints with their failure protocol. The loop and the setup call it
 and never ask which one they hold.

@@ -134,17 +134,26 @@ def plan(cfg, shape: Shape, gpus: int, gpu_memory_gib: float, prompt_tokens: int
     return rows
 
 
-def format_plan(rows: list[tuple[str, float, str]], cfg, gpus: int, gpu_memory_gib: float) -> str:
+def peak_gib(rows: list[tuple[str, float, str]], cfg) -> tuple[float, float]:
+    """(the training phase's GiB, the peak with the engine: the larger when it sleeps, the sum when not)."""
     training = sum(gib for what, gib, _ in rows if not what.startswith("vLLM"))
     engine = sum(gib for what, gib, _ in rows if what.startswith("vLLM"))
     asleep = cfg.generation.backend == "vllm" and cfg.generation.vllm.enable_sleep_mode
-    peak = training if asleep else training + engine
+    return training, training if asleep else training + engine
+
+
+def fits(peak: float, gpu_memory_gib: float) -> bool:
+    return peak <= gpu_memory_gib * 0.95  # 5% kept for the CUDA context and fragmentation
+
+
+def format_plan(rows: list[tuple[str, float, str]], cfg, gpus: int, gpu_memory_gib: float) -> str:
+    training, peak = peak_gib(rows, cfg)
     lines = [f"memory plan per GPU: strategy {cfg.training.strategy}, {gpus} GPU(s) of {gpu_memory_gib:g} GiB, "
              f"model.dtype {cfg.model.dtype}, backend {cfg.generation.backend}", "",
              "| what | GiB per GPU | how |", "|---|---|---|"]
     lines += [f"| {what} | {gib:.2f} | {how} |" for what, gib, how in rows]
     lines += ["", f"training phase: {training:.2f} GiB; with the engine: {peak:.2f} GiB of {gpu_memory_gib:g} "
-                  f"({'fits' if peak <= gpu_memory_gib * 0.95 else 'does NOT fit'}, 5% kept for the CUDA context "
+                  f"({'fits' if fits(peak, gpu_memory_gib) else 'does NOT fit'}, 5% kept for the CUDA context "
                   "and fragmentation)"]
     return "\n".join(lines)
 

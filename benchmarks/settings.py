@@ -34,6 +34,9 @@ class BenchSetting:
     seed: int = 0  # data (reasoning-gym), sampling and training seed
     steps: int = 3  # optimizer steps per run; the first is the warm-up
     method: str = "grpo"  # our trainer's method; TRL always runs GRPO
+    # Where every side trains: "cpu", or "cuda" (benchmarks/gpu.py), where bf16 means bf16 compute
+    # over float32 master weights on every side (ours: model.dtype bfloat16; TRL: bf16=True, AMP).
+    device: str = "cpu"
     # The prompts, pinned here so that no side falls back on its own defaults: the task
     # generator's options (reasoning-gym tasks) and the solved examples placed as earlier
     # user/assistant turns, (prompt, completion) pairs. Empty: reasoning-gym's own problems,
@@ -65,6 +68,8 @@ class BenchSetting:
             raise ValueError(f"beta must be >= 0, got {self.beta}")
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.learning_rate < 0:
             raise ValueError(f"learning_rate must be >= 0, got {self.learning_rate}")
 

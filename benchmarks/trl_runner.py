@@ -1,8 +1,8 @@
 """TRL's ``GRPOTrainer`` on a benchmark setting, timed per optimizer step.
 
-CPU only, no vLLM, no eval, no saving, no trackers, logging every step. The
-settings map onto ``GRPOConfig`` in :func:`grpo_config_kwargs` (checked against
-trl 1.16): one generation batch of P*G completions per optimizer step, split
+On ``setting.device`` (the CPU; benchmarks/gpu.py runs it on a GPU), no vLLM, no eval, no
+saving, no trackers, logging every step. The settings map onto ``GRPOConfig`` in
+:func:`grpo_config_kwargs` (checked against trl 1.16): one generation batch of P*G completions per optimizer step, split
 into micro-batches of ``micro_batch_size`` with gradient accumulation; prompts
 in dataset order (``shuffle_dataset=False``) as the floor and our trainer take
 them; constant LR; TRL's default fused AdamW; gradient checkpointing off (TRL
@@ -32,12 +32,13 @@ def grpo_config_kwargs(setting: BenchSetting, output_dir: str) -> dict:
     accumulation = setting.completions_per_step // setting.micro_batch_size
     return dict(
         output_dir=output_dir,
-        use_cpu=True,
+        use_cpu=setting.device == "cpu",
         use_vllm=False,
         report_to=[],
         bf16=setting.bf16,  # TRL's default is bf16=True: always say it
         fp16=False,
-        model_init_kwargs={"dtype": "bfloat16" if setting.bf16 else "float32"},
+        # On a GPU, float32 weights under bf16=True's autocast: float32 master weights, as ours keeps.
+        model_init_kwargs={"dtype": "bfloat16" if setting.bf16 and setting.device == "cpu" else "float32"},
         per_device_train_batch_size=setting.micro_batch_size,
         gradient_accumulation_steps=accumulation,
         steps_per_generation=accumulation,
@@ -130,8 +131,9 @@ def _record_prompt_ids(trainer, fed: list[list[list[int]]]) -> None:
     trainer._generate = recording_generate
 
 
-def run_trl(setting: BenchSetting, model_dir: Path, save_dir: Path | None = None) -> RunResult:
-    """Train ``setting.steps`` steps; with ``save_dir``, save the final model and tokenizer there."""
+def run_trl(setting: BenchSetting, model_dir: Path, save_dir: Path | None = None, callbacks: tuple = ()) -> RunResult:
+    """Train ``setting.steps`` steps; with ``save_dir``, save the final model and tokenizer there.
+    ``callbacks``: more ``TrainerCallback``s (benchmarks/gpu_side.py's phase meter)."""
     import torch
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -145,7 +147,7 @@ def run_trl(setting: BenchSetting, model_dir: Path, save_dir: Path | None = None
             reward_funcs=[boxed_accuracy, boxed_format],
             args=args,
             train_dataset=dataset,
-            callbacks=[recorder],
+            callbacks=[recorder, *callbacks],
         )
         _time_generate(trainer.model, recorder)
         fed: list[list[list[int]]] = []

@@ -61,3 +61,26 @@ def test_the_command_prints_the_plan(capsys):
     assert main(["--config", str(recipe), "--model-config", str(CONFIGS[1]), "--gpus", "8"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("memory plan per GPU: strategy fsdp2, 8 GPU(s)") and "training phase:" in out
+
+
+GPU_RECIPES = sorted(p for p in (REPO / "recipes").glob("*.yaml") if p.stem.endswith(("-1gpu", "-fsdp2")))
+
+
+@pytest.mark.parametrize("recipe", GPU_RECIPES, ids=[p.stem for p in GPU_RECIPES])
+def test_a_gpu_recipe_quotes_its_current_memory_plan(recipe, capsys):
+    """The plan in a GPU recipe's header is what memory_plan.py prints for it today (the command
+    is quoted above the plan), and it fits; the recipe trains float32 weights with bf16 compute and
+    activation checkpointing."""
+    header = [line[2:] for line in recipe.read_text().splitlines() if line.startswith("# ")]
+    start = next(i for i, line in enumerate(header) if "python benchmarks/memory_plan.py" in line)
+    command = (header[start].split("python benchmarks/memory_plan.py", 1)[1] + " " + header[start + 1]).rstrip("):")
+    assert main(command.split()) == 0
+    plan_lines = [line for line in capsys.readouterr().out.splitlines()[2:] if line]
+    assert all(line in header for line in plan_lines), "the header's plan is out of date: paste the new one"
+    assert "(fits, " in plan_lines[-1]
+    cfg = load_config(recipe)
+    t = cfg.training
+    assert cfg.model.dtype == "bfloat16" and t.autocast_bf16 in (True, "auto")
+    assert t.gradient_checkpointing and not t.share_prompts
+    assert cfg.generation.backend == "vllm" and cfg.generation.vllm.enable_sleep_mode
+    assert (t.prompts_per_step * cfg.generation.num_generations) % t.micro_batch_size == 0

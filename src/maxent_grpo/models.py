@@ -262,6 +262,38 @@ def _load_model(path: str, dtype: torch.dtype, device: str | torch.device, trust
     return model.to(device)
 
 
+def empty_model(name_or_path: str | os.PathLike, dtype: str | torch.dtype = "float32", *,
+                trust_remote_code: bool = False):
+    """The model of ``name_or_path`` built on the meta device: its config and generation config,
+    no weights read and no memory taken (they come later, e.g. broadcast from rank 0 after
+    sharding). In eval mode, as ``from_pretrained`` leaves a model; a tied LM head is the
+    embedding's parameter. Non-persistent buffers (rotary ``inv_freq``) are meta too: whoever
+    allocates the model must fill them, since no state dict holds them."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    path = resolve_model_path(name_or_path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=parse_dtype(dtype), trust_remote_code=trust_remote_code)
+    if (Path(path) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model.eval()
+
+
+def fill_pad_token(model, tokenizer) -> None:
+    """Give the model the tokenizer's pad token where its config has none (generate needs one)."""
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+
+def load_model(name_or_path: str | os.PathLike, dtype: str | torch.dtype = "float32",
+               device: str | torch.device = "cpu", *, trust_remote_code: bool = False):
+    """The model of ``name_or_path`` with its weights, in ``dtype`` on ``device``."""
+    return _load_model(resolve_model_path(name_or_path), parse_dtype(dtype), device, trust_remote_code)
+
+
 def load_model_and_tokenizer(
     name_or_path: str | os.PathLike,
     *,
@@ -274,10 +306,7 @@ def load_model_and_tokenizer(
     path = resolve_model_path(name_or_path)
     tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
     model = _load_model(path, torch_dtype, device, trust_remote_code)
-    if model.config.pad_token_id is None:
-        model.config.pad_token_id = tokenizer.pad_token_id
-    if model.generation_config.pad_token_id is None:
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    fill_pad_token(model, tokenizer)
     return model, tokenizer
 
 
@@ -289,7 +318,7 @@ def load_reference_model(
     trust_remote_code: bool = False,
 ):
     """A frozen copy of the model: eval mode, no parameter requires grad."""
-    model = _load_model(resolve_model_path(name_or_path), parse_dtype(dtype), device, trust_remote_code)
+    model = load_model(name_or_path, dtype, device, trust_remote_code=trust_remote_code)
     model.eval()
     model.requires_grad_(False)
     return model

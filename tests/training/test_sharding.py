@@ -63,6 +63,40 @@ def test_two_fsdp2_processes_give_the_single_process_gradient_and_the_full_weigh
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+def test_fsdp2_broadcast_load_gives_the_full_load_step_and_resumes_the_same_weights(tiny_model_dir, tmp_path):
+    """Built on the meta device on every rank and filled from rank 0 (issue 21 §4): the same weights,
+    first step (loss, grad norm, updated weights) and tied head as every rank loading the whole
+    model; the rotary ``inv_freq`` (a non-persistent buffer no state dict holds) right on every
+    rank; and a resume into a fresh meta-built model restores the weights and the optimizer."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str((Path(__file__).resolve().parents[1] / "fsdp2_load_worker.py")), str(tiny_model_dir), str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(tmp_path / "result.pt")
+
+    def same(a: dict, b: dict) -> bool:
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    assert "lm_head.weight" in got["before"]["full"]
+    assert same(got["before"]["loaded"], got["before"]["full"])
+    full, loaded = got["full"], got["loaded"]
+    assert (loaded["loss"], loaded["grad_norm"]) == (full["loss"], full["grad_norm"])
+    assert same(loaded["after"], full["after"])
+    assert max(float((full["after"][k] - got["before"]["full"][k]).abs().max()) for k in full["after"]) > 1e-4
+    for rank in got["ranks"]:
+        assert rank["tied"] == (True, True) and rank["resumed_tied"]
+        reference = rank["full_buffers"]
+        assert any(name.endswith("inv_freq") for name in reference)
+        assert same(rank["loaded_buffers"], reference) and same(rank["resumed_buffers"], reference)
+
+    assert got["resumed"]["step"] == 1
+    assert same(got["resumed"]["weights"], loaded["after"])
+    assert got["resumed"]["second"]["loss"] == loaded["second"]["loss"]
+    assert same(got["resumed"]["second"]["after"], loaded["second"]["after"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_fsdp2_run_trains_resumes_exactly_and_saves_a_hugging_face_model(tiny_model_dir, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM

@@ -21,8 +21,8 @@ from maxent_grpo.envs.settings import row_environments
 from maxent_grpo.data.datasets import PromptSampler, load_prompt_dataset, split_train_eval
 from maxent_grpo.data.prompts import longest_prompt_tokens
 from maxent_grpo.models import (
-    apply_lora, enable_activation_checkpointing, load_model_and_tokenizer, load_reference_model, parse_dtype,
-    reference_context, resolve_model_path,
+    apply_lora, enable_activation_checkpointing, fill_pad_token, load_tokenizer, parse_dtype, reference_context,
+    resolve_model_path,
 )
 from maxent_grpo.rewards.maxent import controller_state_dict, restore_controller_state
 from maxent_grpo.rewards.registry import build_reward_spec
@@ -117,8 +117,7 @@ def _reference_scorer(cfg: TrainConfig, plan: RunPlan, model, name_or_path: str,
             with reference_context(model):
                 return scoring.score_rows(model, ids, mask, plen)[0]
         return score
-    ref = load_reference_model(name_or_path, dtype=cfg.model.dtype, device=model.device)
-    strategy.prepare_reference(ref)
+    ref = strategy.load_reference(name_or_path, dtype=cfg.model.dtype)
 
     def score(ids, mask, plen):
         return scoring.score_rows(ref, ids, mask, plen)[0]
@@ -248,16 +247,20 @@ def _load_data(cfg: TrainConfig, dist: Dist) -> tuple[Dataset, list[dict]]:
 
 def _load_policy(cfg: TrainConfig, model_path: str, dist: Dist, strategy: Strategy):
     """The trained policy in its master dtype, with LoRA and activation checkpointing, placed by the strategy."""
-    model, tokenizer = load_model_and_tokenizer(
-        model_path, dtype=master_dtype(cfg.model.dtype, cfg.model.lora.enabled), device=dist.device,
-    )
-    if cfg.model.lora.enabled:
-        lc = cfg.model.lora
-        model = apply_lora(model, r=lc.r, alpha=lc.alpha, dropout=lc.dropout, target_modules=lc.target_modules)
-    if cfg.training.gradient_checkpointing:
-        enable_activation_checkpointing(model)
+    tokenizer = load_tokenizer(model_path)
+
+    def adapt(model: torch.nn.Module) -> torch.nn.Module:
+        fill_pad_token(model, tokenizer)
+        if cfg.model.lora.enabled:
+            lc = cfg.model.lora
+            model = apply_lora(model, r=lc.r, alpha=lc.alpha, dropout=lc.dropout, target_modules=lc.target_modules)
+        if cfg.training.gradient_checkpointing:
+            enable_activation_checkpointing(model)
+        return model
+
     # Before the optimizer exists: it must hold the (sharded) parameters.
-    strategy.prepare(model, bf16_compute=cfg.training.autocast_bf16)
+    model = strategy.load_policy(model_path, dtype=master_dtype(cfg.model.dtype, cfg.model.lora.enabled),
+                                 adapt=adapt, bf16_compute=cfg.training.autocast_bf16)
     return model, tokenizer
 
 

@@ -118,8 +118,8 @@ def load_sharded_checkpoint(
 ) -> dict:
     """Restore a checkpoint of an FSDP2 run into the sharded ``model`` and ``optimizer``; return trainer_state.
 
-    Each rank reads the full weights and keeps its shard; DCP reads each rank's
-    optimizer shard (it reshards when the number of processes has changed).
+    Rank 0 reads the full weights and broadcasts them, each rank keeping its shard; DCP reads
+    each rank's optimizer shard (it reshards when the number of processes has changed).
     """
     path = Path(path)
     if not verify_checkpoint(path):
@@ -127,7 +127,7 @@ def load_sharded_checkpoint(
     if not (path / SHARDED_OPTIMIZER_DIR).is_dir():
         raise CheckpointError(f"checkpoint {path} holds an unsharded optimizer state (a DDP run): "
                          "resume it with training.strategy=ddp")
-    load_full_state_dict(model, read_full_weights(path))
+    load_full_state_dict(model, read_full_weights(path) if dist.get_rank() == 0 else {})
     # A template with this rank's shard shapes (DCP fills it in place); on a fresh
     # optimizer this creates its zero state first.
     optim_state = get_optimizer_state_dict(model, optimizer)

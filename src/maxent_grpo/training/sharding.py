@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -76,6 +77,31 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def load_full_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load full (unsharded) tensors, given on every rank, into the sharded ``model``."""
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+def load_full_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], *, strict: bool = False) -> None:
+    """Load full (unsharded) tensors, given on rank 0 alone (the others pass ``{}``), into the
+    sharded ``model``: rank 0 broadcasts each tensor and every rank keeps its shard. Not strict
+    by default: a checkpoint written by ``save_pretrained`` holds a tied head once."""
+    set_model_state_dict(model, state, options=StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True, strict=strict))
+
+
+def materialize(model: torch.nn.Module, source: torch.nn.Module | None, device: torch.device) -> None:
+    """Allocate a ``model`` sharded on the meta device (:func:`shard_model` of ``empty_model``) on
+    ``device`` and fill it from ``source``, the whole model, which rank 0 alone holds (None on the
+    others): no rank but 0 ever holds more than its shard.
+
+    The state dict carries the parameters and persistent buffers. The non-persistent ones (a
+    rotary embedding's ``inv_freq``) are computed at construction, which the meta device skips, and
+    no state dict holds them: ``to_empty`` leaves them uninitialised memory on every rank, a model
+    that runs and computes nonsense. They are broadcast from ``source`` as well. A tied head stays
+    the embedding's parameter: FSDP2 shards a parameter shared by two modules once.
+    """
+    model.to_empty(device=device)
+    state = {} if source is None else source.state_dict()
+    persistent = set(model.state_dict())
+    for name, buffer in model.named_buffers():
+        if name not in persistent:
+            if source is not None:
+                buffer.copy_(source.get_buffer(name))
+            dist.broadcast(buffer, src=0)
+    load_full_state_dict(model, state, strict=True)

@@ -1,7 +1,7 @@
 """How the policy is spread over the processes (``training.strategy``): ``STRATEGIES[name]``.
 
 A strategy owns what differs between whole-model data parallelism and sharding:
-preparing the policy before the optimizer exists, the reference model, wrapping
+loading the policy (before the optimizer exists) and the reference model, wrapping
 the policy for training (and ``grpo_step``'s ``gradient_sync``), and saving and
 loading checkpoints with their failure protocol. The loop and the setup call it
 and never ask which one they hold.
@@ -25,12 +25,14 @@ from typing import Any, ClassVar
 import torch
 from safetensors import SafetensorError
 
+from maxent_grpo.models import empty_model, load_model, load_reference_model
 from maxent_grpo.training.checkpoint import describe_write_error, load_checkpoint, save_checkpoint, save_failed
 from maxent_grpo.training.distributed import DataParallelPolicy, Dist, ddp_gradient_sync
 from maxent_grpo.training.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
-from maxent_grpo.training.sharding import fsdp2_gradient_sync, shard_model
+from maxent_grpo.training.sharding import fsdp2_gradient_sync, materialize, shard_model
 
 GradientSync = Callable[[bool], AbstractContextManager]
+Adapt = Callable[[torch.nn.Module], torch.nn.Module]
 
 
 class Strategy:
@@ -44,11 +46,14 @@ class Strategy:
     def __init__(self, dist: Dist):
         self.dist = dist
 
-    def prepare(self, model: torch.nn.Module, *, bf16_compute: bool) -> None:
-        """Change ``model`` in place before the optimizer is built on its parameters."""
+    def load_policy(self, path: str, *, dtype: str, adapt: Adapt, bf16_compute: bool) -> torch.nn.Module:
+        """The trained policy of ``path`` in ``dtype``, changed by ``adapt`` (LoRA, activation
+        checkpointing) and placed on this process's device, ready for the optimizer."""
+        return adapt(load_model(path, dtype, self.dist.device))
 
-    def prepare_reference(self, reference: torch.nn.Module) -> None:
-        """Place the frozen reference model like the policy."""
+    def load_reference(self, path: str, *, dtype: str) -> torch.nn.Module:
+        """The frozen reference model of ``path``, placed like the policy."""
+        return load_reference_model(path, dtype, self.dist.device)
 
     def wrap(self, model: torch.nn.Module) -> tuple[torch.nn.Module, GradientSync | None]:
         """The module the step trains through, and ``grpo_step``'s ``gradient_sync``."""
@@ -105,12 +110,24 @@ class FSDP2Strategy(Strategy):
     supports_lora = False
     collective_forward = True
 
-    def prepare(self, model, *, bf16_compute):
+    # Every rank builds the model on the meta device and shards it; rank 0 alone reads the weights
+    # (into host memory) and broadcasts them, so no GPU ever holds the whole model
+    # (sharding.materialize). Resuming broadcasts rank 0's read of the checkpoint the same way.
+    def load_policy(self, path, *, dtype, adapt, bf16_compute):
+        model = adapt(empty_model(path, dtype))
         # bf16 gathers with float32 reduction: meant for GPUs (docs/SCALING.md).
         shard_model(model, mixed_precision=self.dist.device.type == "cuda" and bf16_compute)
+        self._fill(model, path, dtype)
+        return model
 
-    def prepare_reference(self, reference):
+    def load_reference(self, path, *, dtype):
+        reference = empty_model(path, dtype).requires_grad_(False)
         shard_model(reference)
+        self._fill(reference, path, dtype)
+        return reference
+
+    def _fill(self, model: torch.nn.Module, path: str, dtype: str) -> None:
+        materialize(model, load_model(path, dtype) if self.dist.is_main else None, self.dist.device)
 
     def wrap(self, model):
         return model, fsdp2_gradient_sync(model)

@@ -35,7 +35,8 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from maxent_grpo.rollout.backends import BACKENDS  # noqa: E402
 from maxent_grpo.training.config import load_config  # noqa: E402
 from maxent_grpo.training.plan import compile_run  # noqa: E402
-from maxent_grpo.training.precision import master_dtype, resolve_precision  # noqa: E402
+from maxent_grpo.models import master_dtype  # noqa: E402
+from maxent_grpo.training.precision import resolve_precision  # noqa: E402
 from maxent_grpo.training.strategy import STRATEGIES  # noqa: E402
 
 GIB = 2**30

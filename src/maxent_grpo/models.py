@@ -229,6 +229,14 @@ def ensure_packaged_smollm2() -> Path:
     return dest
 
 
+def master_dtype(model_dtype: str, lora: bool) -> str:
+    """The dtype the policy is loaded in: float32 for weights that are trained (float64 when
+    asked for), ``model_dtype`` for a LoRA base (frozen; its adapters are float32)."""
+    if lora or model_dtype == "float64":
+        return model_dtype
+    return "float32"
+
+
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
         return dtype

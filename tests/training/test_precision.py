@@ -102,7 +102,7 @@ def test_bf16_compute_without_autocast_is_refused_naming_the_key():
 
 def test_a_lora_base_is_stored_in_the_compute_dtype_and_its_adapters_train_in_float32(tiny_model_dir):
     from maxent_grpo.models import apply_lora, load_model_and_tokenizer
-    from maxent_grpo.training.precision import master_dtype
+    from maxent_grpo.models import master_dtype
 
     full, _ = load_model_and_tokenizer(str(tiny_model_dir), dtype=master_dtype("bfloat16", lora=False))
     assert {p.dtype for p in full.parameters()} == {torch.float32}

@@ -245,6 +245,10 @@ def test_a_failing_fsdp2_save_stops_every_rank_with_one_line_and_keeps_the_earli
 def test_fsdp2_refuses_what_it_cannot_do_naming_the_key(override, key):
     with pytest.raises(ConfigError, match=rf"^{key}: .*training.strategy=fsdp2"):
         load_config(None, ["training.strategy=fsdp2", override])
+    # model.dtype is the compute dtype: the sharded policy is still stored in float32, so a bf16
+    # sampling copy is a separate copy under bf16 compute too.
+    with pytest.raises(ConfigError, match=rf"^{key}: .*training.strategy=fsdp2"):
+        load_config(None, ["training.strategy=fsdp2", "model.dtype=bfloat16", override])
 
 
 def test_fsdp2_accepts_sampling_from_the_policy_and_unknown_strategies_are_refused():

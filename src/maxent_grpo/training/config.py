@@ -21,6 +21,7 @@ from maxent_grpo.envs import ENVIRONMENTS
 from maxent_grpo.envs.settings import episode_limits
 from maxent_grpo.errors import ConfigError
 from maxent_grpo.methods import METHODS, get_method
+from maxent_grpo.models import master_dtype
 from maxent_grpo.rewards.user_code import resolve_reference
 from maxent_grpo.rollout.backends import BACKENDS
 from maxent_grpo.run_files import write_text_atomic
@@ -383,7 +384,8 @@ def _check_strategy(cfg: TrainConfig, strategy: type[Strategy]) -> None:
     if not strategy.collective_forward or BACKENDS[cfg.generation.backend].owns_weights:
         return  # a vLLM engine holds its own weights and samples without collectives
     _check(
-        cfg.generation.dtype in (None, "auto", cfg.model.dtype),
+        # The policy is stored in its master dtype (float32 under bf16 compute): a copy in any other is separate.
+        cfg.generation.dtype in (None, "auto", master_dtype(cfg.model.dtype, cfg.model.lora.enabled)),
         "generation.dtype",
         f"a separate generation copy (a full model on every rank) is not supported {why}; set it to null",
     )

@@ -24,6 +24,7 @@ import logging
 
 import torch
 
+from maxent_grpo.models import master_dtype
 from maxent_grpo.rollout.backends import BACKENDS
 from maxent_grpo.training.config import TrainConfig
 from maxent_grpo.training.strategy import STRATEGIES
@@ -38,14 +39,6 @@ def bf16_is_fast(device: torch.device) -> bool:
     if device.type == "cpu":
         return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     return False
-
-
-def master_dtype(model_dtype: str, lora: bool) -> str:
-    """The dtype the policy is loaded in: float32 for weights that are trained (float64 when
-    asked for), ``model_dtype`` for a LoRA base (frozen; its adapters are float32)."""
-    if lora or model_dtype == "float64":
-        return model_dtype
-    return "float32"
 
 
 def resolve_precision(cfg: TrainConfig, fast_bf16: bool) -> TrainConfig:

@@ -21,8 +21,8 @@ from maxent_grpo.envs.settings import row_environments
 from maxent_grpo.data.datasets import PromptSampler, load_prompt_dataset, split_train_eval
 from maxent_grpo.data.prompts import longest_prompt_tokens
 from maxent_grpo.models import (
-    apply_lora, enable_activation_checkpointing, fill_pad_token, load_tokenizer, parse_dtype, reference_context,
-    resolve_model_path,
+    apply_lora, enable_activation_checkpointing, fill_pad_token, load_tokenizer, master_dtype, parse_dtype,
+    reference_context, resolve_model_path,
 )
 from maxent_grpo.rewards.maxent import controller_state_dict, restore_controller_state
 from maxent_grpo.rewards.registry import build_reward_spec
@@ -33,7 +33,7 @@ from maxent_grpo.training.config import ConfigError, TrainConfig, TrainingConfig
 from maxent_grpo.training.distributed import Dist, log_device
 from maxent_grpo.training.pipeline import PipelineContext
 from maxent_grpo.training.plan import RunPlan, compile_run, describe_rollout_correction
-from maxent_grpo.training.precision import bf16_is_fast, master_dtype, resolve_precision
+from maxent_grpo.training.precision import bf16_is_fast, resolve_precision
 from maxent_grpo.training.run_dir import (
     RunDirError, RunLock, claim_output_dir, config_history, history_line, resume_changes,
 )

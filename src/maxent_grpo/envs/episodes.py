@@ -33,7 +33,13 @@ from typing import Any, Protocol
 
 from maxent_grpo.core.bounds import require
 from maxent_grpo.envs.protocol import Environment, EnvironmentFactory, Message, RowEnvironments, StepResult
-from maxent_grpo.envs.tools import CallTimeout, call_with_timeout, hermes_system_prompt, template_renders_tools, tool_schemas
+from maxent_grpo.envs.tools import (
+    CallTimeout,
+    call_with_timeout,
+    hermes_system_prompt,
+    template_renders_tools,
+    tool_schemas,
+)
 from maxent_grpo.rollout.backend import Completion, PromptGroup, RolloutBatch, SamplingParams, build_rollout_batch
 
 
@@ -155,27 +161,29 @@ def run_episodes(
 
 
 class _Clock:
-    """Seconds spent inside the environments."""
+    """Calls into the environments: timed, bounded by a timeout, a failure caught as the episode's."""
 
     def __init__(self) -> None:
-        self.seconds = 0.0
+        self.seconds = 0.0  # spent inside the environments
 
-    def call(self, fn, timeout_s):
+    def call(self, row: int, what: str, fn, timeout_s) -> tuple[Any, str | None]:
+        """``(fn(), None)``, or ``(None, one line)`` when it raised or ran past ``timeout_s``."""
         t0 = time.perf_counter()
         try:
-            return call_with_timeout(fn, timeout_s)
+            return call_with_timeout(fn, timeout_s), None
+        except CallTimeout as exc:
+            return None, f"row {row}: {what}: {exc}"
+        except Exception as exc:  # noqa: BLE001 - a failed episode is counted and bounded, not a crash
+            return None, f"row {row}: {what} raised {type(exc).__name__}: {exc}"
         finally:
             self.seconds += time.perf_counter() - t0
 
 
 def _open(row_idx: int, factory: EnvironmentFactory, row, clock: _Clock, timeout_s) -> _Episode:
     env = factory()
-    try:
-        messages = clock.call(lambda: env.reset(row), timeout_s)
-    except CallTimeout as exc:
-        return _Episode(row_idx, env, [], failure=f"row {row_idx}: reset: {exc}")
-    except Exception as exc:  # noqa: BLE001 - a failed episode is counted and bounded, not a crash
-        return _Episode(row_idx, env, [], failure=f"row {row_idx}: reset raised {type(exc).__name__}: {exc}")
+    messages, failure = clock.call(row_idx, "reset", lambda: env.reset(row), timeout_s)
+    if failure is not None:
+        return _Episode(row_idx, env, [], failure=failure)
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"row {row_idx}: reset must return a non-empty list of messages, got {messages!r}")
     return _Episode(row_idx, env, [dict(m) for m in messages])
@@ -200,13 +208,9 @@ def _take_turn(e: _Episode, comp: Completion, render: "_Render", tokenizer, cloc
         e.finish = "length"
         return
     assistant = {"role": "assistant", "content": comp.text}
-    try:
-        result = clock.call(lambda: e.env.step(list(e.messages), assistant), limits.step_timeout_s)
-    except CallTimeout as exc:
-        e.failure = f"row {e.row}: step: {exc}"
-        return
-    except Exception as exc:  # noqa: BLE001 - a failed episode is counted and bounded, not a crash
-        e.failure = f"row {e.row}: step raised {type(exc).__name__}: {exc}"
+    result, e.failure = clock.call(e.row, "step", lambda: e.env.step(list(e.messages), assistant),
+                                   limits.step_timeout_s)
+    if e.failure is not None:
         return
     if not isinstance(result, StepResult):
         raise TypeError(f"row {e.row}: step must return a StepResult, got {type(result).__name__}")
@@ -228,13 +232,8 @@ def _take_turn(e: _Episode, comp: Completion, render: "_Render", tokenizer, cloc
 
 
 def _score(e: _Episode, clock: _Clock, timeout_s) -> None:
-    try:
-        reward = clock.call(e.env.get_reward, timeout_s)
-    except CallTimeout as exc:
-        e.failure = f"row {e.row}: get_reward: {exc}"
-        return
-    except Exception as exc:  # noqa: BLE001 - a failed episode is counted and bounded, not a crash
-        e.failure = f"row {e.row}: get_reward raised {type(exc).__name__}: {exc}"
+    reward, e.failure = clock.call(e.row, "get_reward", e.env.get_reward, timeout_s)
+    if e.failure is not None:
         return
     if reward is not None and not isinstance(reward, (int, float)):
         raise TypeError(f"row {e.row}: get_reward must return a number or None, got {type(reward).__name__}")

@@ -25,6 +25,7 @@ sampled them). ``None`` means every token is the model's.
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
@@ -116,6 +117,37 @@ class GenerationBackend(Protocol):
         sleep discards its weights, it pushes ``policy`` first when no push came since.
         """
         ...
+
+
+class TokenPrompts(abc.ABC):
+    """``generate`` (chat-templated text) and ``generate_ids`` (token ids) for a backend that samples from
+    token ids: both reach its ``_generate(prompts, prompt_ids, num_generations, params)``.
+
+    ``generate_ids`` is how a multi-turn episode continues from exactly the ids it holds (re-tokenising its
+    text could give other ids); each group's ``prompt`` is then the ids' decoding.
+    """
+
+    tokenizer: object
+
+    def generate(self, prompts: list[str], num_generations: int, params: SamplingParams) -> list[PromptGroup]:
+        if not prompts or not all(isinstance(p, str) and p for p in prompts):
+            raise ValueError("prompts must be a non-empty list of non-empty strings")
+        prompt_ids = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+        return self._generate(list(prompts), prompt_ids, num_generations, params)
+
+    def generate_ids(
+        self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams
+    ) -> list[PromptGroup]:
+        if not prompt_ids or not all(isinstance(p, list) and p for p in prompt_ids):
+            raise ValueError("prompt_ids must be a non-empty list of non-empty token id lists")
+        texts = self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return self._generate(texts, prompt_ids, num_generations, params)
+
+    @abc.abstractmethod
+    def _generate(
+        self, prompts: list[str], prompt_ids: list[list[int]], num_generations: int, params: SamplingParams
+    ) -> list[PromptGroup]:
+        """One group per prompt, from ``prompt_ids`` (``prompts`` is their text, kept in each group)."""
 
 
 @dataclass(frozen=True)

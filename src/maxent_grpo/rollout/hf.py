@@ -29,7 +29,7 @@ from transformers import DynamicCache, GenerationConfig, StoppingCriteria, Stopp
 
 from maxent_grpo.core.completion_logits import cache_kwarg
 from maxent_grpo.core.logprobs import selective_logps
-from maxent_grpo.rollout.backend import Completion, PromptGroup, SamplingParams
+from maxent_grpo.rollout.backend import Completion, PromptGroup, SamplingParams, TokenPrompts
 
 # Generation settings that reshape the sampling distribution or end rows early
 # and that a checkpoint's generation_config could carry into `generate` where we
@@ -78,7 +78,7 @@ class _StopStrings(StoppingCriteria):
         return torch.tensor([h is not None for h in self.hit], dtype=torch.bool, device=input_ids.device)
 
 
-class HFGenerationBackend:
+class HFGenerationBackend(TokenPrompts):
     """Samples completions from a transformers causal LM (the policy itself: no weight sync needed).
 
     ``batch_size``: most sequences per ``generate`` call (None: all at once).
@@ -136,22 +136,6 @@ class HFGenerationBackend:
         if self.separate_copy:
             with torch.no_grad():
                 self.model.load_state_dict(policy.state_dict())
-
-    def generate(self, prompts: list[str], num_generations: int, params: SamplingParams) -> list[PromptGroup]:
-        if not prompts or not all(isinstance(p, str) and p for p in prompts):
-            raise ValueError("prompts must be a non-empty list of non-empty strings")
-        prompt_ids = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
-        return self._generate(list(prompts), prompt_ids, num_generations, params)
-
-    def generate_ids(
-        self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams
-    ) -> list[PromptGroup]:
-        """``generate`` from token ids: a multi-turn episode continues from exactly the tokens it holds
-        (re-tokenising its text could give other ids). Each group's ``prompt`` is the ids' decoding."""
-        if not prompt_ids or not all(isinstance(p, list) and p for p in prompt_ids):
-            raise ValueError("prompt_ids must be a non-empty list of non-empty token id lists")
-        texts = self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        return self._generate(texts, prompt_ids, num_generations, params)
 
     def _generate(
         self, prompts: list[str], prompt_ids: list[list[int]], num_generations: int, params: SamplingParams

@@ -24,7 +24,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from maxent_grpo.rollout.backend import PromptGroup, SamplingParams
+from maxent_grpo.rollout.backend import PromptGroup, SamplingParams, TokenPrompts
 from maxent_grpo.rollout.vllm_common import engine_dtype, request_seeds, sampling_kwargs, to_completion
 from maxent_grpo.rollout.vllm_sleep import EngineSleep
 from maxent_grpo.rollout.vllm_weights import full_state_items
@@ -32,7 +32,7 @@ from maxent_grpo.rollout.vllm_weights import full_state_items
 log = logging.getLogger("maxent_grpo")
 
 
-class VLLMColocateBackend:
+class VLLMColocateBackend(TokenPrompts):
     """Samples from a ``vllm.LLM`` living in this process; weights come from the policy after each step."""
 
     def __init__(
@@ -69,21 +69,6 @@ class VLLMColocateBackend:
         )
         self.sleep = EngineSleep(self.llm, enabled=enable_sleep_mode)
         self._sampling_params = vllm.SamplingParams
-
-    def generate(self, prompts: list[str], num_generations: int, params: SamplingParams) -> list[PromptGroup]:
-        if not prompts or not all(isinstance(p, str) and p for p in prompts):
-            raise ValueError("prompts must be a non-empty list of non-empty strings")
-        prompt_ids = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
-        return self._generate(list(prompts), prompt_ids, num_generations, params)
-
-    def generate_ids(
-        self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams
-    ) -> list[PromptGroup]:
-        """``generate`` from token ids (a multi-turn episode continues from exactly the ids it holds)."""
-        if not prompt_ids or not all(isinstance(p, list) and p for p in prompt_ids):
-            raise ValueError("prompt_ids must be a non-empty list of non-empty token id lists")
-        texts = self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        return self._generate(texts, prompt_ids, num_generations, params)
 
     def _generate(
         self, prompts: list[str], prompt_ids: list[list[int]], num_generations: int, params: SamplingParams

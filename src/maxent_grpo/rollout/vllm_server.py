@@ -45,7 +45,7 @@ import torch
 from safetensors.torch import save_file
 
 from maxent_grpo.errors import UserError
-from maxent_grpo.rollout.backend import PromptGroup, SamplingParams
+from maxent_grpo.rollout.backend import PromptGroup, SamplingParams, TokenPrompts
 from maxent_grpo.rollout.vllm_common import request_seeds, sampling_kwargs, to_completion
 from maxent_grpo.rollout.vllm_weights import full_state_items
 
@@ -109,7 +109,7 @@ def served_model(base_url: str, *, timeout_s: float = 30.0) -> str:
     return models[0]["id"]
 
 
-class VLLMServerBackend:
+class VLLMServerBackend(TokenPrompts):
     def __init__(
         self, base_url: str, tokenizer, *, sync_dir: str | Path, is_main: bool = True,
         barrier: Callable[[], None] | None = None, timeout_s: float = 600.0, max_concurrency: int = 64,
@@ -133,21 +133,6 @@ class VLLMServerBackend:
         return _request(self.base_url, method, path, body, self.timeout_s)
 
     # ------------------------------------------------------------ generation
-
-    def generate(self, prompts: list[str], num_generations: int, params: SamplingParams) -> list[PromptGroup]:
-        if not prompts or not all(isinstance(p, str) and p for p in prompts):
-            raise ValueError("prompts must be a non-empty list of non-empty strings")
-        prompt_ids = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
-        return self._generate(list(prompts), prompt_ids, num_generations, params)
-
-    def generate_ids(
-        self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams
-    ) -> list[PromptGroup]:
-        """``generate`` from token ids (a multi-turn episode continues from exactly the ids it holds)."""
-        if not prompt_ids or not all(isinstance(p, list) and p for p in prompt_ids):
-            raise ValueError("prompt_ids must be a non-empty list of non-empty token id lists")
-        texts = self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        return self._generate(texts, prompt_ids, num_generations, params)
 
     def _generate(
         self, prompts: list[str], prompt_ids: list[list[int]], num_generations: int, params: SamplingParams

@@ -106,6 +106,8 @@ def ours_config(setting: BenchSetting, model_dir: Path, extra: dict | None = Non
             "adam_beta2": 0.999,
             "max_grad_norm": 1.0,
             "seed": setting.seed,
+            # Checkpointing recomputes each layer, which a shared prompt's KV cache cannot be.
+            **({"gradient_checkpointing": True, "share_prompts": False} if setting.gradient_checkpointing else {}),
         },
         "logging": {"report_to": [], "progress_bar": False},
         "checkpoint": {"save_steps": 0},

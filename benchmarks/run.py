@@ -65,7 +65,8 @@ def title(setting: BenchSetting, reps: int) -> str:
     return (
         f"{setting.name}: {setting.model}, {setting.task}, P={setting.prompts_per_step} G={setting.num_generations} "
         f"max_new_tokens={setting.max_new_tokens} micro={setting.micro_batch_size}, beta={setting.beta}, "
-        f"loss={setting.loss_type}, {dtype}; {reps} rep(s) x {setting.steps} steps"
+        f"loss={setting.loss_type}, {dtype}{', activation checkpointing' if setting.gradient_checkpointing else ''}; "
+        f"{reps} rep(s) x {setting.steps} steps"
     )
 
 

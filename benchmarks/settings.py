@@ -37,6 +37,9 @@ class BenchSetting:
     # Where every side trains: "cpu", or "cuda" (benchmarks/gpu.py), where bf16 means bf16 compute
     # over float32 master weights on every side (ours: model.dtype bfloat16; TRL: bf16=True, AMP).
     device: str = "cpu"
+    # Activation checkpointing on every side (ours: training.gradient_checkpointing, which needs
+    # share_prompts off; TRL: gradient_checkpointing=True).
+    gradient_checkpointing: bool = False
     # The prompts, pinned here so that no side falls back on its own defaults: the task
     # generator's options (reasoning-gym tasks) and the solved examples placed as earlier
     # user/assistant turns, (prompt, completion) pairs. Empty: reasoning-gym's own problems,
@@ -134,13 +137,16 @@ def add_setting_args(parser) -> None:
     parser.add_argument("--micro-batch-size", type=int)
     parser.add_argument("--learning-rate", type=float)
     parser.add_argument("--seed", type=int)
+    parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                        help="activation checkpointing on every side")
     parser.add_argument("--default-task", action="store_true",
                         help="the built-in default run's task options and solved example (task chain_sum)")
 
 
 def setting_from_args(args) -> BenchSetting:
     fields = ("task", "beta", "bf16", "loss_type", "steps", "dataset_size", "prompts_per_step",
-              "num_generations", "max_new_tokens", "micro_batch_size", "learning_rate", "seed")
+              "num_generations", "max_new_tokens", "micro_batch_size", "learning_rate", "seed",
+              "gradient_checkpointing")
     overrides = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
     setting = PRESETS[args.setting].replace(**overrides)
     return setting.replace(**default_task_fields(setting.task)) if args.default_task else setting

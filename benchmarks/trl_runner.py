@@ -61,7 +61,7 @@ def grpo_config_kwargs(setting: BenchSetting, output_dir: str) -> dict:
         adam_beta2=0.999,
         max_grad_norm=1.0,
         max_steps=setting.steps,
-        gradient_checkpointing=False,
+        gradient_checkpointing=setting.gradient_checkpointing,
         shuffle_dataset=False,
         seed=setting.seed,
         logging_steps=1,

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import pytest
 
+from maxent_grpo.envs import ENVIRONMENTS
 from maxent_grpo.envs.tool_env import ToolEnvironment
 from maxent_grpo.envs.tools import CallTimeout, ToolCall, call_with_timeout, parse_tool_calls, run_tool_call
 from maxent_grpo.tasks.calculator import calculator
@@ -75,3 +77,14 @@ def test_the_tool_environment_answers_calls_and_ends_on_an_answer():
     assert not bad.done and bad.info["tool_parse_failures"] == 1.0 and "could not parse" in bad.observation[0]["content"]
     end = env.step(opening, {"role": "assistant", "content": "6 * 7 = \\boxed{42}"})
     assert end.done and end.info["tool_calls"] == 0.0
+
+
+def test_the_python_tool_runs_in_the_sandbox():
+    from maxent_grpo.envs.python_tool import python
+
+    assert python("print(6 * 7)") == "42\n"
+    assert python("raise SystemExit('no')").startswith("error (exit 1): no")
+    assert python(f"import os; print(os.getpid() == {os.getpid()})") == "False\n"  # its own process
+    env = ENVIRONMENTS["python"]()
+    step = env.step([], {"role": "assistant", "content": _call("python", code="print(sum(range(10)))")})
+    assert step.observation == [{"role": "tool", "name": "python", "content": "45\n"}]

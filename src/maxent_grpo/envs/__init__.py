@@ -3,7 +3,7 @@
 Importing the package registers every environment defined in it.
 """
 
-from maxent_grpo.envs import calculator  # noqa: F401 - registers "calculator"
+from maxent_grpo.envs import calculator, python_tool  # noqa: F401 - register "calculator" and "python"
 from maxent_grpo.envs.protocol import (
     ENVIRONMENT_COLUMN,
     ENVIRONMENTS,

@@ -30,7 +30,7 @@ def load_model(model_dir: str) -> torch.nn.Module:
 def main(model_dir: str, out_path: str) -> None:
     import torch.distributed as dist
 
-    from maxent_grpo.rollout.vllm_common import full_state_items
+    from maxent_grpo.rollout.vllm_weights import full_state_items
     from torch.distributed.fsdp import FSDPModule
 
     from maxent_grpo.training.sharding import fsdp2_gradient_sync, full_state_dict, shard_model

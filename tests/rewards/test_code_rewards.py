@@ -133,15 +133,16 @@ def test_without_namespaces_the_rewards_refuse_unless_told():
 # ------------------------------------------------------------------ hostile completions
 
 
-def _sandbox_processes() -> int:
-    """Processes still running the sandbox's bootstrap (its source is on their command line)."""
+def _sandbox_processes(also: bytes = b"") -> int:
+    """Processes still running the sandbox's bootstrap (its source is on their command line), with
+    ``also`` on their command line too (their run's configuration is there, as JSON)."""
     count = 0
     for pid in set(filter(str.isdigit, os.listdir("/proc"))) - {str(os.getpid())}:
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except (FileNotFoundError, ProcessLookupError, PermissionError):  # gone meanwhile, or not ours to read
             continue
-        count += b"PR_SET_NO_NEW_PRIVS" in cmdline
+        count += b"PR_SET_NO_NEW_PRIVS" in cmdline and also in cmdline
     return count
 
 
@@ -310,9 +311,12 @@ def test_runs_die_with_a_killed_trainer():
     host = subprocess.Popen([sys.executable, "-c", "from maxent_grpo.rewards.sandbox import run_sandboxed\n"
                              "run_sandboxed('import time\\ntime.sleep(60)', timeout_s=60)"])
     deadline = time.monotonic() + 300  # the host imports torch first: slow on a loaded machine
-    while _sandbox_processes() == 0 and time.monotonic() < deadline:
+    # The host's first sandbox is the isolation probe, which ends at once: wait for the 60 s run
+    # itself (its CPU limit, 60 s, is on its command line; the probe's is 20).
+    this_run = b'"cpu_s": 60'
+    while _sandbox_processes(this_run) == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _sandbox_processes() > 0
+    assert _sandbox_processes(this_run) > 0
     host.send_signal(signal.SIGKILL)
     host.wait()
     assert _no_sandbox_left()

@@ -54,6 +54,8 @@ def run_floor(setting: BenchSetting, model_dir: Path) -> RunResult:
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    if setting.gradient_checkpointing:  # as the other sides, when the setting asks for it
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     reference = None
     if setting.beta > 0:
         reference = copy.deepcopy(model).eval().requires_grad_(False)

@@ -123,13 +123,15 @@ def run_episodes(
         raise ValueError(f"{len(rows)} rows need as many environment factories, got {len(factories)}")
     clock = _Clock()
     episodes, prompts, renders = [], [], []
+    by_tools: dict[tuple[str, ...], _Render] = {}  # rows of one environment share its tools' rendering
     for i, (row, factory) in enumerate(zip(rows, factories)):
         group = [_open(i, factory, row, clock, limits.step_timeout_s) for _ in range(num_generations)]
         opened = [e for e in group if e.failure is None]
         if any(e.messages != opened[0].messages for e in opened[1:]):
             raise ValueError(f"row {i}: the environment's reset gave different messages for the same row")
         tools = opened[0].env.tools if opened else []
-        render = _Render(tokenizer, tools)
+        key = tuple(t.__qualname__ for t in tools)
+        render = by_tools.get(key) or by_tools.setdefault(key, _Render(tokenizer, tools))
         for e in opened:
             e.messages = render.opening(frame(e.messages) if frame is not None else e.messages)
         prompts.append(render.prompt_ids(opened[0].messages) if opened else [])
@@ -252,12 +254,14 @@ class _Render:
         self.tools = list(tools)
         self.native = bool(self.tools) and template_renders_tools(tokenizer, self.tools)
         self.kwargs = {"tools": tool_schemas(self.tools)} if self.native else {}
+        # Where the template has no tools: the Hermes description, as a system message.
+        self.described = hermes_system_prompt(self.tools) if self.tools and not self.native else None
 
     def opening(self, messages: list[Message]) -> list[Message]:
         """The opening messages, with the Hermes tool description where the template has no tools."""
-        if not self.tools or self.native:
+        described = self.described
+        if described is None:
             return messages
-        described = hermes_system_prompt(self.tools)
         if messages[0]["role"] == "system":
             return [{**messages[0], "content": messages[0]["content"] + "\n\n" + described}, *messages[1:]]
         return [{"role": "system", "content": described}, *messages]

@@ -38,3 +38,21 @@ class VllmConfig:
     sync_dir: str | None = None
     request_timeout_s: float = 600.0
 
+
+
+@dataclass
+class RolloutConfig:
+    """How rollouts reach the trainer: the ``rollout`` section (docs/ASYNC.md, ALGORITHMS.md §15)."""
+
+    # Optimizer steps a sample may lag the weights it is trained on. 0: every step trains on
+    # rollouts from its own weights (synchronous). k >= 1: the rollouts of the next k steps are
+    # sampled while this one trains; a server backend (vllm_server) samples them at the same time.
+    max_staleness: int = 0
+    # Where a step's rollouts wait for the trainer: local (in-process) or transferqueue (the
+    # TransferQueue library; the transferqueue extra).
+    data_plane: Literal["local", "transferqueue"] = "local"
+    # transferqueue only: start its controller and storage as Ray actors (the documented way), or
+    # in this process without Ray (starts in under a second; no other process can reach it).
+    transferqueue_ray: bool = True
+    # Seconds the trainer waits for a step's rollouts before the run stops with a checkpoint.
+    wait_timeout_s: float = 1800.0

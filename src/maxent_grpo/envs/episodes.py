@@ -143,7 +143,7 @@ def run_episodes(
         if not live:
             break
         for budget, batch in _by_budget(live, params, limits).items():
-            turn_params = dataclasses.replace(params, max_new_tokens=budget)
+            turn_params = dataclasses.replace(params.for_call(turn), max_new_tokens=budget)
             if turn == 0:  # every episode of a row still shares the prompt: one group per row
                 rows_here = sorted({e.row for e in batch})
                 groups = backend.generate_ids([prompts[r] for r in rows_here], num_generations, turn_params)

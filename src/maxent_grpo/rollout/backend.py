@@ -26,12 +26,14 @@ sampled them). ``None`` means every token is the model's.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import math
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 FINISH_REASONS = ("stop", "length")
@@ -45,8 +47,13 @@ class SamplingParams:
     top_k: int = 0  # 0 disables top-k
     stop: tuple[str, ...] = ()
     do_sample: bool = True
+    # The call's own seed (a sampler running beside the trainer must not share its RNG); None: the
+    # backend draws from torch's global RNG, which the run seeds at each step.
+    seed: int | None = None
 
     def __post_init__(self) -> None:
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"seed must be an integer >= 0 or None, got {self.seed!r}")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature > 0):
@@ -60,6 +67,14 @@ class SamplingParams:
         if not isinstance(self.do_sample, bool):
             raise ValueError(f"do_sample must be a bool, got {self.do_sample!r}")
         object.__setattr__(self, "stop", tuple(self.stop))
+
+    def for_call(self, index: int) -> "SamplingParams":
+        """The params of a later call in the same batch (a retry round, an episode's next turn): with a
+        seed, a seed of its own, so two calls never share a random stream; without one, unchanged."""
+        if self.seed is None:
+            return self
+        mixed = int(np.random.SeedSequence([self.seed, index]).generate_state(1, np.uint64)[0] >> 2)
+        return dataclasses.replace(self, seed=mixed)
 
 
 @dataclass(frozen=True)
@@ -296,7 +311,7 @@ def generate_groups(
 
     groups = _checked(backend.generate(list(prompts), num_generations, params), prompts, num_generations)
     collected = [list(g.completions) for g in groups]
-    for _ in range(max_retry_rounds):
+    for round_index in range(1, max_retry_rounds + 1):
         missing: dict[int, list[int]] = {}  # how many are missing -> prompt indices
         for i, comps in enumerate(collected):
             if len(comps) < num_generations:
@@ -305,7 +320,7 @@ def generate_groups(
             break
         for k, idx in sorted(missing.items()):
             asked = [prompts[i] for i in idx]
-            for i, grp in zip(idx, _checked(backend.generate(asked, k, params), asked, k)):
+            for i, grp in zip(idx, _checked(backend.generate(asked, k, params.for_call(round_index)), asked, k)):
                 collected[i].extend(grp.completions)
 
     kept = [

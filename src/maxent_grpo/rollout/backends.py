@@ -65,6 +65,9 @@ class Backend:
     continues_from_ids: bool = False
     # Sizes its context (a colocated engine's KV cache) from the longest prompt when not told (BackendInputs).
     plans_context: bool = False
+    # Samples in another process (a server): with rollout.max_staleness >= 1 it samples the next
+    # batch while the trainer trains (training/rollout_queue.py).
+    samples_beside: bool = False
 
 
 def _check_hf(vllm: VllmConfig, model_path: str) -> None:
@@ -194,6 +197,6 @@ BACKENDS: dict[str, Backend] = {
         Backend("vllm", _check_vllm, _build_vllm, owns_weights=True, supports_lora=True, continues_from_ids=True,
                 plans_context=True),
         Backend("vllm_server", _check_vllm_server, _build_vllm_server, owns_weights=True, supports_lora=True,
-                continues_from_ids=True),
+                continues_from_ids=True, samples_beside=True),
     )
 }

@@ -17,6 +17,7 @@ what is still in flight, and ``clear`` removes it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -53,6 +54,24 @@ class RolloutRecord:
                 raise ValueError(f"rewards must be [{n}, F] for {n} completions")
             if len(self.rows) != self.rollout.num_prompts:
                 raise ValueError(f"{len(self.rows)} rows for {self.rollout.num_prompts} prompts")
+
+    def to_state(self) -> dict:
+        """The record as JSON types (a checkpoint's ``trainer_state.json``); floats round-trip exactly."""
+        state = dataclasses.asdict(self)
+        state["rewards"] = None if self.rewards is None else {"dtype": str(self.rewards.dtype).removeprefix("torch."),
+                                                              "values": self.rewards.tolist()}
+        state["failure"] = None if self.failure is None else list(self.failure)
+        return state
+
+    @classmethod
+    def from_state(cls, state: dict) -> "RolloutRecord":
+        rewards = state["rewards"]
+        return cls(
+            **{**state,
+               "rollout": None if state["rollout"] is None else RolloutBatch(**state["rollout"]),
+               "rewards": None if rewards is None else torch.tensor(rewards["values"], dtype=getattr(torch, rewards["dtype"])),
+               "failure": None if state["failure"] is None else tuple(state["failure"])},
+        )
 
 
 class DataPlane(Protocol):
@@ -112,3 +131,12 @@ class LocalDataPlane:
 
     def close(self) -> None:
         self._records.clear()
+
+
+def open_data_plane(name: str, *, ray: bool) -> DataPlane:
+    """The plane ``rollout.data_plane`` names; ``ray``: TransferQueue's actors under Ray (else in process)."""
+    if name == "local":
+        return LocalDataPlane()
+    from maxent_grpo.rollout.transferqueue_plane import TransferQueuePlane  # the optional extra
+
+    return TransferQueuePlane(ray=ray)

@@ -148,7 +148,7 @@ class HFGenerationBackend(TokenPrompts):
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad(), self._rng():
+            with torch.no_grad(), self._rng(params):
                 for start in range(0, len(rows), per_call):
                     chunk = [prompt_ids[i] for i in rows[start : start + per_call]]
                     completions.extend(self._generate_chunk(chunk, params))
@@ -164,10 +164,13 @@ class HFGenerationBackend(TokenPrompts):
             for i in range(len(prompts))
         ]
 
-    def _rng(self):
-        if self.seed is None:
+    def _rng(self, params: SamplingParams):
+        if params.seed is not None:
+            call_seed = params.seed
+        elif self.seed is None:
             return contextlib.nullcontext()
-        call_seed = int(np.random.SeedSequence([self.seed, self._calls]).generate_state(1, np.uint64)[0] >> 1)
+        else:
+            call_seed = int(np.random.SeedSequence([self.seed, self._calls]).generate_state(1, np.uint64)[0] >> 1)
         device = self.model.device
         return _seeded_rng(call_seed, [device.index or 0] if device.type == "cuda" else [])
 

@@ -6,7 +6,7 @@ or a server client from this record), and the training config takes the section 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 
@@ -44,15 +44,15 @@ class VllmConfig:
 class RolloutConfig:
     """How rollouts reach the trainer: the ``rollout`` section (docs/ASYNC.md, ALGORITHMS.md §15)."""
 
-    # Optimizer steps a sample may lag the weights it is trained on. 0: every step trains on
-    # rollouts from its own weights (synchronous). k >= 1: the rollouts of the next k steps are
-    # sampled while this one trains; a server backend (vllm_server) samples them at the same time.
-    max_staleness: int = 0
-    # Where a step's rollouts wait for the trainer: local (in-process) or transferqueue (the
-    # TransferQueue library; the transferqueue extra).
-    data_plane: Literal["local", "transferqueue"] = "local"
-    # transferqueue only: start its controller and storage as Ray actors (the documented way), or
-    # in this process without Ray (starts in under a second; no other process can reach it).
-    transferqueue_ray: bool = True
-    # Seconds the trainer waits for a step's rollouts before the run stops with a checkpoint.
-    wait_timeout_s: float = 1800.0
+    max_staleness: int = field(default=0, metadata={"help": (
+        "optimizer steps a sample may lag the weights it is trained on; 0: each step trains on rollouts of "
+        "its own weights (synchronous); k >= 1: the next k steps' rollouts are sampled before (hf, vllm) or "
+        "while (vllm_server) this step trains")})
+    data_plane: Literal["local", "transferqueue"] = field(default="local", metadata={"help": (
+        "where a step's rollouts wait for the trainer: local (in process) or transferqueue "
+        "(the TransferQueue library; the transferqueue extra)")})
+    transferqueue_ray: bool = field(default=True, metadata={"help": (
+        "transferqueue: start its controller and storage as Ray actors (documented), or in this process "
+        "without Ray (starts in under a second)")})
+    wait_timeout_s: float = field(default=1800.0, metadata={"help": (
+        "seconds the trainer waits for a step's rollouts before the run stops with a checkpoint")})

@@ -73,7 +73,7 @@ class VLLMColocateBackend(TokenPrompts):
     def _generate(
         self, prompts: list[str], prompt_ids: list[list[int]], num_generations: int, params: SamplingParams
     ) -> list[PromptGroup]:
-        seeds = request_seeds(len(prompts), num_generations)
+        seeds = request_seeds(len(prompts), num_generations, params.seed)
         self.sleep.check_can_generate()
         outputs = self.llm.generate(
             [{"prompt_token_ids": list(ids)} for ids in prompt_ids],

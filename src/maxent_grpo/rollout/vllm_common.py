@@ -29,9 +29,10 @@ from maxent_grpo.rollout.backend import Completion, SamplingParams
 _SEED_SPACE = 2**62
 
 
-def request_seeds(num_prompts: int, num_generations: int) -> list[int]:
-    """One seed per prompt, ``num_generations`` apart, from a base drawn from torch's global RNG."""
-    base = int(torch.randint(0, _SEED_SPACE, (1,)).item())
+def request_seeds(num_prompts: int, num_generations: int, seed: int | None = None) -> list[int]:
+    """One seed per prompt, ``num_generations`` apart, from the base ``seed`` (the call's own,
+    ``SamplingParams.seed``) or, when None, a base drawn from torch's global RNG."""
+    base = int(torch.randint(0, _SEED_SPACE, (1,)).item()) if seed is None else seed % _SEED_SPACE
     return [(base + p * num_generations) % _SEED_SPACE for p in range(num_prompts)]
 
 

@@ -137,7 +137,7 @@ class VLLMServerBackend(TokenPrompts):
     def _generate(
         self, prompts: list[str], prompt_ids: list[list[int]], num_generations: int, params: SamplingParams
     ) -> list[PromptGroup]:
-        seeds = request_seeds(len(prompts), num_generations)
+        seeds = request_seeds(len(prompts), num_generations, params.seed)
         bodies = [
             {
                 "model": self.model_name,

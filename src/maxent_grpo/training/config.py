@@ -308,6 +308,14 @@ def validate(cfg: TrainConfig) -> None:
     _check(t.num_iterations >= 1, "training.num_iterations", "must be >= 1")
     _check(t.warmup_steps >= 0, "training.warmup_steps", "must be >= 0")
     _check(lo.max_gen_batches >= 1, "loss.max_gen_batches", "must be >= 1")
+    r = cfg.rollout
+    _check(r.max_staleness >= 0, "rollout.max_staleness", f"must be >= 0 (0: synchronous), got {r.max_staleness}")
+    _check(r.wait_timeout_s > 0, "rollout.wait_timeout_s", f"must be > 0, got {r.wait_timeout_s}")
+    # Stale samples are trained with the decoupled objective (ALGORITHMS.md §15): clipped against the
+    # trainer's log-probs at the step's start, weighted by the ratio to the sampler's.
+    _check(r.max_staleness == 0 or lo.rollout_correction != "none", "loss.rollout_correction",
+           f"none leaves samples up to rollout.max_staleness={r.max_staleness} steps old uncorrected; use auto "
+           "(token_truncate) or another correction")
     _check_environment(cfg)
     weighting_from_config(cfg)  # loss.beta, maxent.*: the bounds of the records the run builds
     # The loss and the method: their records check their own bounds (training/plan.py names the key).

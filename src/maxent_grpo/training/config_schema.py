@@ -24,7 +24,7 @@ from maxent_grpo.envs.settings import EnvironmentConfig
 from maxent_grpo.methods import method_sections
 from maxent_grpo.rewards.maxent import MaxEntConfig
 from maxent_grpo.rollout.backends import BACKENDS
-from maxent_grpo.rollout.settings import VllmConfig
+from maxent_grpo.rollout.settings import RolloutConfig, VllmConfig
 from maxent_grpo.training.strategy import STRATEGIES
 
 
@@ -211,6 +211,7 @@ class CoreConfig:
     )
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     loss: LossSection = field(default_factory=LossSection)
     maxent: MaxEntConfig = field(default_factory=MaxEntConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)

@@ -1,7 +1,8 @@
 """``train()``: the whole loop, top to bottom.
 
-generate -> reward -> score -> weight (``prepare_training_batch``) -> loss and
-step (``grpo_step``) -> controllers -> log -> checkpoint -> evaluate.
+rollouts (``RolloutQueue``: generate -> reward, now or ``rollout.max_staleness``
+steps ahead) -> score -> weight (``finish_batch``) -> loss and step (``grpo_step``)
+-> weights to the sampler -> controllers -> log -> checkpoint -> evaluate.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from maxent_grpo.training.checkpoint import find_latest_checkpoint
 from maxent_grpo.training.distributed import process_group
 from maxent_grpo.training.interrupt import RunInterrupted, StopSignals
 from maxent_grpo.training.metrics import MetricsLog, log_training_step, read_metrics, summarize_weight_stats
-from maxent_grpo.training.pipeline import prepare_training_batch
+from maxent_grpo.training.pipeline import finish_batch
 from maxent_grpo.training.plan import with_beta
-from maxent_grpo.training.setup import Run, build_run, seed_step
+from maxent_grpo.training.setup import Run, build_run
 from maxent_grpo.training.validation import validate
 
 log = logging.getLogger("maxent_grpo")
@@ -80,11 +81,13 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
     while step < cfg.training.max_steps:
         t_start, cpu_start = time.perf_counter(), time.process_time()
         sampler_before = run.sampler.sampler.state_dict()
-        # Each step draws from its own seed (run seed, rank, step), so a resumed run or any
-        # number of processes samples exactly what an uninterrupted run would.
-        seed_step(cfg.training.seed, ctx.dist.rank, step)
         try:
-            prepared = prepare_training_batch(ctx, run.sampler.next_batch(), run.sampler.next_batch)
+            # Batch `step` (sampled now, or rollout.max_staleness steps ago) and the sampling of the
+            # coming ones; each batch draws from its own seed (run seed, rank, batch), so a resumed
+            # run or any number of processes samples exactly what an uninterrupted run would.
+            run.rollouts.begin_step(step)
+            record = run.rollouts.take(step)
+            prepared = finish_batch(ctx, record)
             if prepared is not None and not ctx.dist.any_rank(prepared.has_signal):
                 _count_no_signal(ctx)
         except StopIteration:
@@ -97,12 +100,13 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
         # line and checkpoint) rather than tearing it; the stop check then saves and exits.
         with stop.protected():
             if prepared is None:
+                _end_step(run, step)  # the batch sampled meanwhile waits for the next step
                 consecutive_skips += 1
                 if consecutive_skips >= cfg.training.max_consecutive_skips:
                     raise _too_many_skips(run, step, consecutive_skips)
             else:
                 consecutive_skips = 0
-                step = _update_and_log(run, prepared, step, t_start, cpu_start, metrics_log)
+                step = _update_and_log(run, prepared, record, step, t_start, cpu_start, metrics_log)
                 bar.update(1)
                 bar.set_postfix(_postfix(run.last_metrics), refresh=False)
             if _stop_requested(run, stop):
@@ -117,14 +121,15 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
     return RunSummary(run.output_dir, step, final, history)
 
 
-def _update_and_log(run: Run, prepared, step: int, t_start: float, cpu_start: float, metrics_log) -> int:
+def _update_and_log(run: Run, prepared, record, step: int, t_start: float, cpu_start: float, metrics_log) -> int:
     """The optimizer step on ``prepared``, the controllers, and the step's metrics; return the new step."""
     cfg, ctx = run.cfg, run.ctx
     timings = dict(prepared.timings)
     t_policy = time.perf_counter()
     result = _policy_update(run, prepared, step + 1, timings)
-    ctx.backend.sync_weights(ctx.model)
     timings["time/policy"] = time.perf_counter() - t_policy - timings["time/optimizer"]
+    _end_step(run, step, trained=True)
+    timings.update(run.rollouts.metrics(step, record))
     step += 1
 
     # Controllers run once per step on globally averaged inputs (§8).
@@ -162,7 +167,10 @@ def _policy_update(run: Run, prepared, step: int, timings: dict):
         finally:
             timings["time/optimizer"] += time.perf_counter() - t0
 
-    old_logps = _old_logps(run, prepared) if plan.num_iterations > 1 else None
+    # The proximal anchor (ALGORITHMS.md §15): the trainer's own log-probs before the update, needed
+    # when the batch is reused or was sampled by earlier weights.
+    reanchor = plan.num_iterations > 1 or run.cfg.rollout.max_staleness > 0
+    old_logps = _old_logps(run, prepared) if reanchor else None
     spec = with_beta(plan, ctx.weighting.beta)
     for _ in range(plan.num_iterations):
         result = grpo_step(
@@ -170,6 +178,20 @@ def _policy_update(run: Run, prepared, step: int, timings: dict):
             plan.scoring, comm=run.comm, update=timed_update,
         )
     return result
+
+
+def _end_step(run: Run, step: int, *, trained: bool = False) -> None:
+    """The batch being sampled complete (from the old weights), then the new weights to the sampler.
+    A sampler that is gone (a server died, a timeout) ends the run with the step just trained saved."""
+    try:
+        run.rollouts.end_step(step)
+        if trained:
+            run.ctx.backend.sync_weights(run.ctx.model)
+    except UserError as err:
+        done = step + 1 if trained else step
+        path = run.save(done) if done > run.start_step else find_latest_checkpoint(run.output_dir)
+        where = f"checkpoint {path}" if path is not None else "no checkpoint (no step had finished)"
+        raise TrainingError(f"the sampler failed after step {done}: {err}; {where}") from None
 
 
 def _count_no_signal(ctx) -> None:

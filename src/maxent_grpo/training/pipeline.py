@@ -30,7 +30,9 @@ from maxent_grpo.rewards.maxent import (
     compute_reward_statistics,
 )
 from maxent_grpo.rewards.registry import RewardFunctionError, RewardSpec, evaluate_rewards, rollout_reward_inputs
+from maxent_grpo.rollout.data_plane import RolloutRecord
 from maxent_grpo.rollout.backend import (
+    SamplingParams,
     GenerationBackend,
     PackedRollout,
     RolloutBatch,
@@ -53,7 +55,7 @@ class SkipBatch(Exception):
 
     def __init__(self, stage: str, reason: str):
         super().__init__(f"{stage}: {reason}")
-        self.stage = stage
+        self.stage, self.reason = stage, reason
 
 
 @dataclass
@@ -140,15 +142,30 @@ class PreparedBatch:
 
 # ----------------------------------------------------------------- stages
 
-def _generate(ctx: PipelineContext, rows: list[dict]) -> tuple[list[dict], RolloutBatch, dict[str, float]]:
+@dataclass
+class Sampled:
+    """Generation's output for one batch, before any reward: the rows whose groups are complete."""
+
+    rows: list[dict]
+    rollout: RolloutBatch
+    stats: dict[str, float]
+
+
+def sample_rollouts(ctx: PipelineContext, rows: list[dict], params: SamplingParams) -> Sampled:
+    """Generate (or play the episodes of) ``rows``; raises :class:`SkipBatch`. Touches neither the
+    policy's gradients nor any collective, so a sampler beside the trainer may run it in a thread."""
+    return Sampled(*_generate(ctx, rows, params))
+
+
+def _generate(ctx: PipelineContext, rows: list[dict], params: SamplingParams) -> tuple[list[dict], RolloutBatch, dict]:
     b = ctx.plan.batch
     if ctx.episodes is not None:
-        return _play_episodes(ctx, ctx.episodes, rows)
+        return _play_episodes(ctx, ctx.episodes, rows, params)
     prompts = [format_prompt(ctx.tokenizer, r["prompt"], system_prompt=b.system_prompt, few_shot=list(b.few_shot))
                for r in rows]
     try:
         rollout, dropped = generate_groups(
-            ctx.backend, prompts, b.num_generations, b.sampling, max_retry_rounds=b.max_retry_rounds,
+            ctx.backend, prompts, b.num_generations, params, max_retry_rounds=b.max_retry_rounds,
         )
     except (RuntimeError, ValueError) as err:
         raise SkipBatch("generation", str(err)) from err
@@ -160,13 +177,15 @@ def _generate(ctx: PipelineContext, rows: list[dict]) -> tuple[list[dict], Rollo
     return rows, rollout, {}
 
 
-def _play_episodes(ctx: PipelineContext, play: EpisodePlay, rows: list[dict]) -> tuple[list[dict], RolloutBatch, dict]:
+def _play_episodes(
+    ctx: PipelineContext, play: EpisodePlay, rows: list[dict], params: SamplingParams,
+) -> tuple[list[dict], RolloutBatch, dict]:
     """Multi-turn rollouts (envs/episodes.py): a row whose episodes failed leaves with its group."""
     b = ctx.plan.batch
     try:
         played = run_episodes(
             ctx.backend, ctx.tokenizer, rows, [play.environments.factory(r) for r in rows], b.num_generations,
-            b.sampling, play.limits,
+            params, play.limits,
             frame=lambda m: prompt_messages(m, system_prompt=b.system_prompt, few_shot=list(b.few_shot)),
         )
     except (RuntimeError, ValueError) as err:
@@ -197,9 +216,11 @@ def _call_rewards(ctx: PipelineContext, rows: list[dict], rollout: RolloutBatch)
     return rewards
 
 
-def _rollout_and_rewards(ctx: PipelineContext, rows: list[dict], more_rows: Callable[[], list[dict]] | None, timings: dict):
-    """Generate and score; with dynamic sampling keep only groups whose rewards vary (§9)."""
-    rows, rollout, stats = _generate(ctx, rows)
+def _rewards_and_rounds(ctx: PipelineContext, first: Sampled, more_rows: Callable[[], list[dict]] | None,
+                        timings: dict):
+    """Score ``first``; with dynamic sampling keep only groups whose rewards vary, sampling more
+    rounds (from the current weights) until the batch is full (§9)."""
+    rows, rollout, stats = first.rows, first.rollout, first.stats
     per_fn = _reward_matrix(ctx, rows, rollout, timings)
     b = ctx.plan.batch
     if not b.dynamic_sampling:
@@ -210,7 +231,7 @@ def _rollout_and_rewards(ctx: PipelineContext, rows: list[dict], more_rows: Call
         if round_idx > 0:
             if more_rows is None:
                 break
-            rows, rollout, stats = _generate(ctx, more_rows())
+            rows, rollout, stats = _generate(ctx, more_rows(), b.sampling)
             per_fn = _reward_matrix(ctx, rows, rollout, timings)
         seen += len(rows)
         flat = zero_std_groups(combine_rewards(per_fn, ctx.reward_spec.weight_tensor()), g)
@@ -239,37 +260,75 @@ def _policy_entropy(ctx: PipelineContext, packed: PackedRollout) -> torch.Tensor
 
 # ----------------------------------------------------------------- orchestration
 
+def produce_rollouts(
+    ctx: PipelineContext, rows: list[dict], more_rows: Callable[[], list[dict]] | None, *, step: int, version: int,
+) -> RolloutRecord:
+    """The producer's half of a batch: generation (retries, dynamic-sampling rounds) and rewards.
+
+    Local to this process (no collective), so it may run ahead of the trainer
+    (``rollout.max_staleness``); a failed stage comes back as the record's ``failure``.
+    """
+    t0 = time.perf_counter()
+    # The step's rollout phase: every generate call of the step (retries, dynamic-sampling
+    # rounds) inside one bracket, so a sleeping vLLM engine wakes its KV cache once.
+    with ctx.backend.rollout_phase(ctx.model):
+        try:
+            sampled: Sampled | SkipBatch = sample_rollouts(ctx, rows, ctx.plan.batch.sampling)
+        except SkipBatch as err:
+            sampled = err
+        return complete_rollouts(ctx, sampled, more_rows, step=step, version=version, started=t0)
+
+
+def complete_rollouts(
+    ctx: PipelineContext, sampled: Sampled | SkipBatch, more_rows: Callable[[], list[dict]] | None, *,
+    step: int, version: int, started: float,
+) -> RolloutRecord:
+    """The record of a batch whose generation ended (or failed): rewards, and dynamic-sampling rounds.
+
+    Rewards run here, in the trainer's thread: math-verify bounds its time with
+    ``signal.alarm``, which only the main thread may set. ``started``: when generation began.
+    """
+    timings = {"time/reward": 0.0}
+    try:
+        if isinstance(sampled, SkipBatch):
+            raise sampled
+        rows, rollout, per_fn, stats = _rewards_and_rounds(ctx, sampled, more_rows, timings)
+    except SkipBatch as err:
+        return RolloutRecord(step=step, version=version, rows=[], rollout=None, rewards=None,
+                             failure=(err.stage, err.reason))
+    timings["time/generate"] = time.perf_counter() - started - timings["time/reward"]
+    return RolloutRecord(step=step, version=version, rows=rows, rollout=rollout, rewards=per_fn, stats=stats,
+                         timings=timings)
+
+
 def prepare_training_batch(
     ctx: PipelineContext,
     rows: list[dict],
     more_rows: Callable[[], list[dict]] | None = None,
 ) -> PreparedBatch | None:
-    """Return a :class:`PreparedBatch`, or ``None`` when a stage failed (counted in ``ctx.skips``).
+    """Return a :class:`PreparedBatch`, or ``None`` when a stage failed (counted in ``ctx.skips``):
+    the synchronous path, sampled by the current weights."""
+    return finish_batch(ctx, produce_rollouts(ctx, rows, more_rows, step=0, version=0))
+
+
+def finish_batch(ctx: PipelineContext, record: RolloutRecord) -> PreparedBatch | None:
+    """The trainer's half: the producer's rollouts scored, weighted and ready for the step.
 
     Two sync points, reached by every rank whatever happened locally, keep a
     multi-process run in step: after rollout and rewards (any failure skips the
     batch everywhere; every rank keeps the same number of groups, so the
     optimizer step runs the same number of micro-batches), and after scoring.
     """
-    timings = {"time/reward": 0.0}
-    t0 = time.perf_counter()
-    try:
-        # The step's rollout phase: every generate call of the step (retries, dynamic-sampling
-        # rounds) inside one bracket, so a sleeping vLLM engine wakes its KV cache once.
-        with ctx.backend.rollout_phase(ctx.model):
-            sampled, failed = _rollout_and_rewards(ctx, rows, more_rows, timings), None
-    except SkipBatch as err:
-        sampled, failed = None, err
-    failed_anywhere, common = ctx.dist.any_and_min(failed is not None, len(sampled[0]) if sampled else 0)
+    failed = None if record.failure is None else SkipBatch(*record.failure)
+    failed_anywhere, common = ctx.dist.any_and_min(failed is not None, len(record.rows))
     if failed_anywhere:
         return _skip(ctx, failed)
-    rows, rollout, per_fn, stats = sampled
+    rows, rollout, per_fn, timings = record.rows, record.rollout, record.rewards, dict(record.timings)
     if common < len(rows):
         rows, rollout = rows[:common], select_groups(rollout, list(range(common)))
         per_fn = per_fn[: common * rollout.num_generations]
-    timings["time/generate"] = time.perf_counter() - t0 - timings["time/reward"]
     try:
-        batch, failed = _score_and_weight(ctx, rows, rollout, per_fn, stats, timings), None
+        batch, failed = _score_and_weight(ctx, rows, rollout, per_fn, record.stats, timings), None
     except SkipBatch as err:
         batch, failed = None, err
     if ctx.dist.any_rank(failed is not None):

@@ -69,8 +69,9 @@ def resolve_precision(cfg: TrainConfig, fast_bf16: bool) -> TrainConfig:
 
 def sampler_is_trainer(cfg: TrainConfig) -> bool:
     """Whether the rollouts come from the trained weights themselves: no engine with its own
-    weights (vLLM), no sampling copy in another dtype (``generation.dtype``, resolved)."""
+    weights (vLLM), no sampling copy in another dtype (``generation.dtype``, resolved), no
+    earlier version of them (``rollout.max_staleness``)."""
     g = cfg.generation
-    if BACKENDS[g.backend].owns_weights:
+    if BACKENDS[g.backend].owns_weights or cfg.rollout.max_staleness > 0:
         return False
     return g.dtype is None or g.dtype == master_dtype(cfg.model.dtype, cfg.model.lora.enabled)

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from datasets import Dataset
 from transformers import get_scheduler
@@ -27,11 +25,14 @@ from maxent_grpo.models import (
 from maxent_grpo.rewards.maxent import controller_state_dict, restore_controller_state
 from maxent_grpo.rewards.registry import build_reward_spec
 from maxent_grpo.rollout.backends import BACKENDS, BackendInputs
+from maxent_grpo.rollout.data_plane import RolloutRecord, open_data_plane
 from maxent_grpo.run_files import write_text_atomic
 from maxent_grpo.training.checkpoint import CheckpointError, find_latest_checkpoint, read_trainer_state
 from maxent_grpo.training.config import ConfigError, TrainConfig, TrainingConfig, save_config, to_dict
 from maxent_grpo.training.distributed import Dist, log_device
 from maxent_grpo.training.pipeline import PipelineContext
+from maxent_grpo.training.rollout_queue import RolloutQueue
+from maxent_grpo.training.seeding import seed_everything
 from maxent_grpo.training.plan import RunPlan, compile_run, describe_rollout_correction
 from maxent_grpo.training.precision import bf16_is_fast, resolve_precision
 from maxent_grpo.training.run_dir import (
@@ -67,6 +68,7 @@ class Run:
     trackers: object
     comm: Comm  # how grpo_step reaches the other processes
     strategy: Strategy  # how the policy is spread over them, and how it is saved
+    rollouts: RolloutQueue  # the coming steps' batches (rollout.max_staleness), on the data plane
     eval_rows: list[dict] = field(default_factory=list)
     start_step: int = 0
     resumed: bool = False
@@ -81,6 +83,9 @@ class Run:
             "controller": controller_state_dict(self.ctx.weighting),
             "skips": dict(self.ctx.skips),
             "config": to_dict(self.cfg),
+            # Each rank's batches sampled and not yet trained on (rollout.max_staleness >= 1): a resumed
+            # run restores them rather than sampling them again from weights it no longer has.
+            "rollouts_in_flight": self.ctx.dist.gather_objects([[r.to_state() for r in self.rollouts.in_flight()]]),
         }
 
     def save(self, step: int, sampler_state: dict | None = None) -> Path | None:
@@ -94,20 +99,10 @@ class Run:
         )
 
     def finish(self) -> None:
+        self.rollouts.close()
         self.trackers.close()
         if self.lock is not None:
             self.lock.release()
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def seed_step(seed: int, rank: int, step: int) -> None:
-    """Seed python and torch for one optimizer step from (seed, rank, step)."""
-    derived = int(np.random.SeedSequence([seed, rank, step]).generate_state(1, np.uint64)[0] >> 1)
-    _seed_everything(derived)
 
 
 def _reference_scorer(cfg: TrainConfig, plan: RunPlan, model, name_or_path: str, strategy: Strategy):
@@ -169,7 +164,7 @@ def build_run(
         )
         history.append(history_line(int(saved["step"]), changes))
     method = plan.method
-    _seed_everything(cfg.training.seed + dist.rank)
+    seed_everything(cfg.training.seed + dist.rank)
 
     # Data and rewards first: their errors must come before the slow model load.
     train_ds, eval_rows = _load_data(cfg, dist)
@@ -202,9 +197,16 @@ def build_run(
         reward_spec=reward_spec, weighting=weighting_from_config(cfg), dist=dist, reference_logps=reference,
         episodes=None if environments is None else EpisodePlay(environments, plan.batch.episodes),
     )
+    sharded = ShardedSampler(sampler, dist)
+    r = cfg.rollout
+    rollouts = RolloutQueue(
+        ctx, sharded.next_batch, open_data_plane(r.data_plane, ray=r.transferqueue_ray),
+        max_staleness=r.max_staleness, beside=BACKENDS[cfg.generation.backend].samples_beside,
+        seed=cfg.training.seed, wait_timeout_s=r.wait_timeout_s,
+    )
     run = Run(
         cfg=cfg, output_dir=output_dir, ctx=ctx, train_model=train_model, optimizer=optimizer,
-        lr_scheduler=lr_scheduler, sampler=ShardedSampler(sampler, dist),
+        lr_scheduler=lr_scheduler, sampler=sharded, rollouts=rollouts,
         trackers=make_trackers(cfg.logging.report_to if dist.is_main else [], output_dir, config=to_dict(cfg)),
         comm=Comm(world_size=dist.world_size, all_reduce_sum=dist.all_reduce_sum, gradient_sync=gradient_sync),
         strategy=strategy, eval_rows=eval_rows, lock=lock,
@@ -327,5 +329,10 @@ def _resume(run: Run, ckpt: Path) -> None:
     run.sampler.sampler.load_state_dict(state["sampler"])
     restore_controller_state(run.ctx.weighting, state["controller"])
     run.ctx.skips.update(state["skips"])
+    # Checkpoints written before asynchronous rollouts hold none; with another number of processes the
+    # batches are sampled again (from the resumed weights).
+    in_flight = state.get("rollouts_in_flight") or []
+    if len(in_flight) == run.ctx.dist.world_size:
+        run.rollouts.restore([RolloutRecord.from_state(r) for r in in_flight[run.ctx.dist.rank]])
     run.start_step, run.resumed = int(state["step"]), True
     log.info("resumed from %s at step %d", ckpt, run.start_step)

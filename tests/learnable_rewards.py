@@ -52,3 +52,20 @@ def hangs(prompts, completions, **kwargs):
     import threading
 
     threading.Event().wait()  # never returns
+
+
+def kills_process_at(pid: int, call: int):
+    """A factory: ``shortness``, and at its ``call``-th call (one per batch) SIGKILL process ``pid``
+    (a generation server dying mid-run)."""
+    import os
+    import signal
+
+    seen = [0]
+
+    def reward(prompts, completions, completion_ids, **kwargs):
+        seen[0] += 1
+        if seen[0] == call:
+            os.kill(pid, signal.SIGKILL)
+        return shortness(prompts, completions, completion_ids)
+
+    return reward

@@ -96,6 +96,9 @@ RUN/eval/step-N exactly.""",
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--dtype", default="auto", help="engine dtype: auto, float32, bfloat16, float16")
+    srv.add_argument("--cpu-kv-cache-gib", type=int, default=None, metavar="GIB",
+                     help="vLLM's CPU build: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE); default: the variable, "
+                     "else 2 when no GPU is visible")
     srv.add_argument("--print-command", action="store_true", help="print the command instead of running it")
 
     rep = sub.add_parser("report", help="plots and an HTML page for runs", description="Plot one run, or overlay several.")
@@ -183,14 +186,21 @@ def _report(args) -> int:
 def _serve(args) -> int:
     import shlex
 
-    from maxent_grpo.models import resolve_model_path
-    from maxent_grpo.rollout.vllm_server import server_command
+    import torch
 
+    from maxent_grpo.models import resolve_model_path
+    from maxent_grpo.rollout.vllm_server import DEFAULT_CPU_KV_CACHE_GIB, server_command
+
+    kv_gib = args.cpu_kv_cache_gib
+    if kv_gib is None and "VLLM_CPU_KVCACHE_SPACE" not in os.environ and not torch.cuda.is_available():
+        kv_gib = DEFAULT_CPU_KV_CACHE_GIB
     cmd, env = server_command(
-        resolve_model_path(args.model), host=args.host, port=args.port, dtype=args.dtype, extra=args.vllm_args
+        resolve_model_path(args.model), host=args.host, port=args.port, dtype=args.dtype, extra=args.vllm_args,
+        cpu_kv_cache_gib=kv_gib,
     )
     if args.print_command:
-        print("VLLM_SERVER_DEV_MODE=1 " + shlex.join(cmd))
+        shown = {k: env[k] for k in ("VLLM_SERVER_DEV_MODE", "VLLM_CPU_KVCACHE_SPACE") if k in env}
+        print(" ".join(f"{k}={v}" for k, v in shown.items()) + " " + shlex.join(cmd))
         return 0
     os.execvpe(cmd[0], cmd, env)
 

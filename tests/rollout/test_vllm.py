@@ -13,11 +13,8 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -31,20 +28,14 @@ from maxent_grpo.core.rollout_correction import mismatch_metrics, rollout_mismat
 from maxent_grpo.rollout.backend import SamplingParams, build_rollout_batch, pack_rollout  # noqa: E402
 from maxent_grpo.rollout.vllm_weights import full_state_items  # noqa: E402
 from maxent_grpo.rollout.vllm_colocate import VLLMColocateBackend  # noqa: E402
-from maxent_grpo.rollout.vllm_server import VLLMServerBackend, server_command  # noqa: E402
+from maxent_grpo.rollout.vllm_server import VLLMServerBackend  # noqa: E402
 from maxent_grpo.training.metrics import read_metrics  # noqa: E402
 from tiny_runs import tiny_overrides  # noqa: E402
+from vllm_servers import free_port, start_server, stop_server  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
 TEMPERATURE = 0.7
-
-
-@pytest.fixture(scope="module")
-def vllm_model_dir(tmp_path_factory):
-    from maxent_grpo.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-vllm"), hidden_size=128, num_heads=2)
 
 
 @pytest.fixture(scope="module")
@@ -326,36 +317,12 @@ def test_eval_command_through_the_vllm_backend(vllm_model_dir, tmp_path):
 # ------------------------------------------------------------------ server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(vllm_model_dir, tmp_path_factory):
-    port = _free_port()
-    cmd, env = server_command(vllm_model_dir, port=port, dtype="float32", extra=["--enforce-eager"])
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900  # a generous bound: start-up is slow on a loaded machine
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"vLLM server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url + "/v1/models", timeout=2) as resp:
-                if json.loads(resp.read())["data"]:
-                    break
-        except OSError:
-            time.sleep(1)
-    else:
-        proc.kill()
-        pytest.fail(f"vLLM server did not start in 900 s:\n{log.read_text()[-3000:]}")
+    """Started by the documented command (``maxent-grpo serve``), with its own CPU KV-cache default."""
+    proc, url = start_server(vllm_model_dir, tmp_path_factory.mktemp("server") / "server.log")
     yield url
-    proc.terminate()
-    proc.wait(timeout=60)
+    stop_server(proc)
 
 
 def test_server_generates_and_takes_weights_from_disk(server, vllm_model_dir, tokenizer, tmp_path):
@@ -395,7 +362,7 @@ def test_server_takes_lora_merged_and_the_disk_sync_writes_the_engine_dtype(serv
 
 def test_unreachable_server_is_one_line(vllm_model_dir, tmp_path, capsys):
     args = tiny_overrides(vllm_model_dir, tmp_path / "run", rewards="[{name: boxed_accuracy}]", extra=[
-        "generation.backend=vllm_server", f"generation.vllm.server_url=http://127.0.0.1:{_free_port()}",
+        "generation.backend=vllm_server", f"generation.vllm.server_url=http://127.0.0.1:{free_port()}",
         "generation.vllm.request_timeout_s=5",
     ])
     assert main(["train", *args]) == 1

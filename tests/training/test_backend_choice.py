@@ -114,6 +114,19 @@ def test_serve_prints_the_server_command(tiny_model_dir, capsys):
         assert part in line
 
 
+def test_serve_on_a_cpu_sizes_the_kv_cache_unless_told(tiny_model_dir, capsys, monkeypatch):
+    """vLLM's CPU build fails at start without VLLM_CPU_KVCACHE_SPACE (it reads gpu_memory_utilization
+    as a share of the NUMA node's memory): serve sets it where no GPU is visible, the user's value wins."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    assert main(["serve", str(tiny_model_dir), "--print-command"]) == 0
+    assert "VLLM_CPU_KVCACHE_SPACE=2 " in capsys.readouterr().out
+    assert main(["serve", str(tiny_model_dir), "--cpu-kv-cache-gib", "6", "--print-command"]) == 0
+    assert "VLLM_CPU_KVCACHE_SPACE=6 " in capsys.readouterr().out
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    assert main(["serve", str(tiny_model_dir), "--print-command"]) == 0
+    assert "VLLM_CPU_KVCACHE_SPACE=3 " in capsys.readouterr().out
+
+
 def test_passthrough_arguments_belong_to_serve_only(tiny_model_dir):
     with pytest.raises(SystemExit):
         main(["train", "--", "--max-num-seqs", "16"])

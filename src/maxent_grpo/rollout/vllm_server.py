@@ -52,22 +52,32 @@ from maxent_grpo.rollout.vllm_weights import full_state_items
 log = logging.getLogger("maxent_grpo")
 
 
+# vLLM's CPU build reads the default gpu_memory_utilization (0.92) as a share of the NUMA node's
+# memory and fails at start unless VLLM_CPU_KVCACHE_SPACE (GiB) is set; 2 GiB holds ~20k tokens of
+# a 135M model's fp32 cache.
+DEFAULT_CPU_KV_CACHE_GIB = 2
+
+
 def server_command(
     model_path: str, *, host: str = "127.0.0.1", port: int = 8000, dtype: str = "auto", extra: list[str] = (),
-    python: str = sys.executable,
+    python: str = sys.executable, cpu_kv_cache_gib: int | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The command and environment that start vLLM's server the way this client expects it.
 
     ``python -m vllm.entrypoints.openai.api_server`` rather than the ``vllm``
     command, which fails on vLLM's CPU build (a package-metadata lookup);
-    ``VLLM_SERVER_DEV_MODE=1`` turns on ``/collective_rpc`` and ``/reset_prefix_cache``.
+    ``VLLM_SERVER_DEV_MODE=1`` turns on ``/collective_rpc`` and ``/reset_prefix_cache``;
+    ``cpu_kv_cache_gib`` sets the CPU build's ``VLLM_CPU_KVCACHE_SPACE``.
     """
     cmd = [
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
         "--host", host, "--port", str(port), "--dtype", dtype, "--logprobs-mode", "processed_logprobs",
         *extra,
     ]
-    return cmd, {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    if cpu_kv_cache_gib is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_gib)
+    return cmd, env
 
 
 _LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")

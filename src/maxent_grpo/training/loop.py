@@ -100,7 +100,9 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
         # line and checkpoint) rather than tearing it; the stop check then saves and exits.
         with stop.protected():
             if prepared is None:
-                _end_step(run, step)  # the batch sampled meanwhile waits for the next step
+                lost = _end_step(run, step)  # the batch sampled meanwhile waits for the next step
+                if lost is not None:
+                    raise _sampler_lost(run, step, lost)
                 consecutive_skips += 1
                 if consecutive_skips >= cfg.training.max_consecutive_skips:
                     raise _too_many_skips(run, step, consecutive_skips)
@@ -128,7 +130,7 @@ def _update_and_log(run: Run, prepared, record, step: int, t_start: float, cpu_s
     t_policy = time.perf_counter()
     result = _policy_update(run, prepared, step + 1, timings)
     timings["time/policy"] = time.perf_counter() - t_policy - timings["time/optimizer"]
-    _end_step(run, step, trained=True)
+    lost = _end_step(run, step, trained=True)
     timings.update(run.rollouts.metrics(step, record))
     step += 1
 
@@ -140,7 +142,7 @@ def _update_and_log(run: Run, prepared, record, step: int, t_start: float, cpu_s
     timings["time/total"] = time.perf_counter() - t_start
     timings["step_cpu_time"] = time.process_time() - cpu_start
     extra = {f"skipped/{k}": float(v) for k, v in ctx.skips.items()}
-    if run.eval_rows and cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
+    if lost is None and run.eval_rows and cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
         t_eval = time.perf_counter()
         extra.update(validate(run, step))
         extra["time/eval"] = time.perf_counter() - t_eval
@@ -150,6 +152,8 @@ def _update_and_log(run: Run, prepared, record, step: int, t_start: float, cpu_s
         learning_rate=run.lr_scheduler.get_last_lr()[0], timings=timings, controller=_controller_metrics(run),
         max_completion_length=run.ctx.plan.method.loss.max_completion_length, weight_view=view,
     )
+    if lost is not None:  # the step is trained and logged: keep it, then stop
+        raise _sampler_lost(run, step, lost)
     return step
 
 
@@ -180,18 +184,22 @@ def _policy_update(run: Run, prepared, step: int, timings: dict):
     return result
 
 
-def _end_step(run: Run, step: int, *, trained: bool = False) -> None:
+def _end_step(run: Run, step: int, *, trained: bool = False) -> UserError | None:
     """The batch being sampled complete (from the old weights), then the new weights to the sampler.
-    A sampler that is gone (a server died, a timeout) ends the run with the step just trained saved."""
+    Returns the error of a sampler that is gone (a server died, a timeout), for the caller to stop on."""
     try:
         run.rollouts.end_step(step)
         if trained:
             run.ctx.backend.sync_weights(run.ctx.model)
     except UserError as err:
-        done = step + 1 if trained else step
-        path = run.save(done) if done > run.start_step else find_latest_checkpoint(run.output_dir)
-        where = f"checkpoint {path}" if path is not None else "no checkpoint (no step had finished)"
-        raise TrainingError(f"the sampler failed after step {done}: {err}; {where}") from None
+        return err
+    return None
+
+
+def _sampler_lost(run: Run, step: int, err: UserError) -> TrainingError:
+    path = run.save(step) if step > run.start_step else find_latest_checkpoint(run.output_dir)
+    where = f"checkpoint {path}" if path is not None else "no checkpoint (no step had finished)"
+    return TrainingError(f"the sampler failed after step {step}: {err}; {where}")
 
 
 def _count_no_signal(ctx) -> None:

@@ -1,0 +1,88 @@
+"""rollout.max_staleness with vLLM's server (``.venv-vllm``): the server samples the next batch while
+the trainer trains, runs stay deterministic (each batch's requests carry its own seeds), a resumed
+run restores the batch in flight, and a server that dies mid-run stops the run with a checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/test.sh runs these tests in .venv-vllm")
+
+from maxent_grpo.cli import main  # noqa: E402
+from maxent_grpo.training.checkpoint import find_latest_checkpoint  # noqa: E402
+from maxent_grpo.training.metrics import read_metrics  # noqa: E402
+from tiny_runs import tiny_overrides  # noqa: E402
+from vllm_servers import start_server, stop_server  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def server(vllm_model_dir, tmp_path_factory):
+    proc, url = start_server(vllm_model_dir, tmp_path_factory.mktemp("server") / "server.log")
+    yield url
+    stop_server(proc)
+
+
+def _args(model_dir, out, url, steps, *, reward="{name: 'learnable_rewards:shortness'}", extra=()):
+    return ["train", *tiny_overrides(model_dir, out, rewards=f"[{reward}]", steps=steps, extra=[
+        "generation.backend=vllm_server", f"generation.vllm.server_url={url}", "generation.max_new_tokens=12",
+        "training.learning_rate=0.01", "rollout.max_staleness=1", "checkpoint.save_steps=1", *extra,
+    ])]
+
+
+def _comparable(out):
+    rows = read_metrics(out / "metrics.jsonl")
+    return [{k: v for k, v in r.items() if not k.startswith("time/") and not k.endswith("_time")} for r in rows]
+
+
+def _assert_same_run(got, expected):
+    """The same completions and rewards; log-prob figures to float rounding (the server batches
+    concurrent requests as they arrive, which moves its fp32 log-probs in the last bits)."""
+    assert [sorted(r) for r in got] == [sorted(r) for r in expected]
+    for g, e in zip(got, expected):
+        for key, value in e.items():
+            if value is None or key == "step" or key.startswith(("reward", "completions/", "async/", "num_tokens", "frac_")):
+                assert g[key] == value, (e["step"], key)
+            else:
+                assert g[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (e["step"], key)
+
+
+def test_the_server_samples_ahead_and_runs_are_deterministic(server, vllm_model_dir, tmp_path):
+    first, again, resumed = tmp_path / "first", tmp_path / "again", tmp_path / "resumed"
+    assert main(_args(vllm_model_dir, first, server, 4)) == 0
+    rows = read_metrics(first / "metrics.jsonl")
+    assert [r["async/version"] for r in rows] == [0, 0, 1, 2]
+    assert [r["async/staleness_max"] for r in rows] == [0, 1, 1, 1]
+    # From step 1 on the trainer waited on a batch the server sampled while it trained.
+    assert all("time/wait_rollouts" in r for r in rows) and all("time/sampler_idle" in r for r in rows[1:])
+    assert all(r["sampling/importance_sampling_ratio/mean"] > 0 for r in rows)
+    assert main(_args(vllm_model_dir, again, server, 4)) == 0
+    _assert_same_run(_comparable(again), _comparable(first))
+    assert main(_args(vllm_model_dir, resumed, server, 2)) == 0
+    assert main([*_args(vllm_model_dir, resumed, server, 4), "--resume"]) == 0
+    _assert_same_run(_comparable(resumed), _comparable(first))
+
+
+def test_a_server_killed_mid_run_stops_it_with_a_checkpoint(vllm_model_dir, tmp_path, capsys):
+    proc, url = start_server(vllm_model_dir, tmp_path / "server.log")
+    try:
+        # The 3rd batch's rewards kill the server; the push of step 2's weights then finds it gone.
+        reward = f"{{name: 'learnable_rewards:kills_process_at', kwargs: {{pid: {proc.pid}, call: 3}}}}"
+        out = tmp_path / "run"
+        code = main(_args(vllm_model_dir, out, url, 6, reward=reward,
+                          extra=["generation.vllm.request_timeout_s=20", "checkpoint.save_steps=0"]))
+    finally:
+        stop_server(proc)
+    assert code == 1
+    err = capsys.readouterr().err
+    ours = [line for line in err.splitlines() if line.startswith("maxent-grpo:")]
+    assert len(ours) == 1 and "the sampler failed after step 2" in ours[0] and "Traceback" not in err, err
+    latest = find_latest_checkpoint(out)
+    assert latest is not None and latest.name == "step-2" and str(latest) in ours[0]
+    state = json.loads((latest / "trainer_state.json").read_text())
+    # Batch 2 was sampled (by version 1) before the server died: the checkpoint keeps it.
+    assert [(r["step"], r["version"]) for r in state["rollouts_in_flight"][0]] == [(2, 1)]
+    assert len(read_metrics(out / "metrics.jsonl")) == 2

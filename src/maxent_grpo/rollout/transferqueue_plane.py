@@ -98,10 +98,9 @@ class TransferQueuePlane:
         self._in_process: _InProcess | None = None
         self._registered: list[str] = []
         self._closed = False
-        if ray:
-            self._client = self._start_ray(tq)
-        else:
-            self._client = self._start_in_process(tq)
+        # The controller's IP address (the storage unit's is the same): loopback unless Ray was
+        # imported before this plane set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER.
+        self._client, self.listen_ip = self._start_ray(tq) if ray else self._start_in_process(tq)
 
     # -- start and stop ---------------------------------------------------------------------
 
@@ -140,13 +139,13 @@ class TransferQueuePlane:
                 "(another plane is open); close it first, or set rollout.transferqueue_ray: false"
             )
         try:
-            tq.init({"controller": {"polling_mode": True}, "backend": {"SimpleStorage": {"num_data_storage_units": 1}}})
+            conf = tq.init({"controller": {"polling_mode": True}, "backend": {"SimpleStorage": {"num_data_storage_units": 1}}})
         except (RuntimeError, ValueError, ray.exceptions.RayError) as e:
             self._stop_ray()
             raise TransferQueueStartError(
                 f"rollout.data_plane: TransferQueue did not start on Ray ({type(e).__name__}: {e})"
             ) from e
-        return tq.get_client()
+        return tq.get_client(), conf.controller.zmq_info.ip
 
     def _start_in_process(self, tq):
         from transfer_queue.storage.simple_storage import SimpleStorageUnit
@@ -162,7 +161,7 @@ class TransferQueuePlane:
             manager_type="SimpleStorage",
             config={**storage_config, "zmq_info": {"TransferQueueStorageUnit#0": storage.get_zmq_server_info()}},
         )
-        return client
+        return client, controller.get_zmq_server_info().ip
 
     def close(self) -> None:
         if self._closed:

@@ -17,7 +17,6 @@ from maxent_grpo.errors import ConfigError
 from maxent_grpo.rollout.backend import Completion, PromptGroup, build_rollout_batch
 from maxent_grpo.rollout.data_plane import LocalDataPlane, RolloutRecord
 from maxent_grpo.rollout.open_plane import check_data_plane, open_data_plane
-from maxent_grpo.rollout.settings import RolloutConfig
 from maxent_grpo.rollout.transferqueue_plane import (
     MISSING_EXTRA,
     TransferQueuePlane,
@@ -219,15 +218,24 @@ def test_a_fetch_during_a_put_sees_nothing_or_the_whole_record(plane):
 
 def test_a_missing_transferqueue_is_one_line_naming_the_key_and_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "transfer_queue", None)  # what an uninstalled package looks like to import
-    settings = RolloutConfig(data_plane="transferqueue", transferqueue_ray=False)
     with pytest.raises(ConfigError) as checked:
-        check_data_plane(settings)
+        check_data_plane("transferqueue")
     assert str(checked.value) == MISSING_EXTRA
     with pytest.raises(ConfigError) as opened:
-        open_data_plane(settings)
+        open_data_plane("transferqueue", ray=False)
     assert str(opened.value).startswith(MISSING_EXTRA) and "\n" not in str(opened.value)
-    check_data_plane(RolloutConfig())  # the local plane needs nothing
-    assert isinstance(open_data_plane(RolloutConfig()), LocalDataPlane)
+    check_data_plane("local")  # the local plane needs nothing
+    assert isinstance(open_data_plane("local", ray=True), LocalDataPlane)
+
+
+def test_a_run_asking_for_transferqueue_without_it_stops_at_the_config_check(tmp_path, monkeypatch, capsys):
+    from maxent_grpo.cli import main
+
+    monkeypatch.setitem(sys.modules, "transfer_queue", None)
+    code = main(["train", "--output-dir", str(tmp_path / "out"), "--set", "rollout.data_plane=transferqueue"])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and err.splitlines()[-1] == f"maxent-grpo: config error: {MISSING_EXTRA}", err
+    assert not (tmp_path / "out").exists()  # refused before the run claimed its folder or loaded a model
 
 
 def test_the_in_process_plane_starts_no_process_and_leaves_no_thread(ray_planes):
@@ -236,7 +244,7 @@ def test_the_in_process_plane_starts_no_process_and_leaves_no_thread(ray_planes)
     threads_before = set(threading.enumerate())
     children_before = set(psutil.Process().children(recursive=True))
     torch_threads = torch.get_num_threads()
-    plane = open_data_plane(RolloutConfig(data_plane="transferqueue", transferqueue_ray=False))
+    plane = open_data_plane("transferqueue", ray=False)
     assert isinstance(plane, TransferQueuePlane)
     assert ipaddress.ip_address(plane.listen_ip).is_loopback  # its sockets take pickles: loopback only
     plane.register("0")

@@ -1,7 +1,7 @@
-"""The data plane the ``rollout`` section asks for (``rollout.data_plane``).
+"""The data plane ``rollout.data_plane`` names.
 
-Apart from ``data_plane.py`` because the TransferQueue plane imports that module's record
-type: the choice between the planes sits above both.
+Not in ``data_plane.py``: the TransferQueue plane imports that module's record, so the choice
+between the planes sits above both (tests/test_layers.py counts an import inside a function too).
 """
 
 from __future__ import annotations
@@ -10,18 +10,18 @@ import importlib.util
 
 from maxent_grpo.errors import ConfigError
 from maxent_grpo.rollout.data_plane import DataPlane, LocalDataPlane
-from maxent_grpo.rollout.settings import RolloutConfig
 from maxent_grpo.rollout.transferqueue_plane import MISSING_EXTRA, TransferQueuePlane
 
 
-def check_data_plane(settings: RolloutConfig) -> None:
-    """Raise ConfigError if the chosen plane's package is not installed (cheap: nothing is imported)."""
-    if settings.data_plane == "transferqueue" and importlib.util.find_spec("transfer_queue") is None:
+def check_data_plane(name: str) -> None:
+    """ConfigError when the plane's package is not installed (for the config check: imports nothing)."""
+    if name == "transferqueue" and importlib.util.find_spec("transfer_queue") is None:
         raise ConfigError(MISSING_EXTRA)
 
 
-def open_data_plane(settings: RolloutConfig) -> DataPlane:
-    """A new plane; the caller closes it. TransferQueue is imported only when it is chosen (it takes seconds)."""
-    if settings.data_plane == "local":
+def open_data_plane(name: str, *, ray: bool) -> DataPlane:
+    """A new plane, which the caller closes; ``ray``: TransferQueue's controller and storage as Ray
+    actors, else in this process. TransferQueue is imported only here (it takes seconds)."""
+    if name == "local":
         return LocalDataPlane()
-    return TransferQueuePlane(ray=settings.transferqueue_ray)
+    return TransferQueuePlane(ray=ray)

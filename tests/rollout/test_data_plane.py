@@ -44,8 +44,8 @@ def _logps(n: int, seed: int) -> list[float]:
 def multi_turn_record(step: int = 3) -> RolloutRecord:
     """3 prompts x 4 completions: ragged and empty completions, environment tokens (loss mask 0,
     log-prob 0), environment rewards with gaps, NaN rewards, non-ASCII text."""
-    texts = ["4", "Die Antwort ist 4 ✓", "", "四 🤔\n<tool>calc(2+2)</tool>", "x\x00y", "ünïcödé", "\t", "42", "a" * 300,
-             "∑ i = n(n+1)/2", "", "😀😀"]
+    texts = ["4", "Die Antwort ist 4 ✓", "", "四 🤔\n<tool>calc(2+2)</tool>", "x\x00y", "ünïcödé", "\t", "42",
+             "a" * 300, "∑ i = n(n+1)/2", "", "😀😀"]
     lengths = [1, 7, 0, 12, 3, 5, 1, 2, 64, 9, 0, 2]
     comps = []
     for i, (text, n) in enumerate(zip(texts, lengths)):
@@ -58,8 +58,8 @@ def multi_turn_record(step: int = 3) -> RolloutRecord:
             loss_mask=mask if env else None, env_reward=[None, 1.0, 0.0, -0.5][i % 4],
         ))
     groups = [
-        PromptGroup(prompt=f"<|im_start|>user\nWas ist {p}+{p}? ✨<|im_end|>\n", prompt_ids=list(range(10 + p, 30 + 5 * p)),
-                    completions=comps[4 * p: 4 * p + 4])
+        PromptGroup(prompt=f"<|im_start|>user\nWas ist {p}+{p}? ✨<|im_end|>\n",
+                    prompt_ids=list(range(10 + p, 30 + 5 * p)), completions=comps[4 * p: 4 * p + 4])
         for p in range(3)
     ]
     rewards = torch.randn(12, 3, generator=torch.Generator().manual_seed(step))
@@ -211,6 +211,31 @@ def test_a_fetch_during_a_put_sees_nothing_or_the_whole_record(plane):
     producer.join()
     for name, record in records.items():
         assert_same_record(plane.fetch(name), record)
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_a_run_trains_the_same_on_either_plane(tiny_model_dir, tmp_path, max_staleness):
+    """The seed's parity check, on the tiny model: the same run through the local plane and
+    through TransferQueue (in-process) logs the same metrics, timings aside."""
+    needs_transferqueue()
+    from tiny_runs import read_jsonl, tiny_overrides
+
+    from maxent_grpo.cli import main
+
+    def timing(key: str) -> bool:
+        return key.startswith("time/") or key in ("step_time", "step_cpu_time")
+
+    runs = {}
+    for name in ("local", "transferqueue"):
+        out = tmp_path / name
+        extra = [f"rollout.data_plane={name}", "rollout.transferqueue_ray=false",
+                 f"rollout.max_staleness={max_staleness}"]
+        rewards = "[{name: length, kwargs: {max_length: 100}}]"
+        assert main(["train", *tiny_overrides(tiny_model_dir, out, rewards=rewards, steps=3, extra=extra)]) == 0
+        runs[name] = [{k: v for k, v in row.items() if not timing(k)} for row in read_jsonl(out / "metrics.jsonl")]
+    assert len(runs["local"]) == 3 and any(row["loss"] != 0 for row in runs["local"])
+    diffs = [{k: (a[k], b.get(k)) for k in a if a[k] != b.get(k)} for a, b in zip(runs["local"], runs["transferqueue"])]
+    assert diffs == [{}] * 3
 
 
 # -- TransferQueue: start, close, errors --------------------------------------------------------

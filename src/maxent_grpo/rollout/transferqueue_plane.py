@@ -138,8 +138,9 @@ class TransferQueuePlane:
                 "rollout.data_plane: a TransferQueue controller already runs in this Ray cluster "
                 "(another plane is open); close it first, or set rollout.transferqueue_ray: false"
             )
+        config = {"controller": {"polling_mode": True}, "backend": {"SimpleStorage": {"num_data_storage_units": 1}}}
         try:
-            conf = tq.init({"controller": {"polling_mode": True}, "backend": {"SimpleStorage": {"num_data_storage_units": 1}}})
+            conf = tq.init(config)
         except (RuntimeError, ValueError, ray.exceptions.RayError) as e:
             self._stop_ray()
             raise TransferQueueStartError(

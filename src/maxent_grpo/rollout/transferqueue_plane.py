@@ -247,10 +247,10 @@ class TransferQueuePlane:
         if partition not in self._client.get_partition_list():
             return None
         meta = self._client.kv_retrieve_meta(keys=[HEADER_KEY], partition_id=partition)
-        if meta.size == 0:
+        # The key exists from just before its data is put: wait for both.
+        if meta.size == 0 or HEADER_KEY not in meta.field_names or not meta.is_ready:
             return None
-        meta = meta.select_fields([HEADER_KEY])
-        return meta if meta.is_ready else None
+        return meta.select_fields([HEADER_KEY])
 
     def _put_rows(self, partition: str, keys: list[str], columns: dict[str, torch.Tensor]) -> None:
         from tensordict import TensorDict

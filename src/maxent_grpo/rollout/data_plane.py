@@ -132,11 +132,3 @@ class LocalDataPlane:
     def close(self) -> None:
         self._records.clear()
 
-
-def open_data_plane(name: str, *, ray: bool) -> DataPlane:
-    """The plane ``rollout.data_plane`` names; ``ray``: TransferQueue's actors under Ray (else in process)."""
-    if name == "local":
-        return LocalDataPlane()
-    from maxent_grpo.rollout.transferqueue_plane import TransferQueuePlane  # the optional extra
-
-    return TransferQueuePlane(ray=ray)

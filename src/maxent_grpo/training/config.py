@@ -24,6 +24,7 @@ from maxent_grpo.methods import METHODS, get_method
 from maxent_grpo.models import master_dtype
 from maxent_grpo.rewards.user_code import resolve_reference
 from maxent_grpo.rollout.backends import BACKENDS
+from maxent_grpo.rollout.open_plane import check_data_plane
 from maxent_grpo.run_files import write_text_atomic
 from maxent_grpo.training.plan import compile_method
 from maxent_grpo.training.strategy import STRATEGIES, Strategy
@@ -311,6 +312,7 @@ def validate(cfg: TrainConfig) -> None:
     r = cfg.rollout
     _check(r.max_staleness >= 0, "rollout.max_staleness", f"must be >= 0 (0: synchronous), got {r.max_staleness}")
     _check(r.wait_timeout_s > 0, "rollout.wait_timeout_s", f"must be > 0, got {r.wait_timeout_s}")
+    check_data_plane(r.data_plane)  # its package, before any model loads
     # Stale samples are trained with the decoupled objective (ALGORITHMS.md §15): clipped against the
     # trainer's log-probs at the step's start, weighted by the ratio to the sampler's.
     _check(r.max_staleness == 0 or lo.rollout_correction != "none", "loss.rollout_correction",

@@ -25,7 +25,8 @@ from maxent_grpo.models import (
 from maxent_grpo.rewards.maxent import controller_state_dict, restore_controller_state
 from maxent_grpo.rewards.registry import build_reward_spec
 from maxent_grpo.rollout.backends import BACKENDS, BackendInputs
-from maxent_grpo.rollout.data_plane import RolloutRecord, open_data_plane
+from maxent_grpo.rollout.data_plane import RolloutRecord
+from maxent_grpo.rollout.open_plane import open_data_plane
 from maxent_grpo.run_files import write_text_atomic
 from maxent_grpo.training.checkpoint import CheckpointError, find_latest_checkpoint, read_trainer_state
 from maxent_grpo.training.config import ConfigError, TrainConfig, TrainingConfig, save_config, to_dict

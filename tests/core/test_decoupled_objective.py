@@ -122,13 +122,16 @@ def test_behaviour_equal_to_old_is_the_synchronous_step_bit_for_bit(base_model, 
 
 def test_identity_holds_on_the_first_micro_step(base_model, first_rows):
     """The anchor the trainer recomputes (``logp == logp_old``), the default loss and the default
-    correction (``auto`` -> token_truncate, C = 2): still the synchronous step, bit for bit."""
+    correction (``auto`` -> token_truncate, C = 2), with NeMo-RL's sequence mask on as well
+    (``mean_t exp(|d|) = 1`` is below any threshold): still the synchronous step, bit for bit."""
     same = dict(first_rows, behaviour_logps=first_rows["old_logps"].clone())
     sync, g_sync = _step(base_model, _micro_batches({k: v for k, v in same.items() if k != "behaviour_logps"}, FOUR),
                          beta=0.04)
-    dec, g_dec = _step(base_model, _micro_batches(same, FOUR), beta=0.04, rollout_correction="token_truncate")
+    dec, g_dec = _step(base_model, _micro_batches(same, FOUR), beta=0.04, rollout_correction="token_truncate",
+                       seq_logprob_error_threshold=1.0001)
     assert dec.loss == sync.loss
     assert all(torch.equal(a, b) for a, b in zip(g_dec, g_sync))
+    assert dec.metrics == sync.metrics
 
 
 # -------------------------------------------------------------- 2. equivalence

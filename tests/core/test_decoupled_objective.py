@@ -33,10 +33,7 @@ _spec = importlib.util.spec_from_file_location("ddp_step_worker", (Path(__file__
 worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(worker)
 
-G = 4
-N = len(worker.LENGTHS)
-L_MAX = worker.COMPLETION_LEN
-N_TOK = sum(worker.LENGTHS)
+N, N_TOK, G, L_MAX = len(worker.LENGTHS), sum(worker.LENGTHS), worker.G, worker.COMPLETION_LEN
 TWO = [(0, 4), (4, 8)]  # whole groups: the listwise losses need them
 FOUR = [(0, 2), (2, 4), (4, 6), (6, 8)]
 LOSS_TYPES = sorted(LOSS_AGGREGATIONS)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -45,6 +45,7 @@ from maxent_grpo.data.prompts import FewShotExample, format_prompt, prompt_messa
 from maxent_grpo.envs.episodes import EpisodePlay, run_episodes
 from maxent_grpo.rewards.registry import RewardSpec, evaluate_rewards, rollout_reward_inputs
 from maxent_grpo.rollout.backend import GenerationBackend, RolloutBatch, SamplingParams, generate_groups
+from maxent_grpo.rollout.data_plane import RolloutRecord
 from maxent_grpo.run_files import write_text_atomic
 from maxent_grpo.tasks.answers import canonical_answer, extract_final_answer
 from maxent_grpo.tasks.modebench import mode_info
@@ -58,6 +59,10 @@ __all__ = [
 # A completion is correct when the deciding reward function (the first one in the
 # config, normally an accuracy reward) gives at least this much.
 CORRECT_THRESHOLD = 1.0
+
+
+# How a scored evaluation batch reaches the summary: as it is, or through a data plane and back.
+Carry = Callable[[RolloutRecord], RolloutRecord]
 
 
 def eval_seed(seed: int) -> int:
@@ -89,11 +94,16 @@ def _sample(backend, tokenizer, rows: list[dict], k: int, params: SamplingParams
     return played.rollout, [i for i in range(len(rows)) if i not in kept]
 
 
-def _records(spec: RewardSpec, rows: list[dict], batch: RolloutBatch, indices: list[int], mode: str,
+def _scored(spec: RewardSpec, rows: list[dict], batch: RolloutBatch, carry: Carry) -> RolloutRecord:
+    """The sampled batch and its rewards as one record, after ``carry`` (the run's data plane)."""
+    return carry(RolloutRecord(step=0, version=0, rows=rows, rollout=batch, rewards=_score(spec, rows, batch)))
+
+
+def _records(spec: RewardSpec, scored: RolloutRecord, indices: list[int], mode: str,
              episodes: EpisodePlay | None) -> list[dict]:
     """One record per completion; ``prompt_index`` indexes the evaluated rows; ``task`` is the ModeBench
     task or, in a multi-turn run, the row's environment."""
-    scores = _score(spec, rows, batch)
+    rows, batch, scores = scored.rows, scored.rollout, scored.rewards
     g, out = batch.num_generations, []
     for i, text in enumerate(batch.completion_texts):
         values = [None if math.isnan(float(v)) else float(v) for v in scores[i]]
@@ -131,6 +141,7 @@ def evaluate_prompts(
     few_shot: Sequence[FewShotExample] = (),
     greedy: bool = True,
     episodes: EpisodePlay | None = None,
+    carry: Carry = lambda record: record,
 ) -> tuple[dict[str, float], list[dict]]:
     """Sample ``k`` completions per row (and one greedy one); return the summary and one record per completion.
 
@@ -140,7 +151,8 @@ def evaluate_prompts(
     ``rows``), ``sample``, the completion, every reward (``rewards``), the deciding
     ``score``, ``correct``, the canonical ``answer``, ``length`` and ``finish_reason``.
     With ``episodes`` each sample is a multi-turn episode (``envs/episodes.py``) and ``task``
-    names its environment.
+    names its environment. ``carry``: the way each scored batch reaches the summary (in-loop
+    validation passes it through the run's data plane, ``training/validation.py``).
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be a positive int, got {k!r}")
@@ -151,7 +163,7 @@ def evaluate_prompts(
     kept = [i for i in range(len(rows)) if i not in set(dropped)]
     if not kept:
         raise RuntimeError(f"evaluation: no prompt got its {k} samples back from the generator")
-    records = _records(spec, [rows[i] for i in kept], sampled, kept, "sampled", episodes)
+    records = _records(spec, _scored(spec, [rows[i] for i in kept], sampled, carry), kept, "sampled", episodes)
     greedy_correct: dict[int, bool] = {}
     if greedy:
         params = replace(sampling, do_sample=False, temperature=1.0, top_p=1.0, top_k=0)
@@ -159,7 +171,8 @@ def evaluate_prompts(
                                    episodes)
         gkept = [kept[j] for j in range(len(kept)) if j not in set(gdropped)]
         if gkept:
-            greedy_records = _records(spec, [rows[i] for i in gkept], gbatch, gkept, "greedy", episodes)
+            greedy_records = _records(spec, _scored(spec, [rows[i] for i in gkept], gbatch, carry), gkept, "greedy",
+                                      episodes)
             records += greedy_records
             greedy_correct = {r["prompt_index"]: r["correct"] for r in greedy_records}
     per_prompt = [

@@ -103,8 +103,9 @@ def test_mismatch_metrics_match_reference_and_combine(level):
     seq_err = [sum(math.exp(abs(d)) for d in row) / len(row) for row in diffs if row]
     ratios = [math.exp(d) for d in flat] if level == "token" else [math.exp(sum(row)) for row in diffs if row]
     # Split the batch in two and combine: the same as the whole batch.
-    parts = [rollout_mismatch_sums(old[a:b], behaviour[a:b], mask[a:b], level=level) for a, b in ((0, 2), (2, 5))]
-    for sums in (rollout_mismatch_sums(old, behaviour, mask, level=level), combine_mismatch_sums(parts)):
+    cap = sorted(ratios)[len(ratios) // 2]  # some ratios above it, some not
+    parts = [rollout_mismatch_sums(old[a:b], behaviour[a:b], mask[a:b], level=level, cap=cap) for a, b in ((0, 2), (2, 5))]
+    for sums in (rollout_mismatch_sums(old, behaviour, mask, level=level, cap=cap), combine_mismatch_sums(parts)):
         m = mismatch_metrics(sums)
         assert m["sampling/sampling_logp_difference/mean"] == pytest.approx(sum(map(abs, flat)) / len(flat), rel=1e-12)
         assert m["sampling/sampling_logp_difference/max"] == pytest.approx(max(map(abs, flat)), rel=1e-12)
@@ -115,6 +116,8 @@ def test_mismatch_metrics_match_reference_and_combine(level):
         assert m["sampling/importance_sampling_ratio/min"] == pytest.approx(min(ratios), rel=1e-12)
         assert m["sampling/importance_sampling_ratio/mean"] == pytest.approx(sum(ratios) / len(ratios), rel=1e-12)
         assert m["sampling/importance_sampling_ratio/max"] == pytest.approx(max(ratios), rel=1e-12)
+        above = sum(r > cap for r in ratios) / len(ratios)
+        assert 0 < above < 1 and m["sampling/importance_sampling_ratio/above_cap_frac"] == pytest.approx(above, rel=1e-12)
 
 
 # ------------------------------------------------------------ the corrected step

@@ -73,7 +73,7 @@ def test_a_server_killed_mid_run_stops_it_with_a_checkpoint(vllm_model_dir, tmp_
         reward = f"{{name: 'learnable_rewards:kills_process_at', kwargs: {{pid: {proc.pid}, call: 3}}}}"
         out = tmp_path / "run"
         code = main(_args(vllm_model_dir, out, url, 6, reward=reward,
-                          extra=["generation.vllm.request_timeout_s=20", "checkpoint.save_steps=0"]))
+                          extra=["generation.vllm.request_timeout_s=120", "checkpoint.save_steps=0"]))
     finally:
         stop_server(proc)
     assert code == 1
@@ -86,3 +86,38 @@ def test_a_server_killed_mid_run_stops_it_with_a_checkpoint(vllm_model_dir, tmp_
     # Batch 2 was sampled (by version 1) before the server died: the checkpoint keeps it.
     assert [(r["step"], r["version"]) for r in state["rollouts_in_flight"][0]] == [(2, 1)]
     assert len(read_metrics(out / "metrics.jsonl")) == 2
+
+
+def test_a_hung_server_is_reported_not_waited_on(vllm_model_dir, tmp_path):
+    """The server is frozen (SIGSTOP) once step 2 is logged: whether the trainer is then waiting
+    for the batch in flight (rollout.wait_timeout_s) or pushing weights (request_timeout_s), the run
+    ends in one line with a checkpoint instead of hanging."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc, url = start_server(vllm_model_dir, tmp_path / "server.log")
+    out = tmp_path / "run"
+    args = _args(vllm_model_dir, out, url, 40, extra=[
+        "generation.vllm.request_timeout_s=60", "rollout.wait_timeout_s=60", "checkpoint.save_steps=0",
+    ])
+    run = subprocess.Popen([sys.executable, "-m", "maxent_grpo.cli", *args], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True, env={**os.environ, "MAXENT_GRPO_LOG": "WARNING"})
+    try:
+        metrics = out / "metrics.jsonl"
+        while run.poll() is None and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGSTOP)
+        _, err = run.communicate(timeout=300)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        stop_server(proc)
+    assert run.returncode == 1, err
+    ours = [line for line in err.splitlines() if line.startswith("maxent-grpo:")]
+    assert len(ours) == 1 and "the sampler failed after step" in ours[0] and "Traceback" not in err, err
+    assert any(s in ours[0] for s in ("rollout.wait_timeout_s", "timed out")), ours[0]
+    latest = find_latest_checkpoint(out)
+    assert latest is not None and str(latest) in ours[0]
+    assert len(read_metrics(out / "metrics.jsonl")) == int(latest.name.split("-")[1])

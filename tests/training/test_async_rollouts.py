@@ -15,19 +15,15 @@ import pytest
 from maxent_grpo.cli import main
 from maxent_grpo.training.checkpoint import find_latest_checkpoint
 from maxent_grpo.training.metrics import read_metrics
+from tiny_runs import tiny_overrides
 
 
 def _args(model_dir, out, steps, *extra, lr="0.01"):
-    sets = [
-        f"model.name_or_path={model_dir}", "data.source=reasoning_gym:chain_sum", "data.size=64",
-        "generation.num_generations=4", "generation.max_new_tokens=8", "training.prompts_per_step=2",
-        "training.micro_batch_size=4", "logging.progress_bar=false", "checkpoint.save_steps=1",
-        "generation.dtype=null", "training.autocast_bf16=false", "data.task_kwargs={}",
-        "checkpoint.keep_last=3", f"training.learning_rate={lr}", "loss.beta=0.04",
-        "rewards=[{name: length, kwargs: {max_length: 100}}]", *extra,
-    ]
-    return ["train", "--output-dir", str(out), "--max-steps", str(steps), "--seed", "3",
-            *[a for s in sets for a in ("--set", s)]]
+    return ["train", "--seed", "3", *tiny_overrides(
+        model_dir, out, rewards="[{name: length, kwargs: {max_length: 100}}]", steps=steps,
+        extra=["data.size=64", "checkpoint.save_steps=1", "checkpoint.keep_last=3", f"training.learning_rate={lr}",
+               "loss.beta=0.04", *extra],
+    )]
 
 
 def _comparable(rows):

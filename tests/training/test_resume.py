@@ -107,14 +107,20 @@ def _rank_errors(proc) -> str:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_two_process_run_resumes_exactly(tiny_model_dir, tmp_path):
-    """Two gloo processes (torchrun): one record per step, and stop+resume equals an uninterrupted run."""
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_two_process_run_resumes_exactly(tiny_model_dir, tmp_path, max_staleness):
+    """Two gloo processes (torchrun): one record per step, and stop+resume equals an uninterrupted run
+    (asynchronous too: each process's batch in flight is restored from the checkpoint)."""
     full, part = tmp_path / "full", tmp_path / "part"
-    proc = _torchrun(_args(tiny_model_dir, full, 4))
+    staleness = f"rollout.max_staleness={max_staleness}"
+    proc = _torchrun(_args(tiny_model_dir, full, 4, staleness))
     assert proc.returncode == 0, _rank_errors(proc)
-    proc = _torchrun(_args(tiny_model_dir, part, 2))
+    proc = _torchrun(_args(tiny_model_dir, part, 2, staleness))
     assert proc.returncode == 0, _rank_errors(proc)
-    proc = _torchrun([*_args(tiny_model_dir, part, 4), "--resume"])
+    if max_staleness:
+        state = json.loads((part / "checkpoints" / "step-2" / "trainer_state.json").read_text())
+        assert [[(r["step"], r["version"]) for r in rank] for rank in state["rollouts_in_flight"]] == [[(2, 1)]] * 2
+    proc = _torchrun([*_args(tiny_model_dir, part, 4, staleness), "--resume"])
     assert proc.returncode == 0, _rank_errors(proc)
     expected = _comparable(read_metrics(full / "metrics.jsonl"))
     assert [r["step"] for r in expected] == [1, 2, 3, 4]

@@ -137,14 +137,16 @@ class MismatchSums:
     ratio_min: float
     ratio_max: float
     seq_masked: float = 0.0  # sequences left out by seq_logprob_error_threshold
+    ratio_above_cap: float = 0.0  # ratios above the correction's cap C: truncated or masked (§15)
 
 
 def rollout_mismatch_sums(
     old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, *, level: str = "token",
-    seq_error_threshold: float | None = None,
+    seq_error_threshold: float | None = None, cap: float | None = None,
 ) -> MismatchSums:
     """Mismatch statistics of ``[B, T]`` log-probs (module notes), as sums and extremes over this batch;
-    ``seq_masked`` counts the non-empty sequences above ``seq_error_threshold``."""
+    ``seq_masked`` counts the non-empty sequences above ``seq_error_threshold``, ``ratio_above_cap``
+    the ratios (at ``level``) above the correction's ``cap``."""
     if level not in ("token", "sequence"):
         raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
     _check(old_logp, behaviour_logp, mask)
@@ -179,7 +181,8 @@ def rollout_mismatch_sums(
         ext(ratio, torch.max, 0.0),  # ratios are > 0
     ])
     # One transfer for all twelve (on an accelerator each float() would be a sync).
-    return MismatchSums(*values.tolist(), seq_masked=float(masked))
+    above = 0 if cap is None else int((ratio > cap).sum())
+    return MismatchSums(*values.tolist(), seq_masked=float(masked), ratio_above_cap=float(above))
 
 
 # How each field of MismatchSums combines; the empty batch's values are these operations' identities.
@@ -212,4 +215,6 @@ def mismatch_metrics(s: MismatchSums) -> dict[str, float]:
         "seq_mult_prob_error/mean": s.seq_mult_prob_error_sum / seqs if s.sequences else 1.0,
         "seq_mult_prob_error/max": s.seq_mult_prob_error_max,
         "seq_mult_prob_error/masked": s.seq_masked,
+        # ALGORITHMS.md §15's behave/truncated_frac (or masked_frac, by the correction's kind).
+        "sampling/importance_sampling_ratio/above_cap_frac": s.ratio_above_cap / ratios,
     }

@@ -310,8 +310,10 @@ def grpo_step(
             )
             per_token_policy = term.per_token_loss
             if mb.behaviour_logps is not None:
-                mismatch.append(rollout_mismatch_sums(old, mb.behaviour_logps, mask, level=ratio_level,
-                                                      seq_error_threshold=spec.seq_logprob_error_threshold))
+                mismatch.append(rollout_mismatch_sums(
+                    old, mb.behaviour_logps, mask, level=ratio_level, seq_error_threshold=spec.seq_logprob_error_threshold,
+                    cap=None if spec.rollout_correction == "none" else spec.rollout_correction_cap,
+                ))
                 if spec.rollout_correction != "none":
                     per_token_policy = per_token_policy * rollout_correction_weights(
                         old, mb.behaviour_logps, mask, spec.rollout_correction, spec.rollout_correction_cap

@@ -257,7 +257,7 @@ def _too_many_skips(run: Run, step: int, count: int) -> TrainingError:
 
 
 def _old_logps(run: Run, prepared) -> torch.Tensor:
-    """Log-probs of the pre-update policy, needed only when a batch is reused (num_iterations > 1)."""
+    """Log-probs of the pre-update policy: the proximal anchor of a reused (num_iterations > 1) or stale batch."""
     p = prepared.packed
     return run.ctx.plan.scoring.score_rows(run.ctx.model, p.input_ids, p.attention_mask, p.prompt_length)[0]
 

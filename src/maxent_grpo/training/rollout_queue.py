@@ -161,9 +161,11 @@ class RolloutQueue:
 
     # ------------------------------------------------------------ checkpoints
 
-    def in_flight(self) -> list[RolloutRecord]:
-        """The batches sampled and not yet trained on, oldest first (saved with a checkpoint)."""
-        return [r for p in self.plane.partitions() if p.startswith("train/") and (r := self.plane.fetch(p)) is not None]
+    def in_flight(self, step: int) -> list[RolloutRecord]:
+        """What a checkpoint of ``step`` keeps: the batches ``step .. step+k-1``, sampled and not yet trained
+        on, oldest first (a batch ``step + k`` put by a step cut short was drawn after the saved sampler state)."""
+        records = (self.plane.fetch(p) for p in self.plane.partitions() if p.startswith("train/"))
+        return [r for r in records if r is not None and r.step < step + self.k]
 
     def restore(self, records: list[RolloutRecord]) -> None:
         for r in records:

@@ -86,7 +86,7 @@ class Run:
             "config": to_dict(self.cfg),
             # Each rank's batches sampled and not yet trained on (rollout.max_staleness >= 1): a resumed
             # run restores them rather than sampling them again from weights it no longer has.
-            "rollouts_in_flight": self.ctx.dist.gather_objects([[r.to_state() for r in self.rollouts.in_flight()]]),
+            "rollouts_in_flight": self.ctx.dist.gather_objects([[r.to_state() for r in self.rollouts.in_flight(step)]]),
         }
 
     def save(self, step: int, sampler_state: dict | None = None) -> Path | None:

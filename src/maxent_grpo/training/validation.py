@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import torch
 
+from maxent_grpo.rollout.data_plane import DataPlane, RolloutRecord
 from maxent_grpo.evaluate import eval_seed, evaluate_prompts, per_prompt_metrics, per_task_means, write_eval_outputs
+
+
+def _through_plane(plane: DataPlane, partition: str, record: RolloutRecord) -> RolloutRecord:
+    """NeMo-RL's ``validate_sync``: the validation batch goes into its own partition, is read back, and
+    the partition is cleared."""
+    plane.register(partition)
+    try:
+        plane.put(partition, record)
+        return plane.fetch(partition)
+    finally:
+        plane.clear(partition)
 
 
 def validate(run, step: int) -> dict[str, float]:
@@ -31,6 +44,8 @@ def validate(run, step: int) -> dict[str, float]:
                 run.ctx.backend, run.ctx.tokenizer, rows, run.ctx.reward_spec,
                 k=cfg.eval.k, sampling=run.ctx.plan.batch.sampling,
                 system_prompt=cfg.data.system_prompt, few_shot=cfg.data.few_shot, episodes=run.ctx.episodes,
+                carry=lambda record: _through_plane(run.rollouts.plane, f"val/{step}", replace(record, step=step,
+                                                                                                version=step)),
             )
         finally:
             random.setstate(py_state)

@@ -1,0 +1,37 @@
+"""The seed's parity check (NeMo-RL ``grpo_sync``): the built-in default run through the local data
+plane and through TransferQueue (its documented Ray mode) logs the same rewards, losses and
+validation, step by step; only timings differ. Six steps of the real default (SmolLM2-135M on
+chain_sum), with in-loop validation every three steps (its own ``val/<step>`` partition)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from maxent_grpo.cli import main
+from maxent_grpo.training.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+
+def _timing(key: str) -> bool:
+    return key.startswith("time/") or key in ("step_time", "step_cpu_time")
+
+
+def test_the_default_run_is_the_same_through_transferqueue(tmp_path):
+    if importlib.util.find_spec("transfer_queue") is None:
+        pytest.skip("the transferqueue extra is not installed")
+    runs = {}
+    for plane in ("local", "transferqueue"):
+        out = tmp_path / plane
+        assert main(["train", "--output-dir", str(out), "--max-steps", "6",
+                     "--set", "logging.progress_bar=false", "--set", f"rollout.data_plane={plane}",
+                     "--set", "data.eval_size=8", "--set", "eval.every_steps=3", "--set", "eval.num_prompts=4",
+                     "--set", "eval.k=2"]) == 0
+        runs[plane] = [{k: v for k, v in row.items() if not _timing(k)} for row in read_metrics(out / "metrics.jsonl")]
+    local, tq = runs["local"], runs["transferqueue"]
+    assert [r["step"] for r in local] == list(range(1, 7))
+    assert "eval/pass@1" in local[2] and "eval/pass@1" in local[5]
+    assert any(r["loss"] != 0 for r in local)
+    assert [{k: (a[k], b.get(k)) for k in a if a[k] != b.get(k)} for a, b in zip(local, tq)] == [{}] * 6

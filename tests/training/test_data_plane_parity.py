@@ -1,7 +1,13 @@
 """The seed's parity check (NeMo-RL ``grpo_sync``): the built-in default run through the local data
 plane and through TransferQueue (its documented Ray mode) logs the same rewards, losses and
 validation, step by step; only timings differ. Six steps of the real default (SmolLM2-135M on
-chain_sum), with in-loop validation every three steps (its own ``val/<step>`` partition)."""
+chain_sum), with in-loop validation every three steps (its own ``val/<step>`` partition).
+
+At learning rate 0: two runs of the default on this CPU, on the same plane and in the same
+process, are not bitwise equal after their first optimizer step (the update's last bits vary, then
+sampling diverges; measured at fp32 and bf16), so only frozen weights make the comparison exact.
+Every step still samples, scores and trains on its own batch through the plane. The tiny model's
+runs are bitwise reproducible and learn: tests/rollout/test_data_plane.py compares them."""
 
 from __future__ import annotations
 
@@ -28,10 +34,10 @@ def test_the_default_run_is_the_same_through_transferqueue(tmp_path):
         assert main(["train", "--output-dir", str(out), "--max-steps", "6",
                      "--set", "logging.progress_bar=false", "--set", f"rollout.data_plane={plane}",
                      "--set", "data.eval_size=8", "--set", "eval.every_steps=3", "--set", "eval.num_prompts=4",
-                     "--set", "eval.k=2"]) == 0
+                     "--set", "eval.k=2", "--set", "training.learning_rate=0"]) == 0
         runs[plane] = [{k: v for k, v in row.items() if not _timing(k)} for row in read_metrics(out / "metrics.jsonl")]
     local, tq = runs["local"], runs["transferqueue"]
     assert [r["step"] for r in local] == list(range(1, 7))
     assert "eval/pass@1" in local[2] and "eval/pass@1" in local[5]
-    assert any(r["loss"] != 0 for r in local)
+    assert any(r["loss"] != 0 for r in local) and len({r["reward"] for r in local}) > 1
     assert [{k: (a[k], b.get(k)) for k in a if a[k] != b.get(k)} for a, b in zip(local, tq)] == [{}] * 6

@@ -5,6 +5,7 @@ run restores the batch in flight, and a server that dies mid-run stops the run w
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -103,8 +104,11 @@ def test_a_hung_server_is_reported_not_waited_on(vllm_model_dir, tmp_path):
     args = _args(vllm_model_dir, out, url, 40, extra=[
         "generation.vllm.request_timeout_s=60", "rollout.wait_timeout_s=60", "checkpoint.save_steps=0",
     ])
+    tests = str(Path(__file__).resolve().parents[1])  # learnable_rewards, imported by name
+    env = {**os.environ, "MAXENT_GRPO_LOG": "WARNING",
+           "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
     run = subprocess.Popen([sys.executable, "-m", "maxent_grpo.cli", *args], stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, text=True, env={**os.environ, "MAXENT_GRPO_LOG": "WARNING"})
+                           stderr=subprocess.PIPE, text=True, env=env)
     try:
         metrics = out / "metrics.jsonl"
         while run.poll() is None and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):

@@ -62,7 +62,7 @@ def resolve_precision(cfg: TrainConfig, fast_bf16: bool) -> TrainConfig:
         # ALGORITHMS.md §15's default: token-level truncated importance sampling (TIS).
         correction = "none" if own_sampler else "token_truncate"
         log.info("rollout correction auto: %s (%s)", correction, "the policy samples its own rollouts"
-                 if own_sampler else "the sampler holds its own copy of the weights")
+                 if own_sampler else "the sampler is not the trained weights: its own copy, or earlier weights")
         cfg = dataclasses.replace(cfg, loss=dataclasses.replace(lo, rollout_correction=correction))
     return cfg
 

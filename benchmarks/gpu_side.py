@@ -3,7 +3,7 @@
 Run as ``python -m benchmarks.gpu_side --side ours|trl --setting S.json --model-dir D --out R.json``.
 Each side runs in this process, its phase functions wrapped by a :class:`PhaseMeter`:
 
-* generate: HF generation. Ours: ``pipeline._rollout_and_rewards`` (the rewards, string checks,
+* generate: HF generation. Ours: ``rollout_queue.produce_rollouts`` (the rewards, string checks,
   included); TRL: ``GRPOTrainer._generate``.
 * score: the log-prob passes before the update (reference, old policy) and the advantages. Ours:
   ``pipeline._score_and_weight``; TRL: the rest of ``_generate_and_score_completions`` (its rewards included).
@@ -85,9 +85,9 @@ def run_ours(setting, model_dir: Path, work: Path, meter: PhaseMeter):
     from benchmarks.children import ChildRun, own_peak_rss_bytes
     from benchmarks.ours import read_metrics, result_from_metrics, write_config
     from maxent_grpo import cli
-    from maxent_grpo.training import loop, pipeline
+    from maxent_grpo.training import loop, pipeline, rollout_queue
 
-    meter.wrap(pipeline, "_rollout_and_rewards", "generate")
+    meter.wrap(rollout_queue, "produce_rollouts", "generate")
     meter.wrap(pipeline, "_score_and_weight", "score")
     meter.wrap(loop, "_update_and_log", "update")
     config = write_config(setting, model_dir, work / "config.yaml")

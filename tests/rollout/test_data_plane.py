@@ -282,7 +282,7 @@ def test_the_in_process_plane_starts_no_process_and_leaves_no_thread(ray_planes)
     assert torch.get_num_threads() == torch_threads  # TransferQueue sets torch's threads in its own threads only
     plane.close()
     plane.close()  # twice is harmless
-    assert set(threading.enumerate()) == threads_before
+    assert not set(threading.enumerate()) - threads_before  # none left behind (an earlier test's may end)
     with pytest.raises(RuntimeError, match="closed"):
         plane.register("1")
 

@@ -4,8 +4,9 @@ validation, step by step; only timings differ. Six steps of the real default (Sm
 chain_sum), with in-loop validation every three steps (its own ``val/<step>`` partition).
 
 At learning rate 0: two runs of the default on this CPU, on the same plane and in the same
-process, are not bitwise equal after their first optimizer step (the update's last bits vary, then
-sampling diverges; measured at fp32 and bf16), so only frozen weights make the comparison exact.
+process, are not bitwise equal after their first optimizer step (the backward's last bits vary, then
+the weights and the sampling diverge; measured at fp32 and bf16), so only frozen weights make the
+comparison exact; the gradient norm itself is left out for that reason.
 Every step still samples, scores and trains on its own batch through the plane. The tiny model's
 runs are bitwise reproducible and learn: tests/rollout/test_data_plane.py compares them."""
 
@@ -21,8 +22,10 @@ from maxent_grpo.training.metrics import read_metrics
 pytestmark = pytest.mark.slow
 
 
-def _timing(key: str) -> bool:
-    return key.startswith("time/") or key in ("step_time", "step_cpu_time")
+def _varies(key: str) -> bool:
+    """Timings, and the gradient norm: even at frozen weights two runs of this step's backward on the
+    default model differ in the last bits (1.9404088 against 1.9404062 at step 3, a CI run)."""
+    return key.startswith("time/") or key in ("step_time", "step_cpu_time", "grad_norm")
 
 
 def test_the_default_run_is_the_same_through_transferqueue(tmp_path):
@@ -35,7 +38,7 @@ def test_the_default_run_is_the_same_through_transferqueue(tmp_path):
                      "--set", "logging.progress_bar=false", "--set", f"rollout.data_plane={plane}",
                      "--set", "data.eval_size=8", "--set", "eval.every_steps=3", "--set", "eval.num_prompts=4",
                      "--set", "eval.k=2", "--set", "training.learning_rate=0"]) == 0
-        runs[plane] = [{k: v for k, v in row.items() if not _timing(k)} for row in read_metrics(out / "metrics.jsonl")]
+        runs[plane] = [{k: v for k, v in row.items() if not _varies(k)} for row in read_metrics(out / "metrics.jsonl")]
     local, tq = runs["local"], runs["transferqueue"]
     assert [r["step"] for r in local] == list(range(1, 7))
     assert "eval/pass@1" in local[2] and "eval/pass@1" in local[5]

@@ -41,7 +41,7 @@ def _one_core(core: int) -> dict[str, str]:
 
 def _train(url: str, k: int, out: Path, steps: int, dtype: str, extra: list[str]) -> list[dict]:
     cmd = ["taskset", "-c", "1", sys.executable, "-m", "maxent_grpo.cli", "train", "--output-dir", str(out),
-           "--max-steps", str(steps), "--overwrite",
+           "--max-steps", str(steps),
            *[a for kv in (
                "logging.progress_bar=false", "generation.backend=vllm_server", f"generation.vllm.server_url={url}",
                f"generation.dtype={dtype}", f"rollout.max_staleness={k}", "checkpoint.save_minutes=0",

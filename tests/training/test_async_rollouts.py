@@ -49,7 +49,7 @@ def test_each_batch_is_sampled_by_the_weights_k_steps_back(async_run):
     assert all(r["async/dropped_stale"] == 0 for r in rows)
     # k >= 1: the auto correction weighs the stale samples (the sampler is not the trained weights).
     assert all("sampling/importance_sampling_ratio/mean" in r for r in rows)
-    # The checkpoint of step 3 holds batch 3, sampled by version 2 and not yet trained on.
+    # The final checkpoint (step 5) holds batch 5, sampled by version 4 and not yet trained on.
     state = json.loads((out / "checkpoints" / "step-5" / "trainer_state.json").read_text())
     (held,) = state["rollouts_in_flight"]
     assert [(r["step"], r["version"]) for r in held] == [(5, 4)]

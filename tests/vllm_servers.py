@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -33,7 +34,8 @@ def start_server(model_dir, log: Path, *, dtype: str = "float32", python: str = 
     if taskset is not None:
         cmd = ["taskset", "-c", taskset, *cmd]
     with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
+        # Its own session: stop_server can then end the engine-core child with it.
+        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900  # a generous bound: start-up is slow on a loaded machine
     while time.monotonic() < deadline:
@@ -45,11 +47,27 @@ def start_server(model_dir, log: Path, *, dtype: str = "float32", python: str = 
                     return proc, url
         except OSError:
             time.sleep(1)
-    proc.kill()
+    stop_server(proc)
     raise RuntimeError(f"vLLM server did not start in 900 s:\n{log.read_text()[-3000:]}")
 
 
-def stop_server(proc) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        proc.wait(timeout=60)
+def stop_server(proc, grace_s: float = 30) -> None:
+    """SIGTERM to the server's process group, then SIGKILL after ``grace_s``.
+
+    A server left with requests it will never finish (a test froze it, or its
+    client timed out mid-push) can wait on them through SIGTERM for minutes; and
+    a server killed alone leaves its engine-core child behind, using a core.
+    """
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # what is left of the group: the server or its engine core
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=60)

@@ -7,7 +7,8 @@ step) and ``behaviour_logps`` (the sampler's), on a real tiny model in float64:
    bit for bit, for every registered policy loss, every ``loss_type`` and every correction mode
    (``w = trunc(1) = 1`` exactly, and ``x * 1.0 == x`` in IEEE arithmetic).
 2. Equivalence: on the first micro-step (``logp == logp_old``) with ``C = inf`` and token weights,
-   the decoupled PPO gradient is the bypass REINFORCE-IS gradient ``-A * pi/pi_beh * grad logp``.
+   the decoupled PPO gradient is the bypass REINFORCE-IS gradient ``-A * pi/pi_beh * grad logp``;
+   and a batch trained once needs no separate anchor forward (its own detached log-probs are it).
 3. A token with ``pi_old / pi_beh = 10`` and ``C = 2`` has weight 2 (truncate) or 0 (mask), and the
    masked token keeps its place in every denominator.
 """
@@ -185,6 +186,26 @@ def test_first_micro_step_gradient_is_reinforce_with_the_ratio_to_the_sampler(ba
     bypass = DppoParams(anchor="behaviour", delta_low=1.0, delta_high=1.0)
     _, g_bypass = _step(base_model, _micro_batches(first_rows, FOUR), policy_loss="dppo", policy_params=bypass, **cfg)
     assert _max_abs_diff(g_bypass, ref) < 1e-12 * _scale(ref)
+
+
+@pytest.mark.parametrize(("policy_loss", "loss_type"), CASES)
+def test_one_pass_needs_no_recomputed_anchor(base_model, first_rows, policy_loss, loss_type):
+    """training/loop.py gives a batch trained once (``num_iterations: 1``), stale or not, no
+    ``old_logps``: the weights move only after the last micro-batch, so each micro-batch's own
+    detached log-probs are the anchor. The step equals the one with the anchor recomputed by a
+    separate no-grad forward, for every policy loss's trust region, with a sampler far away."""
+    params = POLICY_LOSSES[policy_loss].params
+    cfg = dict(policy_loss=policy_loss, policy_params=None if params is None else params(), loss_type=loss_type,
+               max_completion_length=L_MAX, beta=0.04, epsilon_high=0.28, listwise_clip_coef=0.5,
+               rollout_correction="token_truncate", rollout_correction_cap=2.0)
+    anchored, g_anchored = _step(base_model, _micro_batches(first_rows, TWO), **cfg)
+    own_rows = {k: v for k, v in first_rows.items() if k != "old_logps"}
+    own, g_own = _step(base_model, _micro_batches(own_rows, TWO), **cfg)
+    assert _scale(g_anchored) > 0
+    assert _max_abs_diff(g_own, g_anchored) < 1e-12 * _scale(g_anchored)
+    assert own.loss == pytest.approx(anchored.loss, rel=1e-12, abs=1e-15)
+    for key, value in anchored.metrics.items():
+        assert own.metrics[key] == pytest.approx(value, rel=1e-10, abs=1e-12), key
 
 
 # --------------------------------------------------- 3. a ratio of 10 against C = 2

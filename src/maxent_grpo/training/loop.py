@@ -171,10 +171,11 @@ def _policy_update(run: Run, prepared, step: int, timings: dict):
         finally:
             timings["time/optimizer"] += time.perf_counter() - t0
 
-    # The proximal anchor (ALGORITHMS.md §15): the trainer's own log-probs before the update, needed
-    # when the batch is reused or was sampled by earlier weights.
-    reanchor = plan.num_iterations > 1 or run.cfg.rollout.max_staleness > 0
-    old_logps = _old_logps(run, prepared) if reanchor else None
+    # The proximal anchor (ALGORITHMS.md §15) is the trainer's own log-probs before the update. With
+    # one pass over the batch the weights move only after its last micro-batch, so every micro-batch's
+    # own log-probs, detached, are that anchor, fresh or stale batch alike (old_logps=None): no
+    # extra forward. Only passes after the first (num_iterations > 1) need it kept from before.
+    old_logps = _old_logps(run, prepared) if plan.num_iterations > 1 else None
     spec = with_beta(plan, ctx.weighting.beta)
     for _ in range(plan.num_iterations):
         result = grpo_step(
@@ -257,7 +258,7 @@ def _too_many_skips(run: Run, step: int, count: int) -> TrainingError:
 
 
 def _old_logps(run: Run, prepared) -> torch.Tensor:
-    """Log-probs of the pre-update policy: the proximal anchor of a reused (num_iterations > 1) or stale batch."""
+    """Log-probs of the pre-update policy: the proximal anchor of a batch reused (num_iterations > 1)."""
     p = prepared.packed
     return run.ctx.plan.scoring.score_rows(run.ctx.model, p.input_ids, p.attention_mask, p.prompt_length)[0]
 

@@ -6,7 +6,12 @@ chain_sum), with in-loop validation every three steps (its own ``val/<step>`` pa
 At learning rate 0: two runs of the default on this CPU, on the same plane and in the same
 process, are not bitwise equal after their first optimizer step (the backward's last bits vary, then
 the weights and the sampling diverge; measured at fp32 and bf16), so only frozen weights make the
-comparison exact; the gradient norm itself is left out for that reason.
+comparison exact; the gradient norm itself is left out for that reason. What is known of the cause:
+four 4-step local runs at learning rate 0 in one process log step 2's gradient norm as 2.89330101,
+2.89330101, 2.8931706, 2.8931706 (bf16 autocast; loss and every other figure equal), with or without
+TransferQueue in between and with ``MKL_CBWR=AUTO,STRICT``; one ``grpo_step`` repeated on a fixed
+batch is bitwise repeatable. So some state that builds up over runs in a process picks between two
+backward results; the op is not found.
 Every step still samples, scores and trains on its own batch through the plane. The tiny model's
 runs are bitwise reproducible and learn: tests/rollout/test_data_plane.py compares them."""
 

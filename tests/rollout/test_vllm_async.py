@@ -125,3 +125,44 @@ def test_a_hung_server_is_reported_not_waited_on(vllm_model_dir, tmp_path):
     latest = find_latest_checkpoint(out)
     assert latest is not None and str(latest) in ours[0]
     assert len(read_metrics(out / "metrics.jsonl")) == int(latest.name.split("-")[1])
+
+
+@pytest.mark.multiprocess
+def test_two_processes_stop_together_when_the_server_dies(vllm_model_dir, tmp_path):
+    """Two gloo processes (torchrun): only the main one pushes weights, so only it sees the push
+    fail; the other learns it in the push's own collective. Both stop after step 2 with one checkpoint
+    and its metrics line in about a minute. Before, the other process sat in a barrier until
+    ``training.dist_timeout_minutes`` (30 here: the run hit the subprocess timeout instead)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    proc, url = start_server(vllm_model_dir, tmp_path / "server.log")
+    out = tmp_path / "run"
+    reward = f"{{name: 'learnable_rewards:kills_process_at', kwargs: {{pid: {proc.pid}, call: 3}}}}"
+    tests = str(Path(__file__).resolve().parents[1])  # learnable_rewards, imported by name
+    env = {**os.environ, "MAXENT_GRPO_LOG": "WARNING", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
+    args = _args(vllm_model_dir, out, url, 6, reward=reward, extra=[
+        "generation.vllm.request_timeout_s=120", "checkpoint.save_steps=0", "training.dist_timeout_minutes=30",
+    ])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "maxent_grpo.cli", *args]
+    try:
+        # Its own session: on a timeout the workers go too, not only torchrun.
+        with subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) as run:
+            try:
+                _, err = run.communicate(timeout=600)
+            except subprocess.TimeoutExpired:
+                os.killpg(run.pid, signal.SIGKILL)
+                raise
+    finally:
+        stop_server(proc)
+    assert run.returncode != 0
+    ours = [line for line in err.splitlines() if line.startswith("maxent-grpo:")]
+    assert ours and all("the sampler failed after step 2" in line for line in ours), err[-3000:]
+    latest = find_latest_checkpoint(out)
+    assert latest is not None and latest.name == "step-2" and all(str(latest) in line for line in ours), ours
+    assert len(read_metrics(out / "metrics.jsonl")) == 2

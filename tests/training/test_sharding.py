@@ -167,7 +167,7 @@ from maxent_grpo.training.distributed import process_group
 
 try:
     with process_group(timeout_minutes=5) as d:
-        d.barrier()
+        assert d.any_rank(True)  # a collective
         if sys.argv[1] == "error":
             raise RuntimeError("a failing run")
 except RuntimeError:

@@ -43,7 +43,7 @@ class BackendInputs:
     seed: int
     world_size: int = 1
     is_main: bool = True
-    barrier: Callable[[], None] | None = None
+    any_rank: Callable[[bool], bool] | None = None  # True on every rank when the flag is on any
     # hf under FSDP2: every forward is a collective, so all ranks generate to the longest row.
     synced_gpus: bool = False
     # vllm_server: where the disk weight sync writes when vllm.sync_dir is null (and the server is not local).
@@ -181,7 +181,7 @@ def _build_vllm_server(i: BackendInputs) -> GenerationBackend:
     if sync_dir is None:
         raise ValueError("vllm_server needs vllm.sync_dir or default_sync_dir: where the weight push writes")
     backend = VLLMServerBackend(
-        v.server_url, i.tokenizer, sync_dir=sync_dir, is_main=i.is_main, barrier=i.barrier,
+        v.server_url, i.tokenizer, sync_dir=sync_dir, is_main=i.is_main, any_rank=i.any_rank,
         timeout_s=v.request_timeout_s, remove_sync_dir=shm is not None,
         dtype=i.sample_dtype if i.sample_dtype is not None else i.model.dtype,
     )

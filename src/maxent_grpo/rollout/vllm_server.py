@@ -22,7 +22,8 @@ concurrently. Weight sync after each optimizer step:
   available in this build (docs/VLLM.md says why it was not tested).
 
 Every process sends its own prompts; only the main process pushes weights,
-and ``barrier`` keeps the others from sampling before the push has finished.
+and ``any_rank`` keeps the others from sampling before the push has finished
+and tells every process whether it worked: a failed push stops them all.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def served_model(base_url: str, *, timeout_s: float = 30.0) -> str:
 class VLLMServerBackend(TokenPrompts):
     def __init__(
         self, base_url: str, tokenizer, *, sync_dir: str | Path, is_main: bool = True,
-        barrier: Callable[[], None] | None = None, timeout_s: float = 600.0, max_concurrency: int = 64,
+        any_rank: Callable[[bool], bool] | None = None, timeout_s: float = 600.0, max_concurrency: int = 64,
         dtype: torch.dtype | None = None, remove_sync_dir: bool = False,
     ):
         self.base_url = base_url.rstrip("/")
@@ -130,7 +131,7 @@ class VLLMServerBackend(TokenPrompts):
         self.tokenizer = tokenizer
         self.sync_dir = Path(sync_dir)
         self.is_main = is_main
-        self.barrier = barrier
+        self.any_rank = any_rank
         self.timeout_s = timeout_s
         self.max_concurrency = max_concurrency
         self._pushes = 0
@@ -181,18 +182,28 @@ class VLLMServerBackend(TokenPrompts):
 
     def sync_weights(self, policy: torch.nn.Module) -> None:
         items = full_state_items(policy, self.dtype)
+        failed: VLLMServerError | None = None
         if not self.is_main:
             for _ in items:  # sharded weights are gathered by every rank; only the main one keeps them
                 pass
         else:
             folder = self._write(items)
-            self._request("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
-            self._request("POST", "/reset_prefix_cache")
-            for old in self.sync_dir.glob("weights-*"):
-                if old != folder:
-                    shutil.rmtree(old)
-        if self.barrier is not None:
-            self.barrier()
+            try:
+                self._request("POST", "/collective_rpc",
+                              {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
+                self._request("POST", "/reset_prefix_cache")
+            except VLLMServerError as err:
+                failed = err
+            else:
+                for old in self.sync_dir.glob("weights-*"):
+                    if old != folder:
+                        shutil.rmtree(old)
+        # In place of a barrier: a rank that only waited would sit in it until the process group's
+        # timeout if the main rank's push failed; here every rank learns the outcome and stops with it.
+        if self.any_rank is not None and self.any_rank(failed is not None) and failed is None:
+            failed = VLLMServerError("the main process's weight push to the vLLM server failed (its error is in its log)")
+        if failed is not None:
+            raise failed
 
     def _write(self, items) -> Path:
         self._pushes += 1

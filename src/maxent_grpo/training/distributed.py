@@ -56,10 +56,6 @@ class Dist:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier()
-
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return t

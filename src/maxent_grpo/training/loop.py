@@ -187,13 +187,21 @@ def _policy_update(run: Run, prepared, step: int, timings: dict):
 
 def _end_step(run: Run, step: int, *, trained: bool = False) -> UserError | None:
     """The batch being sampled complete (from the old weights), then the new weights to the sampler.
-    Returns the error of a sampler that is gone (a server died, a timeout), for the caller to stop on."""
+    Returns the error of a sampler that is gone (a server died, a timeout), for the caller to stop on.
+    Every rank returns one when any rank's batch failed: a rank that went on alone would wait in the
+    weight push's collectives until the process group's timeout. (The push agrees within itself.)"""
     try:
         run.rollouts.end_step(step)
-        if trained:
-            run.ctx.backend.sync_weights(run.ctx.model)
     except UserError as err:
+        run.ctx.dist.any_rank(True)
         return err
+    if run.ctx.dist.any_rank(False):
+        return UserError("another process's sampler failed (its error is in its log)")
+    if trained:
+        try:
+            run.ctx.backend.sync_weights(run.ctx.model)
+        except UserError as err:
+            return err
     return None
 
 

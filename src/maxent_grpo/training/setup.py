@@ -130,7 +130,7 @@ def _generation_backend(cfg: TrainConfig, model, tokenizer, model_path: str, out
         model=model, tokenizer=tokenizer, model_path=model_path,
         sample_dtype=None if g.dtype is None else parse_dtype(g.dtype), batch_size=g.batch_size,
         share_prompts=cfg.training.share_prompts, vllm=g.vllm, seed=cfg.training.seed,
-        world_size=dist.world_size, is_main=dist.is_main, barrier=dist.barrier,
+        world_size=dist.world_size, is_main=dist.is_main, any_rank=dist.any_rank,
         # Sharded: every forward gathers weights with the other ranks, so every rank
         # runs generate to the longest row of any rank.
         synced_gpus=strategy.collective_forward, default_sync_dir=output_dir / "vllm_weights",

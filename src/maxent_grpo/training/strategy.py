@@ -62,7 +62,8 @@ class Strategy:
     def save(self, output_dir: Path, step: int, *, model: torch.nn.Module, tokenizer: Any,
              optimizer: torch.optim.Optimizer, lr_scheduler: Any, trainer_state: dict,
              keep_last: int | None) -> Path | None:
-        """Write checkpoint ``step`` (a collective); every rank raises the same error if any write failed."""
+        """Write checkpoint ``step`` (a collective); every rank returns its folder, or raises the same
+        error if any write failed."""
         raise NotImplementedError
 
     def load(self, ckpt: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -94,8 +95,8 @@ class DDPStrategy(Strategy):
             # earlier checkpoints are untouched.
             except (OSError, SafetensorError) as err:
                 failure = describe_write_error(err, output_dir)
-        # Also the barrier: every rank learns whether the save worked.
-        failure = self.dist.broadcast_object(failure)
+        # Also the barrier: every rank learns whether the save worked, and where it went (for its messages).
+        path, failure = self.dist.broadcast_object((path, failure))
         if failure is not None:
             raise save_failed(output_dir, step, failure)
         return path
@@ -133,10 +134,11 @@ class FSDP2Strategy(Strategy):
         return model, fsdp2_gradient_sync(model)
 
     def save(self, output_dir, step, *, model, tokenizer, optimizer, lr_scheduler, trainer_state, keep_last):
-        return save_sharded_checkpoint(
+        path = save_sharded_checkpoint(
             output_dir, step, model=model, tokenizer=tokenizer, optimizer=optimizer, lr_scheduler=lr_scheduler,
             trainer_state=trainer_state, keep_last=keep_last,
         )
+        return self.dist.broadcast_object(path)  # rank 0's folder, for every rank's messages
 
     def load(self, ckpt, *, model, optimizer, lr_scheduler):
         return load_sharded_checkpoint(ckpt, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler)

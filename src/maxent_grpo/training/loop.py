@@ -190,13 +190,13 @@ def _end_step(run: Run, step: int, *, trained: bool = False) -> UserError | None
     Returns the error of a sampler that is gone (a server died, a timeout), for the caller to stop on.
     Every rank returns one when any rank's batch failed: a rank that went on alone would wait in the
     weight push's collectives until the process group's timeout. (The push agrees within itself.)"""
+    failed: UserError | None = None
     try:
         run.rollouts.end_step(step)
     except UserError as err:
-        run.ctx.dist.any_rank(True)
-        return err
-    if run.ctx.dist.any_rank(False):
-        return UserError("another process's sampler failed (its error is in its log)")
+        failed = err
+    if run.ctx.dist.any_rank(failed is not None):
+        return failed or UserError("another process's sampler failed (its error is in its log)")
     if trained:
         try:
             run.ctx.backend.sync_weights(run.ctx.model)

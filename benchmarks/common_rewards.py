@@ -26,9 +26,8 @@ REWARD_WEIGHTS = (1.0, 0.5)
 
 
 def boxed_accuracy(prompts: Sequence, completions: Sequence, rg_entry: Sequence[str], **columns) -> list[float]:
-    """Task score in [0, 1] of each completion's final answer (reasoning-gym scorer)."""
-    import reasoning_gym
-
+    """Task score in [0, 1] of each completion's final answer (reasoning-gym's scorer, imported only for
+    its tasks: the GPU machine has no reasoning-gym and scores ``pair_sum``)."""
     if len(completions) != len(rg_entry):
         raise ValueError(f"rg_entry must have one entry per completion, got {len(rg_entry)} for {len(completions)}")
     scores = []
@@ -39,7 +38,12 @@ def boxed_accuracy(prompts: Sequence, completions: Sequence, rg_entry: Sequence[
             scores.append(0.0)
             continue
         source = entry["metadata"]["source_dataset"]
-        score_fn = score_pair_sum if source == PAIR_SUM else reasoning_gym.get_score_answer_fn(source)
+        if source == PAIR_SUM:
+            score_fn = score_pair_sum
+        else:
+            import reasoning_gym
+
+            score_fn = reasoning_gym.get_score_answer_fn(source)
         scores.append(float(score_fn(predicted, entry)))
     return scores
 

@@ -27,7 +27,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.children import child_env, python_module_cmd, run_child  # noqa: E402
+from benchmarks.children import ChildFailed, child_env, python_module_cmd, run_child  # noqa: E402
 from benchmarks.memory_plan import Shape, fits, format_plan, peak_gib, plan  # noqa: E402
 from benchmarks.model_paths import MODEL_CONFIGS, cache_root, random_model_names  # noqa: E402
 from benchmarks.ours import write_config  # noqa: E402
@@ -42,7 +42,9 @@ GIB = 2**30
 
 def gpu_setting(model: str, args: argparse.Namespace) -> BenchSetting:
     return BenchSetting(
-        name=f"gpu-{model}", model=model, task="chain_sum", dataset_size=256, prompts_per_step=args.prompts_per_step,
+        # pair_sum (benchmarks/pair_sum.py) needs no reasoning-gym, which the GPU machine lacks; with random
+        # weights the text is noise anyway, the token counts are what is measured.
+        name=f"gpu-{model}", model=model, task="pair_sum", dataset_size=256, prompts_per_step=args.prompts_per_step,
         num_generations=args.num_generations, max_new_tokens=args.max_new_tokens,
         micro_batch_size=args.micro_batch_size, bf16=True, learning_rate=1e-6, steps=args.steps, device="cuda",
     )
@@ -76,24 +78,37 @@ def _median_after_warmup(values: list[float]) -> float:
     return statistics.median(values[1:] if len(values) > 1 else values)
 
 
-def table(setting: BenchSetting, runs: dict[str, RunResult]) -> str:
+def table(setting: BenchSetting, runs: dict[str, RunResult], params: float, peak_tflops: float) -> str:
+    """Medians over the steps after the first; tokens are completion tokens. ``train MFU`` is the
+    update phase's ``6 * params * completion tokens / seconds`` over ``peak_tflops`` (a lower bound:
+    the prompt tokens' share of the forward and backward is not counted)."""
     lines = [f"### {setting.name} ({next(iter(runs.values())).extra['gpu']})", "",
              "| side | s/step | " + " | ".join(f"{p} s" for p in PHASES) + " | tokens/s per GPU | "
+             + " | ".join(f"{p} tokens/s" for p in PHASES) + " | train MFU | "
              + " | ".join(f"peak GiB {p}" for p in PHASES) + " |",
-             "|---|" + "---|" * (2 + 2 * len(PHASES))]
+             "|---|" + "---|" * (3 + 3 * len(PHASES))]
+    tokens_per_s = {}
     for side, r in runs.items():
         phases = r.extra["phases"]
         seconds = {p: _median_after_warmup([s[p]["seconds"] for s in phases]) for p in PHASES}
         step = _median_after_warmup([sum(s[p]["seconds"] for p in PHASES) for s in phases])
         tokens = _median_after_warmup([t / sum(s[p]["seconds"] for p in PHASES)
                                        for t, s in zip(r.completion_tokens, phases)])
+        per_phase = {p: _median_after_warmup([t / max(s[p]["seconds"], 1e-9) for t, s in zip(r.completion_tokens, phases)])
+                     for p in PHASES}
+        mfu = 6 * params * per_phase["update"] / (peak_tflops * 1e12)
         peaks = {p: max(s[p]["peak_bytes"] for s in phases) / GIB for p in PHASES}
+        tokens_per_s[side] = tokens
         lines.append(f"| {side} | {step:.2f} | " + " | ".join(f"{seconds[p]:.2f}" for p in PHASES)
-                     + f" | {tokens:.0f} | " + " | ".join(f"{peaks[p]:.1f}" for p in PHASES) + " |")
+                     + f" | {tokens:.0f} | " + " | ".join(f"{per_phase[p]:.0f}" for p in PHASES)
+                     + f" | {mfu:.1%} | " + " | ".join(f"{peaks[p]:.1f}" for p in PHASES) + " |")
+    if {"ours", "trl"} <= tokens_per_s.keys():
+        lines += ["", f"ours/TRL tokens/s: {tokens_per_s['ours'] / tokens_per_s['trl']:.2f}x"]
     return "\n".join(lines)
 
 
-def run_model(setting: BenchSetting, args: argparse.Namespace, work: Path) -> dict[str, RunResult]:
+def run_model(setting: BenchSetting, args: argparse.Namespace, work: Path) -> tuple[dict[str, RunResult], list[str]]:
+    """Each side's result, and one error per side that failed (the other side still runs)."""
     env = child_env(None)
     model_dir = cache_root() / "random" / setting.model
     # Built in a child on the GPU: this process keeps no CUDA memory the sides would miss.
@@ -101,16 +116,20 @@ def run_model(setting: BenchSetting, args: argparse.Namespace, work: Path) -> di
                "random_model; random_model(sys.argv[1], Path(sys.argv[2]), device='cuda')",
                setting.model, str(model_dir)], work / "build.log", env)
     setting.to_json(work / "setting.json")
-    runs = {}
+    runs, failed = {}, []
     for side in args.sides:
         out = work / side / "result.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        child = run_child(python_module_cmd("benchmarks.gpu_side", "--side", side, "--setting", str(work / "setting.json"),
-                                            "--model-dir", str(model_dir), "--out", str(out)),
-                          work / side / f"{side}.log", env, args.timeout)
+        try:
+            child = run_child(python_module_cmd("benchmarks.gpu_side", "--side", side, "--setting",
+                                                str(work / "setting.json"), "--model-dir", str(model_dir), "--out",
+                                                str(out)), work / side / f"{side}.log", env, args.timeout)
+        except ChildFailed as err:
+            failed.append(f"{setting.name} {side}: {err}")
+            continue
         runs[side] = RunResult.from_json(out)
         runs[side].peak_rss_bytes = child.peak_rss_bytes
-    return runs
+    return runs, failed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=128, help="longest prompt, for the memory plan")
     p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="for the plan (a run reads the GPU's own)")
+    p.add_argument("--peak-tflops", type=float, default=989.0,
+                   help="the GPU's dense bf16 peak for MFU (H100 SXM: 989)")
     p.add_argument("--timeout", type=float, help="seconds allowed per side")
     p.add_argument("--work-dir", type=Path)
     p.add_argument("--json-out", type=Path, help="write every run's raw result here")
@@ -147,24 +168,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.gpu_memory_gib = torch.cuda.get_device_properties(0).total_memory / GIB
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="maxent-gpu-bench-"))
-    raw = {}
+    raw, errors = {}, []
     for setting in settings:
         text, fit = memory_plan(setting, args)
         if not fit:
             print(f"{setting.name}: skipped, our memory plan does not fit {args.gpu_memory_gib:.0f} GiB:\n{text}\n")
             continue
-        runs = run_model(setting, args, work / setting.name)
+        runs, side_errors = run_model(setting, args, work / setting.name)
+        for line in side_errors:
+            print(f"FAILED: {line}", file=sys.stderr, flush=True)
+        errors += side_errors
+        if not runs:
+            continue
         mismatch = prompt_mismatch({side: [r] for side, r in runs.items()})
         if mismatch is not None:
             print(f"FAILED: the sides did not train on the same prompts: {mismatch} (raw results in {work})",
                   file=sys.stderr)
             return 1
         raw[setting.name] = {side: r.__dict__ for side, r in runs.items()}
-        print(table(setting, runs) + "\n", flush=True)
+        shape = Shape.from_config(json.loads((MODEL_CONFIGS / f"{setting.model}.json").read_text()))
+        print(table(setting, runs, shape.params(), args.peak_tflops) + "\n", flush=True)
     print(f"* medians over steps 2-{args.steps}; raw results in {work}")
     if args.json_out is not None:
         args.json_out.write_text(json.dumps(raw, indent=1))
-    return 0
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

@@ -53,7 +53,8 @@ def main(model_dir: str, out_path: str) -> None:
     ddp_update = {k: before[k] - v.detach().cpu() for k, v in plain.state_dict().items()}
 
     sharded = shard_model(copy.deepcopy(base).to(device), mixed_precision=True)
-    start = full_state_dict(sharded)
+    # A copy: in one process full_state_dict can hand back the live tensors, which the step then moves.
+    start = {k: v.detach().clone() for k, v in full_state_dict(sharded).items()}
     train(sharded, sharded, fsdp2_gradient_sync(sharded))
     after = full_state_dict(sharded)
     if d.is_main:

@@ -9,16 +9,17 @@ from pathlib import Path
 
 def tiny_overrides(
     model_dir, out, *, rewards: str, steps: int = 2, num_generations: int = 4, max_new_tokens: int = 8,
-    prompts_per_step: int = 2, extra=(),
+    prompts_per_step: int = 2, extra=(), source: str = "reasoning_gym:chain_sum",
 ) -> list[str]:
     """``maxent-grpo train`` arguments for a fast, exact run of the tiny model on chain_sum.
 
-    ``rewards`` is the YAML list for the ``rewards`` key; ``extra`` holds more ``KEY=VALUE`` overrides.
+    ``rewards`` is the YAML list for the ``rewards`` key; ``extra`` holds more ``KEY=VALUE`` overrides;
+    ``source`` another generated task (the GPU tier's ``modebench:pair_sum`` needs no reasoning-gym).
     """
     sets = [
         f"model.name_or_path={model_dir}",
         "model.dtype=float32",
-        "data.source=reasoning_gym:chain_sum",
+        f"data.source={source}",
         "data.size=32",
         "data.prompt_column=prompt",
         "data.answer_column=answer",

@@ -130,6 +130,7 @@ HELP: dict[str, str] = {
     "checkpoint.save_steps": "checkpoint every N steps (0 = only at the end)",
     "checkpoint.save_minutes": "also checkpoint when this many minutes have passed since the last save (0 = off)",
     "checkpoint.keep_last": "checkpoints kept (null = all)",
+    "checkpoint.save_final": "save a checkpoint when the run ends (false: no final weights, for benchmarks)",
     "eval.every_steps": "validate every N steps on the held-out split (0 = never)",
     "eval.num_prompts": "prompts per validation",
     "eval.k": "samples per prompt for pass@k",

@@ -189,6 +189,8 @@ class CheckpointConfig:
     # Also save when this many minutes have passed since the last save (0: only save_steps).
     save_minutes: float = 10.0
     keep_last: int | None = 2
+    # Save a checkpoint when the run ends (false: benchmarks that time steps and need no weights).
+    save_final: bool = True
 
 
 @dataclass

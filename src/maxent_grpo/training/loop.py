@@ -118,7 +118,7 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
                 last_save = time.monotonic()
     bar.close()
     with stop.protected():
-        final = run.save(step)
+        final = run.save(step) if cfg.checkpoint.save_final else None
     history = read_metrics(run.output_dir / "metrics.jsonl") if ctx.dist.is_main else []
     return RunSummary(run.output_dir, step, final, history)
 

@@ -7,9 +7,9 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from datasets import Dataset
 from transformers import get_scheduler
 
 from maxent_grpo.core.step import Comm
@@ -42,6 +42,9 @@ from maxent_grpo.training.run_dir import (
 from maxent_grpo.training.strategy import STRATEGIES, Strategy
 from maxent_grpo.training.trackers import make_trackers
 from maxent_grpo.training.weighting_config import weighting_from_config
+
+if TYPE_CHECKING:  # datasets is imported by the loaders that need it (the GPU machine has none)
+    from datasets import Dataset
 
 log = logging.getLogger("maxent_grpo")
 

@@ -1,0 +1,245 @@
+"""The GPU check in one prepared call: ``prepare`` here, ``run`` on the GPU machine.
+
+    python scripts/gpu_check.py prepare              # here (needs PyPI): wheels into .gpu-wheels/
+    python3 scripts/gpu_check.py run OUT [--budget S] # there (no registry): install, tier, benchmarks
+
+The GPU machine this project is sometimes lent (docs/SCALING.md, "The GPU check") has torch,
+transformers, accelerate, peft, pandas, pyarrow and pytest, but no ``datasets``, ``trl``,
+``reasoning-gym``, ``math-verify`` or ``vllm``, and cannot reach a package registry. Our GPU path
+needs none of the last three (the tier and ``benchmarks/gpu.py`` use ``pair_sum`` tasks and
+rewards of our own); ``datasets`` (the data loaders' table) and ``trl`` (TRL's side of the
+benchmark) travel as wheels. ``prepare`` downloads them for CPython 3.12 manylinux x86-64 (two
+``datasets`` releases, one per ``pyarrow`` range, since the image's ``pyarrow`` is not known here),
+and checks that they and the working tree stay under 40 MiB (the machine takes 64 MiB).
+
+``run`` installs the wheels into a temporary site with ``--no-index --no-deps`` (the ``datasets``
+whose ``pyarrow`` requirement the image meets), then runs its stages one after another, each under
+its own time limit so that a cut stage leaves the others' results: the GPU tier (``pytest -m gpu``
+from the repository root), then ``benchmarks/gpu.py`` at 0.5B and at 1.5B (ours and TRL, same
+prompts, same GPU). It writes ``OUT/summary.md`` (the device, torch and CUDA, each stage's outcome
+and time, the benchmark tables) and each stage's log, at most 8 files (what the machine returns).
+``--cpu`` runs the same stages on a machine without a GPU (the replica test): the tier is then
+skipped by pytest and the benchmark prints its plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WHEELS = ROOT / ".gpu-wheels"
+LIMIT_MIB = 40
+# What the GPU machine's image lacks and our GPU path imports (datasets: the loaders; trl: TRL's side).
+# Two datasets releases: 5.2.0 needs pyarrow >= 24, 4.8.5 pyarrow >= 21.
+WHEEL_PINS = ("datasets==5.2.0", "datasets==4.8.5", "dill==0.4.1", "multiprocess==0.70.19", "trl==1.16.0")
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+             "manylinux1_x86_64")
+SITE = Path("/tmp/maxent-gpu-site")
+
+
+# ------------------------------------------------------------------ prepare (here)
+
+
+def tree_mib() -> float:
+    """What travels: tracked and untracked-not-ignored files, plus the wheel folder."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, check=True).stdout.split(b"\0")
+    files = [ROOT / os.fsdecode(f) for f in listed if f]
+    files += list(WHEELS.glob("*.whl"))
+    return sum(f.stat().st_size for f in files if f.is_file()) / 2**20
+
+
+def prepare(pythons: list[str]) -> int:
+    """Wheels for the GPU machine's CPython 3.12 (and ``pythons``, for a replica here)."""
+    WHEELS.mkdir(exist_ok=True)
+    for python in ["3.12", *pythons]:
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
+               python, "--implementation", "cp", *[a for p in PLATFORMS for a in ("--platform", p)], "-d", str(WHEELS)]
+        for pin in WHEEL_PINS:  # one at a time: the two datasets pins conflict for pip's resolver
+            subprocess.run(cmd + [pin], check=True)
+    size = tree_mib()
+    wheels = sorted(p.name for p in WHEELS.glob("*.whl"))
+    print(f"{len(wheels)} wheels in {WHEELS.relative_to(ROOT)}/ ({sum(p.stat().st_size for p in WHEELS.glob('*.whl')) / 2**20:.1f} MiB): "
+          + ", ".join(wheels))
+    print(f"working tree + wheels: {size:.1f} MiB (limit {LIMIT_MIB} MiB)")
+    if size > LIMIT_MIB:
+        print(f"gpu_check prepare: {size:.1f} MiB would travel, over {LIMIT_MIB} MiB", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ------------------------------------------------------------------ run (there)
+
+
+def _pick_wheels() -> list[Path]:
+    """The wheels this Python can install, less the datasets releases whose pyarrow requirement the
+    installed pyarrow fails (the newest that fits is kept)."""
+    import zipfile
+
+    import pyarrow
+    from packaging.requirements import Requirement
+    from packaging.tags import sys_tags
+    from packaging.utils import parse_wheel_filename
+    from packaging.version import Version
+
+    have, ours = Version(pyarrow.__version__), set(sys_tags())
+    chosen, datasets = [], []
+    for wheel in sorted(WHEELS.glob("*.whl")):
+        if not parse_wheel_filename(wheel.name)[3] & ours:
+            continue
+        if not wheel.name.startswith("datasets-"):
+            chosen.append(wheel)
+            continue
+        with zipfile.ZipFile(wheel) as zf:
+            meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+            reqs = [Requirement(line.split(":", 1)[1].strip()) for line in zf.read(meta).decode().splitlines()
+                    if line.startswith("Requires-Dist:")]
+        arrow = [r for r in reqs if r.name == "pyarrow" and r.marker is None]
+        if all(have in r.specifier for r in arrow):
+            datasets.append((Version(wheel.name.split("-")[1]), wheel))
+    if not datasets:
+        raise SystemExit(f"gpu_check: no carried datasets wheel accepts pyarrow {have}")
+    return chosen + [max(datasets)[1]]
+
+
+def install() -> str:
+    wheels = _pick_wheels()
+    if SITE.exists():
+        shutil.rmtree(SITE)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--no-cache-dir", "--target", str(SITE), *map(str, wheels)], check=True)
+    return ", ".join(w.name for w in wheels)
+
+
+class Stages:
+    """Runs commands one by one, each under its own limit, and keeps what each gave."""
+
+    def __init__(self, out: Path, env: dict, deadline: float):
+        self.out, self.env, self.deadline, self.rows = out, env, deadline, []
+
+    def run(self, name: str, cmd: list[str], limit: float) -> str:
+        left = self.deadline - time.monotonic()
+        limit = min(limit, left)
+        log = self.out / f"{name}.log"
+        if limit < 20:
+            self.rows.append((name, "not run: the call's time was spent", 0.0))
+            return ""
+        start = time.monotonic()
+        with open(log, "w") as fh:
+            fh.write("$ " + " ".join(cmd) + "\n")
+            fh.flush()
+            # Its own process group: a cut stage's children (torchrun, a side) go with it.
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=fh, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                code = proc.wait(timeout=limit)
+                outcome = "passed" if code == 0 else f"failed (exit {code})"
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+                outcome = f"cut at its limit of {limit:.0f} s"
+        seconds = time.monotonic() - start
+        self.rows.append((name, outcome, seconds))
+        print(f"[gpu_check] {name}: {outcome} in {seconds:.0f} s", flush=True)
+        return log.read_text(errors="replace")
+
+
+def _device_lines(env: dict) -> list[str]:
+    probe = ("import torch, transformers, accelerate, peft, platform; "
+             "print('python', platform.python_version(), '| torch', torch.__version__, '| CUDA', torch.version.cuda, "
+             "'| transformers', transformers.__version__, '| accelerate', accelerate.__version__, '| peft', peft.__version__); "
+             "print('device:', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device', "
+             "'|', f'{torch.cuda.get_device_properties(0).total_memory / 2**30:.1f} GiB' if torch.cuda.is_available() else '')")
+    got = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=ROOT)
+    lines = (got.stdout + got.stderr).strip().splitlines()
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        q = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total,clocks.max.sm", "--format=csv,noheader"],
+                           capture_output=True, text=True)
+        lines.append("nvidia-smi: " + q.stdout.strip())
+    return lines
+
+
+def _tables(log: str) -> str:
+    """The benchmark's markdown tables (from '### ' to the line after its ratio) out of its log."""
+    keep, on = [], False
+    for line in log.splitlines():
+        if line.startswith("### "):
+            on = True
+        if on:
+            keep.append(line)
+        if on and (line.startswith("ours/TRL") or line.startswith("* medians")):
+            on = False
+            keep.append("")
+    return "\n".join(keep)
+
+
+def _pack_logs(work: Path, dest: Path) -> None:
+    """Each side's log, config, metrics and result (no weights) in one archive."""
+    import tarfile
+
+    with tarfile.open(dest, "w:gz") as tar:
+        for path in sorted(work.rglob("*")):
+            if path.is_file() and path.suffix in {".log", ".json", ".jsonl", ".yaml", ".md"} and "random" not in path.parts:
+                if path.stat().st_size < 4 * 2**20:
+                    tar.add(path, arcname=str(path.relative_to(work)))
+
+
+def run(out: Path, budget: float, cpu: bool) -> int:
+    t0 = time.monotonic()
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = t0 + budget
+    installed = install()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(SITE), str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    home = Path(env.get("TMPDIR", "/tmp")) / "maxent-gpu-home"
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(home / "hf"), WANDB_MODE="offline",
+               MAXENT_GRPO_BENCH_CACHE=str(home / "bench"), MAXENT_GRPO_CACHE=str(home / "cache"),
+               PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    device = _device_lines(env)
+    print("\n".join(device), flush=True)
+    stages = Stages(out, env, deadline)
+    py = sys.executable
+    stages.run("tier", [py, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-rA", "--durations=0"], 140)
+    bench = []
+    # (model, steps, the stage's limit, each side's): the first step of each side is its warm-up.
+    for model, steps, limit, side_limit in (("qwen2.5-0.5b", 4, 150, 65), ("qwen2.5-1.5b", 3, 180, 80)):
+        name = f"gpu-{model.split('-')[1]}"
+        args = [py, "benchmarks/gpu.py", "--models", model, "--steps", str(steps), "--timeout", str(side_limit),
+                "--work-dir", str(home / "work" / name), "--json-out", str(out / f"{name}.json")]
+        log = stages.run(name, args + (["--plan"] if cpu else []), limit)
+        bench.append(_tables(log) if not cpu else log[-2000:])
+    lines = ["# GPU check", "", *[f"- {d}" for d in device], f"- wheels: {installed}",
+             f"- total: {time.monotonic() - t0:.0f} s of a {budget:.0f} s budget", "",
+             "| stage | outcome | seconds |", "|---|---|---|",
+             *[f"| {n} | {o} | {s:.0f} |" for n, o, s in stages.rows], "", *bench]
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    _pack_logs(home / "work", out / "sides.tar.gz")
+    print("\n".join(lines), flush=True)
+    return 0 if all(o == "passed" for _, o, _ in stages.rows) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="verb", required=True)
+    pr = sub.add_parser("prepare", help="download the wheels the GPU machine lacks (here, with PyPI)")
+    pr.add_argument("--also-python", action="append", default=[], metavar="X.Y",
+                    help="also fetch wheels for this CPython (a replica of the image here), e.g. 3.11")
+    r = sub.add_parser("run", help="install them and run the stages (on the GPU machine)")
+    r.add_argument("out", type=Path, help="folder for summary.md and the logs")
+    r.add_argument("--budget", type=float, default=450.0, help="seconds for the whole call (stages are cut to fit)")
+    r.add_argument("--cpu", action="store_true", help="no GPU here: the tier skips, the benchmark prints its plan")
+    args = p.parse_args(argv)
+    if args.verb == "prepare":
+        return prepare(args.also_python)
+    return run(args.out, args.budget, args.cpu)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

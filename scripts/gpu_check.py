@@ -41,6 +41,7 @@ WHEEL_PINS = ("datasets==5.2.0", "datasets==4.8.5", "dill==0.4.1", "multiprocess
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
 SITE = Path("/tmp/maxent-gpu-site")
+STAGES = ("tier", "gpu-0.5b", "gpu-1.5b")
 
 
 # ------------------------------------------------------------------ prepare (here)
@@ -191,7 +192,7 @@ def _pack_logs(work: Path, dest: Path) -> None:
                     tar.add(path, arcname=str(path.relative_to(work)))
 
 
-def run(out: Path, budget: float, cpu: bool) -> int:
+def run(out: Path, budget: float, cpu: bool, only: list[str]) -> int:
     t0 = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     deadline = t0 + budget
@@ -206,11 +207,14 @@ def run(out: Path, budget: float, cpu: bool) -> int:
     print("\n".join(device), flush=True)
     stages = Stages(out, env, deadline)
     py = sys.executable
-    stages.run("tier", [py, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-rA", "--durations=0"], 140)
+    if "tier" in only:
+        stages.run("tier", [py, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-rA", "--durations=0"], 140)
     bench = []
     # (model, steps, the stage's limit, each side's): the first step of each side is its warm-up.
     for model, steps, limit, side_limit in (("qwen2.5-0.5b", 4, 150, 65), ("qwen2.5-1.5b", 3, 180, 80)):
         name = f"gpu-{model.split('-')[1]}"
+        if name not in only:
+            continue
         args = [py, "benchmarks/gpu.py", "--models", model, "--steps", str(steps), "--timeout", str(side_limit),
                 "--work-dir", str(home / "work" / name), "--json-out", str(out / f"{name}.json")]
         log = stages.run(name, args + (["--plan"] if cpu else []), limit)
@@ -234,11 +238,15 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="install them and run the stages (on the GPU machine)")
     r.add_argument("out", type=Path, help="folder for summary.md and the logs")
     r.add_argument("--budget", type=float, default=450.0, help="seconds for the whole call (stages are cut to fit)")
+    r.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     r.add_argument("--cpu", action="store_true", help="no GPU here: the tier skips, the benchmark prints its plan")
     args = p.parse_args(argv)
     if args.verb == "prepare":
         return prepare(args.also_python)
-    return run(args.out, args.budget, args.cpu)
+    only = [s for s in args.stages.split(",") if s]
+    if set(only) - set(STAGES):
+        p.error(f"unknown stage {sorted(set(only) - set(STAGES))}: stages are {', '.join(STAGES)}")
+    return run(args.out, args.budget, args.cpu, only)
 
 
 if __name__ == "__main__":

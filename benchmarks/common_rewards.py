@@ -23,6 +23,12 @@ from maxent_grpo.tasks.answers import completion_text, extract_final_answer
 # Weights of (boxed_accuracy, boxed_format), the same on both sides.
 REWARD_NAMES = ("benchmarks.common_rewards:boxed_accuracy", "benchmarks.common_rewards:boxed_format")
 REWARD_WEIGHTS = (1.0, 0.5)
+DIGEST_REWARD = ("benchmarks.common_rewards:text_digest", 1.0)
+
+
+def setting_rewards(digest_reward: bool) -> list[tuple[str, float]]:
+    """``(module:function, weight)`` of a benchmark setting's rewards, the same on every side."""
+    return list(zip(REWARD_NAMES, REWARD_WEIGHTS)) + ([DIGEST_REWARD] if digest_reward else [])
 
 
 def boxed_accuracy(prompts: Sequence, completions: Sequence, rg_entry: Sequence[str], **columns) -> list[float]:
@@ -46,6 +52,14 @@ def boxed_accuracy(prompts: Sequence, completions: Sequence, rg_entry: Sequence[
             score_fn = reasoning_gym.get_score_answer_fn(source)
         scores.append(float(score_fn(predicted, entry)))
     return scores
+
+
+def text_digest(prompts: Sequence, completions: Sequence, **columns) -> list[float]:
+    """The completion text's CRC-32 over 2**32, in [0, 1): a reward that differs within a group of a
+    random model's completions, the same on every side for the same text (benchmarks/gpu.py)."""
+    import zlib
+
+    return [zlib.crc32(completion_text(c).encode()) / 2**32 for c in completions]
 
 
 def boxed_format(prompts: Sequence, completions: Sequence, **columns) -> list[float]:

@@ -47,6 +47,7 @@ def gpu_setting(model: str, args: argparse.Namespace) -> BenchSetting:
         name=f"gpu-{model}", model=model, task="pair_sum", dataset_size=256, prompts_per_step=args.prompts_per_step,
         num_generations=args.num_generations, max_new_tokens=args.max_new_tokens,
         micro_batch_size=args.micro_batch_size, bf16=True, learning_rate=1e-6, steps=args.steps, device="cuda",
+        digest_reward=True,  # random weights score 0 on the task: a reward with signal in every group
     )
 
 

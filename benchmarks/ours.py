@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from benchmarks.children import ChildRun, run_child
-from benchmarks.common_rewards import REWARD_NAMES, REWARD_WEIGHTS
+from benchmarks.common_rewards import setting_rewards
 from benchmarks.results import RunResult
 from benchmarks.settings import BenchSetting
 from benchmarks.pair_sum import TASK as PAIR_SUM
@@ -81,7 +81,7 @@ def ours_config(setting: BenchSetting, model_dir: Path, extra: dict | None = Non
         "method": setting.method,
         "model": {"name_or_path": str(model_dir), "dtype": "bfloat16" if setting.bf16 else "float32"},
         "data": data,
-        "rewards": [{"name": n, "weight": w} for n, w in zip(REWARD_NAMES, REWARD_WEIGHTS)],
+        "rewards": [{"name": n, "weight": w} for n, w in setting_rewards(setting.digest_reward)],
         "generation": {
             "num_generations": setting.num_generations,
             "max_new_tokens": setting.max_new_tokens,

@@ -46,6 +46,10 @@ class BenchSetting:
     # no example. ``default_task_fields`` gives the built-in default run's.
     task_kwargs: dict = field(default_factory=dict)
     few_shot: tuple[tuple[str, str], ...] = ()
+    # Add a third reward on every side, the completion text's digest in [0, 1) (common_rewards.text_digest):
+    # a random model's completions all score 0 on the task, so without it no batch has signal and
+    # neither side trains on a real gradient (benchmarks/gpu.py).
+    digest_reward: bool = False
 
     def __post_init__(self) -> None:
         # JSON gives lists back: the pairs are kept as tuples, so a setting read back compares equal.

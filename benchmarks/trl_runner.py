@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common_rewards import REWARD_WEIGHTS, boxed_accuracy, boxed_format
+from benchmarks.common_rewards import setting_rewards
 from benchmarks.children import own_peak_rss_bytes
 from benchmarks.results import RunResult
 from benchmarks.settings import BenchSetting
@@ -52,7 +52,7 @@ def grpo_config_kwargs(setting: BenchSetting, output_dir: str) -> dict:
         loss_type=setting.loss_type,
         scale_rewards="group",
         epsilon=0.2,
-        reward_weights=list(REWARD_WEIGHTS),
+        reward_weights=[w for _, w in setting_rewards(setting.digest_reward)],
         learning_rate=setting.learning_rate,
         lr_scheduler_type="constant",
         optim="adamw_torch_fused",
@@ -131,6 +131,14 @@ def _record_prompt_ids(trainer, fed: list[list[list[int]]]) -> None:
     trainer._generate = recording_generate
 
 
+def _reward_function(name: str):
+    """The function ``module:function`` names (our trainer imports it the same way)."""
+    import importlib
+
+    module, function = name.split(":")
+    return getattr(importlib.import_module(module), function)
+
+
 def run_trl(setting: BenchSetting, model_dir: Path, save_dir: Path | None = None, callbacks: tuple = ()) -> RunResult:
     """Train ``setting.steps`` steps; with ``save_dir``, save the final model and tokenizer there.
     ``callbacks``: more ``TrainerCallback``s (benchmarks/gpu_side.py's phase meter)."""
@@ -144,7 +152,7 @@ def run_trl(setting: BenchSetting, model_dir: Path, save_dir: Path | None = None
         args = GRPOConfig(**grpo_config_kwargs(setting, out_dir))
         trainer = GRPOTrainer(
             model=str(model_dir),
-            reward_funcs=[boxed_accuracy, boxed_format],
+            reward_funcs=[_reward_function(name) for name, _ in setting_rewards(setting.digest_reward)],
             args=args,
             train_dataset=dataset,
             callbacks=[recorder, *callbacks],

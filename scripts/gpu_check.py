@@ -41,7 +41,7 @@ WHEEL_PINS = ("datasets==5.2.0", "datasets==4.8.5", "dill==0.4.1", "multiprocess
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
 SITE = Path("/tmp/maxent-gpu-site")
-STAGES = ("tier", "gpu-0.5b", "gpu-1.5b")
+STAGES = ("tier", "gpu-0.5b", "gpu-1.5b", "profile")
 
 
 # ------------------------------------------------------------------ prepare (here)
@@ -89,11 +89,16 @@ def _pick_wheels() -> list[Path]:
     from packaging.utils import parse_wheel_filename
     from packaging.version import Version
 
-    have, ours = Version(pyarrow.__version__), set(sys_tags())
+    have = Version(pyarrow.__version__)
+    rank = {tag: i for i, tag in enumerate(sys_tags())}  # best first: cp312's py312 before py311
+    best: dict[tuple[str, Version], tuple[int, Path]] = {}
+    for wheel in WHEELS.glob("*.whl"):
+        name, version, _, tags = parse_wheel_filename(wheel.name)
+        fit = min((rank[t] for t in tags if t in rank), default=None)
+        if fit is not None and ((name, version) not in best or fit < best[name, version][0]):
+            best[name, version] = (fit, wheel)
     chosen, datasets = [], []
-    for wheel in sorted(WHEELS.glob("*.whl")):
-        if not parse_wheel_filename(wheel.name)[3] & ours:
-            continue
+    for _, wheel in sorted(best.values()):
         if not wheel.name.startswith("datasets-"):
             chosen.append(wheel)
             continue
@@ -192,7 +197,7 @@ def _pack_logs(work: Path, dest: Path) -> None:
                     tar.add(path, arcname=str(path.relative_to(work)))
 
 
-def run(out: Path, budget: float, cpu: bool, only: list[str]) -> int:
+def run(out: Path, budget: float, cpu: bool, only: list[str], bench_steps: int | None) -> int:
     t0 = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     deadline = t0 + budget
@@ -215,10 +220,17 @@ def run(out: Path, budget: float, cpu: bool, only: list[str]) -> int:
         name = f"gpu-{model.split('-')[1]}"
         if name not in only:
             continue
+        steps = bench_steps or steps
         args = [py, "benchmarks/gpu.py", "--models", model, "--steps", str(steps), "--timeout", str(side_limit),
                 "--work-dir", str(home / "work" / name), "--json-out", str(out / f"{name}.json")]
         log = stages.run(name, args + (["--plan"] if cpu else []), limit)
         bench.append(_tables(log) if not cpu else log[-2000:])
+    if "profile" in only:
+        log = stages.run("profile", [py, "benchmarks/update_profile.py", "--model", "qwen2.5-0.5b"]
+                         + (["--cpu", "--prompts", "2", "--group", "4", "--prompt-len", "16", "--completion-len", "16"]
+                            if cpu else ["--trace-out", str(out)]), 90)
+        bench.append("\n".join(line for line in log.splitlines() if line.startswith("|") or line.startswith("qwen")
+                               or line.startswith("tiny")))
     lines = ["# GPU check", "", *[f"- {d}" for d in device], f"- wheels: {installed}",
              f"- total: {time.monotonic() - t0:.0f} s of a {budget:.0f} s budget", "",
              "| stage | outcome | seconds |", "|---|---|---|",
@@ -239,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("out", type=Path, help="folder for summary.md and the logs")
     r.add_argument("--budget", type=float, default=450.0, help="seconds for the whole call (stages are cut to fit)")
     r.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
+    r.add_argument("--bench-steps", type=int, help="steps per benchmark run (default: 4 at 0.5B, 3 at 1.5B)")
     r.add_argument("--cpu", action="store_true", help="no GPU here: the tier skips, the benchmark prints its plan")
     args = p.parse_args(argv)
     if args.verb == "prepare":
@@ -246,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     only = [s for s in args.stages.split(",") if s]
     if set(only) - set(STAGES):
         p.error(f"unknown stage {sorted(set(only) - set(STAGES))}: stages are {', '.join(STAGES)}")
-    return run(args.out, args.budget, args.cpu, only)
+    return run(args.out, args.budget, args.cpu, only, args.bench_steps)
 
 
 if __name__ == "__main__":

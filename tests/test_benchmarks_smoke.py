@@ -435,7 +435,8 @@ def test_gpu_side_meters_three_phases_per_step_on_both_sides_with_the_same_promp
     for owner, name in ((rollout_queue, "produce_rollouts"), (pipeline, "_score_and_weight"), (loop, "_update_and_log"),
                         (GRPOTrainer, "_generate"), (GRPOTrainer, "_generate_and_score_completions")):
         monkeypatch.setattr(owner, name, getattr(owner, name))
-    setting = PRESETS["tiny"].replace(steps=3, max_new_tokens=8)
+    # gpu.py's digest reward: every group has signal, so both sides take real steps.
+    setting = PRESETS["tiny"].replace(steps=3, max_new_tokens=8, digest_reward=True)
     model = resolve_model("tiny", tmp_path / "models")
     runs = {}
     for side, runner in (("ours", run_ours), ("trl", run_trl)):

@@ -34,7 +34,11 @@ def _update(model, mbs, **loss):
 
 
 def test_the_step_on_cuda_equals_the_step_on_the_cpu(tiny_model_dir):
-    """float64 on both devices: the same rows give the same SGD update (minus the gradient)."""
+    """float64 on both devices: the same rows give the same SGD update (minus the gradient), to the
+    rounding of RoPE's tables. transformers computes RoPE's cos and sin in float32 whatever the model's
+    dtype (LlamaRotaryEmbedding.forward), and CUDA's float32 sin and cos differ from the CPU's in the
+    last bits: on an H100 the updates differed by 1.8e-7 of the largest (2026-11-26), float32 rounding,
+    where a wrong formula or a float32 loss would move them by far more."""
     cpu = worker.load_model(str(tiny_model_dir))
     rows = worker.build_rows(cpu)
     bounds = [(0, 4), (4, 8)]
@@ -42,7 +46,7 @@ def test_the_step_on_cuda_equals_the_step_on_the_cpu(tiny_model_dir):
     cuda_rows = {k: v.cuda() for k, v in rows.items()}
     g_cuda = _update(copy.deepcopy(cpu).cuda(), worker.micro_batches(cuda_rows, bounds), beta=0.05, loss_type="dapo")
     scale = max(float(g.abs().max()) for g in g_cpu)
-    assert max(float((a - b).abs().max()) for a, b in zip(g_cpu, g_cuda)) <= 1e-9 * scale
+    assert max(float((a - b).abs().max()) for a, b in zip(g_cpu, g_cuda)) <= 1e-6 * scale
 
 
 @pytest.fixture(scope="module")

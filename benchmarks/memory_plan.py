@@ -90,7 +90,7 @@ class Shape:
 
 def plan(cfg, shape: Shape, gpus: int, gpu_memory_gib: float, prompt_tokens: int) -> list[tuple[str, float, str]]:
     """Rows (what, GiB per GPU, how it was counted) for a loaded TrainConfig on ``gpus`` GPUs."""
-    cfg = resolve_precision(cfg, fast_bf16=True)  # a GPU multiplies bf16 natively
+    cfg = resolve_precision(cfg, fast_bf16=True, cuda=True)  # a GPU multiplies bf16 natively
     run = compile_run(cfg)
     t, g, lora = cfg.training, cfg.generation, cfg.model.lora
     shard = gpus if STRATEGIES[t.strategy].collective_forward else 1
@@ -127,6 +127,14 @@ def plan(cfg, shape: Shape, gpus: int, gpu_memory_gib: float, prompt_tokens: int
     rows.append(("activations (one micro-batch)", compute * tokens * per_token / GIB, how))
     rows.append(("LM head logits (float32)", 4 * t.micro_batch_size * g.max_new_tokens * shape.vocab / GIB,
                  f"{t.micro_batch_size} x {g.max_new_tokens} completion positions x V={shape.vocab}"))
+    if g.backend == "hf":
+        rows_per_call = g.batch_size or t.prompts_per_step * g.num_generations
+        sample_bytes = _BYTES[g.dtype] if g.dtype is not None else stored  # the sampling model's dtype
+        length = prompt_tokens + g.max_new_tokens
+        rows.append((f"{GENERATION}KV cache", sample_bytes * rows_per_call * length * shape.layers * 2 * kv / GIB,
+                     f"{rows_per_call} rows x {length} tokens x {shape.layers} layers x 2 x kv_dim {kv}"))
+        rows.append((f"{GENERATION}one step's logits (float32)", 3 * 4 * rows_per_call * shape.vocab / GIB,
+                     f"{rows_per_call} rows x V, three copies: the step's, the log-prob recorder's, a warper's"))
     if g.backend == "vllm":
         v = g.vllm
         asleep = "freed while training (sleep mode)" if v.enable_sleep_mode else "held while training too"
@@ -135,9 +143,18 @@ def plan(cfg, shape: Shape, gpus: int, gpu_memory_gib: float, prompt_tokens: int
     return rows
 
 
+GENERATION = "HF generation: "  # rows of the generation phase, which never overlaps the update's transients
+UPDATE_TRANSIENTS = ("activations (one micro-batch)", "LM head logits (float32)")
+
+
 def peak_gib(rows: list[tuple[str, float, str]], cfg) -> tuple[float, float]:
-    """(the training phase's GiB, the peak with the engine: the larger when it sleeps, the sum when not)."""
-    training = sum(gib for what, gib, _ in rows if not what.startswith("vLLM"))
+    """(the training phase's GiB: what is always held plus the larger of HF generation's and the
+    update's transients; the peak with the engine: the larger when it sleeps, the sum when not)."""
+    held = sum(gib for what, gib, _ in rows
+               if not what.startswith(("vLLM", GENERATION)) and what not in UPDATE_TRANSIENTS)
+    update = sum(gib for what, gib, _ in rows if what in UPDATE_TRANSIENTS)
+    generation = sum(gib for what, gib, _ in rows if what.startswith(GENERATION))
+    training = held + max(update, generation)
     engine = sum(gib for what, gib, _ in rows if what.startswith("vLLM"))
     asleep = cfg.generation.backend == "vllm" and cfg.generation.vllm.enable_sleep_mode
     return training, training if asleep else training + engine

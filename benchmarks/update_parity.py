@@ -192,7 +192,7 @@ def ours_step(case: Case, model, tokenizer, rollouts: Rollouts) -> Outcome:
         "training.warmup_steps": case.warmup_steps, "training.weight_decay": case.weight_decay,
         "training.adam_beta1": case.betas[0], "training.adam_beta2": case.betas[1],
         "training.max_grad_norm": case.max_grad_norm, "training.max_steps": TOTAL_STEPS,
-        "training.autocast_bf16": False,
+        "training.autocast_bf16": False, "training.share_prompts": True,
     })
     plan = compile_run(cfg)
     optimizer, scheduler = build_optimizer(model, cfg.training)

@@ -84,3 +84,24 @@ def test_a_gpu_recipe_quotes_its_current_memory_plan(recipe, capsys):
     assert t.gradient_checkpointing and not t.share_prompts
     assert cfg.generation.backend == "vllm" and cfg.generation.vllm.enable_sleep_mode
     assert (t.prompts_per_step * cfg.generation.num_generations) % t.micro_batch_size == 0
+
+
+def test_hf_generation_holds_its_kv_cache_and_one_steps_logits_never_beside_the_update():
+    """HF generation's rows: the KV cache of every row and three [rows, V] float32 logits (one step,
+    not all of them: 64 x 256 steps x 151936 would be 9.3 GiB); the peak counts the larger of the
+    generation's and the update's transients on top of what is always held."""
+    from benchmarks.memory_plan import peak_gib
+
+    sets = ["training.prompts_per_step=8", "generation.num_generations=8", "generation.max_new_tokens=256"]
+    cfg = load_config(None, sets)
+    shape = Shape.from_config(json.loads((REPO / "benchmarks/model_configs/qwen2.5-1.5b.json").read_text()))
+    rows = plan(cfg, shape, 1, 80.0, 256)
+    gib = {what: g for what, g, _ in rows}
+    assert gib["HF generation: one step's logits (float32)"] == pytest.approx(3 * 4 * 64 * 151936 / 2**30)
+    # 28 layers, 2 KV heads of 128: kv_dim 256; bf16 sampling copy (auto on a GPU).
+    assert gib["HF generation: KV cache"] == pytest.approx(2 * 64 * 512 * 28 * 2 * 256 / 2**30)
+    update = gib["activations (one micro-batch)"] + gib["LM head logits (float32)"]
+    generation = gib["HF generation: KV cache"] + gib["HF generation: one step's logits (float32)"]
+    held = sum(gib.values()) - update - generation
+    assert peak_gib(rows, cfg)[0] == pytest.approx(held + max(update, generation))
+    assert "HF generation: KV cache" not in _rows(["generation.backend=vllm"])

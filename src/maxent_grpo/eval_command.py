@@ -92,7 +92,7 @@ def run_eval_cli(args) -> int:
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
     device = Dist().device  # the device a run trains on: the GPU when torch has one
-    cfg = resolve_precision(load_config(args.config, args.set), bf16_is_fast(device))
+    cfg = resolve_precision(load_config(args.config, args.set), bf16_is_fast(device), cuda=device.type == "cuda")
     k = args.k if args.k is not None else cfg.eval.k
     n = args.num_prompts if args.num_prompts is not None else cfg.eval.num_prompts
     dataset = load_prompt_dataset(

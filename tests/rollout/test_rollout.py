@@ -222,6 +222,31 @@ def test_same_seed_same_samples_and_global_rng_untouched(tiny, prompts):
     assert [c.token_ids for g in d for c in g.completions] == [c.token_ids for g in e for c in g.completions]
 
 
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 5, 0.8), (1.3, 0, 1.0), (1.0, 3, 1.0), (0.9, 0, 0.6)])
+def test_draws_are_generates_own_and_logps_its_raw_logits(tiny, prompts, temperature, top_k, top_p):
+    """Our warpers after the log-prob recorder draw what generate's own warpers draw under the same
+    seed, and the behaviour log-probs are log_softmax(raw logits / T) of the sampled tokens, as
+    output_logits gives them (the path we replaced, which held every step's logits)."""
+    from transformers import GenerationConfig
+
+    model, tok = tiny
+    params = SamplingParams(max_new_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p, seed=11)
+    ours = HFGenerationBackend(model, tok, share_prompts=False).generate(prompts[:1], 3, params)[0].completions
+    ids = tok(prompts[:1], return_tensors="pt").input_ids.repeat(3, 1)
+    config = GenerationConfig(max_new_tokens=10, do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
+                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                              output_logits=True, return_dict_in_generate=True)
+    with torch.random.fork_rng():
+        torch.manual_seed(11)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    new = out.sequences[:, ids.shape[1]:]
+    for row, c in enumerate(ours):
+        n = len(c.token_ids)
+        assert c.token_ids == new[row, :n].tolist()
+        expected = [float(torch.log_softmax(out.logits[t][row].double() / temperature, -1)[new[row, t]]) for t in range(n)]
+        assert c.logps == pytest.approx(expected, abs=1e-5)
+
+
 def test_greedy_is_batch_size_invariant_and_groups_identical(tiny, prompts):
     params = SamplingParams(max_new_tokens=8, do_sample=False)
     whole = _rollout(tiny, prompts, 2, params)

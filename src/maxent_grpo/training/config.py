@@ -284,7 +284,7 @@ def validate(cfg: TrainConfig) -> None:
     _check(BACKENDS[g.backend].supports_lora or not cfg.model.lora.enabled, "generation.backend",
            f"{g.backend} cannot sample from LoRA adapters; use hf with model.lora.enabled")
     _check(t.max_steps >= 1, "training.max_steps", f"must be >= 1, got {t.max_steps}")
-    _check(not (t.gradient_checkpointing and t.share_prompts), "training.gradient_checkpointing",
+    _check(not (t.gradient_checkpointing and t.share_prompts is True), "training.gradient_checkpointing",
            "needs training.share_prompts: false (a shared prompt's KV cache cannot be recomputed in the backward)")
     _check(t.dist_timeout_minutes > 0, "training.dist_timeout_minutes", f"must be > 0, got {t.dist_timeout_minutes}")
     if t.batch_size is not None:

@@ -119,7 +119,7 @@ HELP: dict[str, str] = {
     "training.seed": "random seed",
     "training.autocast_bf16": "bfloat16 matmuls (torch.autocast) over float32 weights (auto = where the device runs bf16 natively)",
     "training.gradient_checkpointing": "recompute each decoder layer in the backward (less activation memory); needs share_prompts: false",
-    "training.share_prompts": "generation prefill and policy/reference forwards run each distinct prompt once (false: once per row)",
+    "training.share_prompts": "generation prefill and policy/reference forwards run each distinct prompt once (false: once per row; auto: on the CPU only)",
     "training.dist_timeout_minutes": "several processes: how long a collective waits for the others before failing",
     "training.strategy": "several processes: ddp (whole model on each) or fsdp2 (weights, grads, optimizer sharded; docs/SCALING.md)",
     "training.max_consecutive_skips": "failed or signal-less batches in a row before the run saves a checkpoint and stops with the error",

@@ -158,8 +158,10 @@ class TrainingConfig:
     # auto: where the device multiplies bf16 natively.
     autocast_bf16: Literal[True, False, "auto"] = "auto"
     # Forward each distinct prompt once per micro-batch and let its G completions
-    # attend to the shared keys/values (same gradient up to float rounding).
-    share_prompts: bool = True
+    # attend to the shared keys/values (same gradient up to float rounding). auto: on the CPU
+    # (it saves the repeated prompt work); off on CUDA, where the KV-cache forward and backward
+    # took 1.75x one plain forward (H100, 0.5B, BENCHMARKS.md "GPU"), and with gradient_checkpointing.
+    share_prompts: Literal[True, False, "auto"] = "auto"
     # Keep only each decoder layer's input and recompute the layer in the backward: activation
     # memory of one layer instead of all, for about one more forward of compute. Needs
     # share_prompts: false (a shared prompt's KV cache cannot be recomputed).

@@ -154,8 +154,8 @@ def compile_run(cfg: TrainConfig) -> RunPlan:
     )
     return RunPlan(
         method=compile_method(cfg),
-        # autocast_bf16 is resolved from "auto" by training/precision.py before the run compiles.
-        scoring=Scoring(temperature=g.temperature, share_prompts=t.share_prompts,
+        # autocast_bf16 and share_prompts are resolved from "auto" by training/precision.py before the run compiles.
+        scoring=Scoring(temperature=g.temperature, share_prompts=t.share_prompts is True,
                         autocast_bf16=t.autocast_bf16 is True, rows_per_pass=t.micro_batch_size),
         batch=batch,
         micro_batch_size=t.micro_batch_size,

@@ -41,11 +41,20 @@ def bf16_is_fast(device: torch.device) -> bool:
     return False
 
 
-def resolve_precision(cfg: TrainConfig, fast_bf16: bool) -> TrainConfig:
+def resolve_precision(cfg: TrainConfig, fast_bf16: bool, *, cuda: bool = False) -> TrainConfig:
     """``cfg`` with every ``auto`` that depends on the device replaced: the sampling copy's dtype
     (bf16 when ``fast_bf16``, else none), bf16 autocast (whenever ``model.dtype`` is bfloat16, the
-    compute dtype), and the rollout correction that follows from them (:func:`sampler_is_trainer`)."""
+    compute dtype), the rollout correction that follows from them (:func:`sampler_is_trainer`), and
+    shared prompts (on the CPU only, ``cuda`` False, and never with activation checkpointing)."""
     g, t, lo = cfg.generation, cfg.training, cfg.loss
+    if t.share_prompts == "auto":
+        # On an H100 the shared prompt's KV-cache forward and backward took 1.75x one plain forward
+        # over every row (benchmarks/update_profile.py, 0.5B, 8 x 168-token prompts x 8 completions).
+        share = not cuda and not t.gradient_checkpointing
+        log.info("share_prompts auto: %s (%s)", share, "CUDA" if cuda else
+                 "activation checkpointing" if t.gradient_checkpointing else "the CPU")
+        t = dataclasses.replace(t, share_prompts=share)
+        cfg = dataclasses.replace(cfg, training=t)
     # A LoRA policy or an FSDP2 policy sampled by HF generate samples from itself
     # (config.validate): no copy to make. A vLLM engine always holds its own weights.
     own = not BACKENDS[g.backend].owns_weights and (cfg.model.lora.enabled or STRATEGIES[t.strategy].collective_forward)

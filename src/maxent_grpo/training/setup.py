@@ -155,7 +155,7 @@ def build_run(
     if dist.world_size < strategy.min_processes:
         raise ConfigError(f"training.strategy: {strategy.name} needs several processes (torchrun --nproc_per_node N, "
                           f"N >= {strategy.min_processes}); with one process use ddp")
-    cfg = resolve_precision(cfg, bf16_is_fast(dist.device))
+    cfg = resolve_precision(cfg, bf16_is_fast(dist.device), cuda=dist.device.type == "cuda")
     plan = compile_run(cfg)
     output_dir = Path(cfg.logging.output_dir)
     lock = _claim(output_dir, dist, resume=bool(resume), overwrite=overwrite)

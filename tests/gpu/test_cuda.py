@@ -4,7 +4,8 @@ What the CPU suite cannot show: the step on CUDA computes what it computes on th
 bf16 compute over float32 master weights lands a small update (at the tiny size and at
 Qwen2.5-0.5B's, random weights from benchmarks/model_configs), DDP and FSDP2 agree at bf16
 accuracy, the fused LM head holds at a 151936-token vocabulary, and a whole run trains on
-the device. Run it on a GPU machine with ``bash scripts/test.sh -m gpu``.
+the device. Run it on a GPU machine with ``pytest -m gpu`` from the repository root; on the GPU
+machine this project is lent (no package registry), through ``scripts/gpu_check.py run`` (docs/SCALING.md).
 """
 
 from __future__ import annotations

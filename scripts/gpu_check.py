@@ -197,11 +197,11 @@ def _pack_logs(work: Path, dest: Path) -> None:
                     tar.add(path, arcname=str(path.relative_to(work)))
 
 
-def run(out: Path, budget: float, cpu: bool, only: list[str], bench_steps: int | None) -> int:
+def run(out: Path, budget: float, cpu: bool, only: list[str], bench_steps: int | None, wheels: bool = True) -> int:
     t0 = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     deadline = t0 + budget
-    installed = install()
+    installed = install() if wheels else "none installed (--no-install)"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(SITE), str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     home = Path(env.get("TMPDIR", "/tmp")) / "maxent-gpu-home"
@@ -252,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--budget", type=float, default=450.0, help="seconds for the whole call (stages are cut to fit)")
     r.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     r.add_argument("--bench-steps", type=int, help="steps per benchmark run (default: 4 at 0.5B, 3 at 1.5B)")
+    r.add_argument("--no-install", action="store_true",
+                   help="install no wheels: the environment has what the stages import (the replica test)")
     r.add_argument("--cpu", action="store_true", help="no GPU here: the tier skips, the benchmark prints its plan")
     args = p.parse_args(argv)
     if args.verb == "prepare":
@@ -259,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     only = [s for s in args.stages.split(",") if s]
     if set(only) - set(STAGES):
         p.error(f"unknown stage {sorted(set(only) - set(STAGES))}: stages are {', '.join(STAGES)}")
-    return run(args.out, args.budget, args.cpu, only, args.bench_steps)
+    return run(args.out, args.budget, args.cpu, only, args.bench_steps, wheels=not args.no_install)
 
 
 if __name__ == "__main__":

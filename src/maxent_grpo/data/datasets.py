@@ -1,8 +1,10 @@
 """Prompt datasets: loading (files, hub cache, reasoning-gym, ModeBench, HumanEval), splitting, sampling.
 
-Every loader returns a `datasets.Dataset` with the standard columns `prompt`
-(a str, or a list of chat messages) and, when the source has one, `answer` (a
-str); other columns are kept and reach the reward functions. Reasoning-gym
+Every loader returns a table with the standard columns `prompt` (a str, or a
+list of chat messages) and, when the source has one, `answer` (a str); other
+columns are kept and reach the reward functions. File, hub and HumanEval
+sources give a `datasets.Dataset`; generated sources (reasoning-gym, ModeBench,
+the calculator) give `Rows` (data/rows.py), which needs no `datasets`. Reasoning-gym
 sources add `rg_entry` (the task's entry as JSON) and `task`, which the
 `reasoning_gym` reward scores with.
 """
@@ -18,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from maxent_grpo.data.human_eval import HUMAN_EVAL_SOURCE, load_human_eval
+from maxent_grpo.data.rows import Rows
 from maxent_grpo.errors import DataError
 
 DEFAULT_INSTRUCTION = "Put your final answer within \\boxed{}."
@@ -96,7 +99,6 @@ def _load_hub(name: str, split: str, data_files: Any):
 
 
 def _load_reasoning_gym(task: str, size: int | None, seed: int, instruction: str | None, task_kwargs):
-    import datasets
     import reasoning_gym
     from reasoning_gym.factory import DATASETS
 
@@ -109,22 +111,20 @@ def _load_reasoning_gym(task: str, size: int | None, seed: int, instruction: str
         generated = reasoning_gym.create_dataset(task, size=size, seed=seed, **(task_kwargs or {}))
     except (TypeError, ValueError, AssertionError) as exc:  # task configs validate with assert
         raise DataError(f"{RG_PREFIX}{task}: bad task_kwargs {dict(task_kwargs or {})}: {_one_line(exc)}") from exc
-    rows = {"prompt": [], "answer": [], "rg_entry": [], "task": []}
+    rows = []
     for index, entry in enumerate(generated):
         question = entry["question"]
-        rows["prompt"].append(f"{question}\n\n{instruction}" if instruction else question)
-        rows["answer"].append(None if entry["answer"] is None else str(entry["answer"]))
         try:
-            rows["rg_entry"].append(json.dumps(entry))
+            rg_entry = json.dumps(entry)
         except TypeError as exc:
             raise DataError(f"{RG_PREFIX}{task} entry {index} is not JSON-serialisable: {exc}") from exc
-        rows["task"].append(task)
-    return datasets.Dataset.from_dict(rows)
+        rows.append({"prompt": f"{question}\n\n{instruction}" if instruction else question,
+                     "answer": None if entry["answer"] is None else str(entry["answer"]),
+                     "rg_entry": rg_entry, "task": task})
+    return Rows(rows)
 
 
 def _load_modebench(task: str, size: int | None, seed: int, instruction: str | None, task_kwargs):
-    import datasets
-
     from maxent_grpo.tasks.modebench import modebench_rows
 
     kwargs = dict(task_kwargs or {})
@@ -137,12 +137,10 @@ def _load_modebench(task: str, size: int | None, seed: int, instruction: str | N
         rows = modebench_rows(task, size=size, seed=seed, split=kwargs.get("split", "train"), instruction=instruction)
     except ValueError as exc:
         raise DataError(str(exc)) from exc
-    return datasets.Dataset.from_list(rows)
+    return Rows(rows)
 
 
 def _standardise(ds, source: str, prompt_column: str, answer_column: str):
-    from datasets import Value
-
     columns = list(ds.column_names)
     if prompt_column not in columns:
         raise DataError(f"{source}: no prompt column {prompt_column!r}; columns: {columns}")
@@ -158,11 +156,25 @@ def _standardise(ds, source: str, prompt_column: str, answer_column: str):
                 # A copy: the reward functions still get the column under its own name (kwargs["solution"]).
                 ds = ds.add_column(wanted, ds[given])
     if "answer" in ds.column_names:
-        feature = ds.features["answer"]
-        if not isinstance(feature, Value):
-            raise DataError(f"{source}: answer column {answer_column!r} must hold strings or numbers, got {feature}")
-        if feature.dtype != "string":
-            ds = ds.cast_column("answer", Value("string"))
+        ds = _answers_as_strings(ds, source, answer_column)
+    return ds
+
+
+def _answers_as_strings(ds, source: str, answer_column: str):
+    """``ds`` with its ``answer`` column cast to str (None kept); one line naming the column otherwise."""
+    if isinstance(ds, Rows):
+        bad = next((a for a in ds["answer"] if a is not None and (isinstance(a, bool) or not isinstance(a, (str, int, float)))), None)
+        if bad is not None:
+            raise DataError(f"{source}: answer column {answer_column!r} must hold strings or numbers, got {bad!r}")
+        answers = [a if a is None or isinstance(a, str) else str(a) for a in ds["answer"]]
+        return Rows([{**row, "answer": a} for row, a in zip(ds, answers)])
+    from datasets import Value
+
+    feature = ds.features["answer"]
+    if not isinstance(feature, Value):
+        raise DataError(f"{source}: answer column {answer_column!r} must hold strings or numbers, got {feature}")
+    if feature.dtype != "string":
+        ds = ds.cast_column("answer", Value("string"))
     return ds
 
 
@@ -200,7 +212,8 @@ def load_prompt_dataset(
     instruction: str | None = DEFAULT_INSTRUCTION,
     task_kwargs: Mapping[str, Any] | None = None,
 ):
-    """A `datasets.Dataset` of prompts with the standard columns `prompt` and `answer`.
+    """A table of prompts (`datasets.Dataset`, or `Rows` for a generated source) with the standard
+    columns `prompt` and `answer`.
 
     `source` is a local `.jsonl` / `.json` / `.parquet` file, `reasoning_gym:<task>`
     (`size` problems generated offline from `seed`, each question followed by
@@ -227,13 +240,11 @@ def load_prompt_dataset(
     elif source.startswith(MODEBENCH_PREFIX):
         ds = _load_modebench(source[len(MODEBENCH_PREFIX) :], size, seed, instruction, task_kwargs)
     elif source == CALCULATOR_SOURCE:
-        import datasets
-
         from maxent_grpo.tasks.calculator import calculator_rows
 
         if size is None:
             raise DataError(f"size must be a positive int for {CALCULATOR_SOURCE} (problems generated), got None")
-        ds = datasets.Dataset.from_list(calculator_rows(size, seed))
+        ds = Rows(calculator_rows(size, seed))
     else:
         path = Path(source)
         is_file = path.suffix in _FILE_BUILDERS

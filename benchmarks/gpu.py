@@ -32,7 +32,7 @@ from benchmarks.memory_plan import Shape, fits, format_plan, peak_gib, plan  # n
 from benchmarks.model_paths import MODEL_CONFIGS, cache_root, random_model_names  # noqa: E402
 from benchmarks.ours import write_config  # noqa: E402
 from benchmarks.results import RunResult, prompt_mismatch  # noqa: E402
-from benchmarks.settings import BenchSetting  # noqa: E402
+from benchmarks.settings import LORA_TARGETS, BenchSetting  # noqa: E402
 from maxent_grpo.training.config import load_config  # noqa: E402
 
 SIDES = ("ours", "trl")
@@ -60,17 +60,29 @@ def memory_plan(setting: BenchSetting, args: argparse.Namespace) -> tuple[str, b
     return format_plan(rows, cfg, 1, args.gpu_memory_gib), fits(peak_gib(rows, cfg)[1], args.gpu_memory_gib)
 
 
-def describe(settings: list[BenchSetting], args: argparse.Namespace) -> str:
+def planned(model: str, args: argparse.Namespace) -> tuple[BenchSetting, str, bool]:
+    """The setting a model runs with, its memory plan and whether it fits: full fine-tuning, or LoRA
+    of rank ``--lora-r`` when full fine-tuning does not fit one GPU (7B)."""
+    setting = gpu_setting(model, args)
+    text, fit = memory_plan(setting, args)
+    if not fit and args.lora_r:
+        setting = setting.replace(name=f"{setting.name}-lora{args.lora_r}", lora_r=args.lora_r)
+        text, fit = memory_plan(setting, args)
+    return setting, text, fit
+
+
+def describe(models: list[str], args: argparse.Namespace) -> str:
     lines = [f"benchmarks/gpu.py would run {', '.join(args.sides)} on one GPU of {args.gpu_memory_gib:g} GiB, each "
              f"side in a fresh process, HF generation, {args.steps} steps per run (the first a warm-up)."]
-    for s in settings:
+    for model in models:
+        s, text, fit = planned(model, args)
         shape = Shape.from_config(json.loads((MODEL_CONFIGS / f"{s.model}.json").read_text()))
-        text, fit = memory_plan(s, args)
         lines += ["", f"## {s.name}: random weights from benchmarks/model_configs/{s.model}.json "
                       f"({shape.params() / 1e9:.2f}B parameters, V={shape.vocab})",
                   f"{s.task}, P={s.prompts_per_step} G={s.num_generations} max_new_tokens={s.max_new_tokens} "
                   f"micro={s.micro_batch_size}, bf16 compute over float32 master weights, lr {s.learning_rate:g}, "
-                  f"beta {s.beta:g}, loss {s.loss_type}", "", text, "",
+                  f"beta {s.beta:g}, loss {s.loss_type}" + (f", LoRA r={s.lora_r} on {', '.join(LORA_TARGETS)}"
+                                                           if s.lora_r else ", full fine-tuning"), "", text, "",
                   "runs" if fit else "SKIPPED: our memory plan does not fit one GPU"]
     return "\n".join(lines)
 
@@ -146,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=128, help="longest prompt, for the memory plan")
     p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="for the plan (a run reads the GPU's own)")
+    p.add_argument("--lora-r", type=int, default=16,
+                   help="LoRA rank for a model whose full fine-tuning does not fit one GPU (0: skip such a model)")
     p.add_argument("--peak-tflops", type=float, default=989.0,
                    help="the GPU's dense bf16 peak for MFU (H100 SXM: 989)")
     p.add_argument("--timeout", type=float, help="seconds allowed per side")
@@ -157,9 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in models if m not in random_model_names()] + [s for s in args.sides if s not in SIDES]
     if unknown:
         p.error(f"unknown model or side {unknown}: models are {random_model_names()}, sides {list(SIDES)}")
-    settings = [gpu_setting(m, args) for m in models]
     if args.plan:
-        print(describe(settings, args))
+        print(describe(models, args))
         return 0
     import torch
 
@@ -170,8 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     args.gpu_memory_gib = torch.cuda.get_device_properties(0).total_memory / GIB
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="maxent-gpu-bench-"))
     raw, errors = {}, []
-    for setting in settings:
-        text, fit = memory_plan(setting, args)
+    for model in models:
+        setting, text, fit = planned(model, args)
         if not fit:
             print(f"{setting.name}: skipped, our memory plan does not fit {args.gpu_memory_gib:.0f} GiB:\n{text}\n")
             continue

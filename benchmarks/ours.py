@@ -18,7 +18,7 @@ import yaml
 from benchmarks.children import ChildRun, run_child
 from benchmarks.common_rewards import setting_rewards
 from benchmarks.results import RunResult
-from benchmarks.settings import BenchSetting
+from benchmarks.settings import LORA_TARGETS, BenchSetting
 from benchmarks.pair_sum import TASK as PAIR_SUM
 from benchmarks.tasks import setting_rows
 
@@ -79,7 +79,9 @@ def ours_config(setting: BenchSetting, model_dir: Path, extra: dict | None = Non
         }
     config = {
         "method": setting.method,
-        "model": {"name_or_path": str(model_dir), "dtype": "bfloat16" if setting.bf16 else "float32"},
+        "model": {"name_or_path": str(model_dir), "dtype": "bfloat16" if setting.bf16 else "float32",
+                  **({"lora": {"enabled": True, "r": setting.lora_r, "alpha": 2 * setting.lora_r, "dropout": 0.0,
+                               "target_modules": list(LORA_TARGETS)}} if setting.lora_r else {})},
         "data": data,
         "rewards": [{"name": n, "weight": w} for n, w in setting_rewards(setting.digest_reward)],
         "generation": {

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,10 @@ class BenchSetting:
     # a random model's completions all score 0 on the task, so without it no batch has signal and
     # neither side trains on a real gradient (benchmarks/gpu.py).
     digest_reward: bool = False
+    # LoRA of this rank on every side (0: full fine-tuning): adapters on every attention and MLP
+    # projection (LORA_TARGETS), alpha 2r, no dropout, the base in the compute dtype. How one GPU
+    # trains 7B (benchmarks/gpu.py --lora-r).
+    lora_r: int = 0
 
     def __post_init__(self) -> None:
         # JSON gives lists back: the pairs are kept as tuples, so a setting read back compares equal.
@@ -79,6 +84,8 @@ class BenchSetting:
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.learning_rate < 0:
             raise ValueError(f"learning_rate must be >= 0, got {self.learning_rate}")
+        if self.lora_r < 0:
+            raise ValueError(f"lora_r must be >= 0 (0: full fine-tuning), got {self.lora_r}")
 
     @property
     def completions_per_step(self) -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 from benchmarks.common_rewards import setting_rewards
 from benchmarks.children import own_peak_rss_bytes
 from benchmarks.results import RunResult
-from benchmarks.settings import BenchSetting
+from benchmarks.settings import LORA_TARGETS, BenchSetting
 from benchmarks.tasks import setting_rows, step_prompt_hash
 
 
@@ -38,7 +38,9 @@ def grpo_config_kwargs(setting: BenchSetting, output_dir: str) -> dict:
         bf16=setting.bf16,  # TRL's default is bf16=True: always say it
         fp16=False,
         # On a GPU, float32 weights under bf16=True's autocast: float32 master weights, as ours keeps.
-        model_init_kwargs={"dtype": "bfloat16" if setting.bf16 and setting.device == "cpu" else "float32"},
+        # With LoRA the base is frozen, stored in the compute dtype as ours stores it.
+        model_init_kwargs={"dtype": "bfloat16" if setting.bf16 and (setting.device == "cpu" or setting.lora_r)
+                           else "float32"},
         per_device_train_batch_size=setting.micro_batch_size,
         gradient_accumulation_steps=accumulation,
         steps_per_generation=accumulation,
@@ -131,6 +133,16 @@ def _record_prompt_ids(trainer, fed: list[list[list[int]]]) -> None:
     trainer._generate = recording_generate
 
 
+def _lora_config(setting: BenchSetting):
+    """peft's LoraConfig for ``setting.lora_r`` (None: full fine-tuning), as ours_config sets ours."""
+    if not setting.lora_r:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=setting.lora_r, lora_alpha=2 * setting.lora_r, lora_dropout=0.0,
+                      target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
+
+
 def _reward_function(name: str):
     """The function ``module:function`` names (our trainer imports it the same way)."""
     import importlib
@@ -156,6 +168,7 @@ def run_trl(setting: BenchSetting, model_dir: Path, save_dir: Path | None = None
             args=args,
             train_dataset=dataset,
             callbacks=[recorder, *callbacks],
+            peft_config=_lora_config(setting),
         )
         _time_generate(trainer.model, recorder)
         fed: list[list[list[int]]] = []

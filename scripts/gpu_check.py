@@ -7,8 +7,9 @@ The GPU machine this project is sometimes lent (docs/SCALING.md, "The GPU check"
 transformers, accelerate, peft, pandas, pyarrow and pytest, but no ``datasets``, ``trl``,
 ``reasoning-gym``, ``math-verify`` or ``vllm``, and cannot reach a package registry. Our GPU path
 needs none of the last three (the tier and ``benchmarks/gpu.py`` use ``pair_sum`` tasks and
-rewards of our own); ``datasets`` (the data loaders' table) and ``trl`` (TRL's side of the
-benchmark) travel as wheels. ``prepare`` downloads them for CPython 3.12 manylinux x86-64 (two
+rewards of our own) and the tier needs no ``datasets`` (generated sources are ``Rows``);
+``datasets`` (the benchmark's prompts are a JSONL file on our side, a ``Dataset`` on TRL's) and
+``trl`` (TRL's side) travel as wheels. ``prepare`` downloads them for CPython 3.12 manylinux x86-64 (two
 ``datasets`` releases, one per ``pyarrow`` range, since the image's ``pyarrow`` is not known here),
 and checks that they and the working tree stay under 40 MiB (the machine takes 64 MiB).
 
@@ -16,8 +17,10 @@ and checks that they and the working tree stay under 40 MiB (the machine takes 6
 whose ``pyarrow`` requirement the image meets), then runs its stages one after another, each under
 its own time limit so that a cut stage leaves the others' results: the GPU tier (``pytest -m gpu``
 from the repository root), then ``benchmarks/gpu.py`` at 0.5B and at 1.5B (ours and TRL, same
-prompts, same GPU). It writes ``OUT/summary.md`` (the device, torch and CUDA, each stage's outcome
-and time, the benchmark tables) and each stage's log, at most 8 files (what the machine returns).
+prompts, same GPU), then ``benchmarks/update_profile.py`` (where the update phase goes); ``--stages
+gpu-7b`` runs 7B with LoRA (a call of its own). It writes ``OUT/summary.md`` (the device, torch and CUDA, each stage's outcome
+and time, the benchmark tables), each stage's log and ``sides.tar.gz`` (the benchmarks' raw JSON and
+every side's log, config and metrics): at most 8 files, what the machine returns.
 ``--cpu`` runs the same stages on a machine without a GPU (the replica test): the tier is then
 skipped by pytest and the benchmark prints its plan.
 """
@@ -41,7 +44,11 @@ WHEEL_PINS = ("datasets==5.2.0", "datasets==4.8.5", "dill==0.4.1", "multiprocess
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
 SITE = Path("/tmp/maxent-gpu-site")
-STAGES = ("tier", "gpu-0.5b", "gpu-1.5b", "profile")
+STAGES = ("tier", "gpu-0.5b", "gpu-1.5b", "profile", "gpu-7b")
+# What one call runs unless told otherwise: inside 8 minutes on the H100 (BENCHMARKS.md §9 took 71 s for
+# the tier, 145 s and 141 s for the two benchmarks). 7B (LoRA; ~15 GB of random weights written first)
+# is a call of its own: --stages gpu-7b.
+DEFAULT_STAGES = ("tier", "gpu-0.5b", "gpu-1.5b", "profile")
 
 
 # ------------------------------------------------------------------ prepare (here)
@@ -213,22 +220,23 @@ def run(out: Path, budget: float, cpu: bool, only: list[str], bench_steps: int |
     stages = Stages(out, env, deadline)
     py = sys.executable
     if "tier" in only:
-        stages.run("tier", [py, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-rA", "--durations=0"], 140)
+        stages.run("tier", [py, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-rA", "--durations=0"], 90)
     bench = []
     # (model, steps, the stage's limit, each side's): the first step of each side is its warm-up.
-    for model, steps, limit, side_limit in (("qwen2.5-0.5b", 4, 150, 65), ("qwen2.5-1.5b", 3, 180, 80)):
+    for model, steps, limit, side_limit in (("qwen2.5-0.5b", 3, 140, 65), ("qwen2.5-1.5b", 3, 170, 80),
+                                            ("qwen2.5-7b", 3, 400, 170)):
         name = f"gpu-{model.split('-')[1]}"
         if name not in only:
             continue
         steps = bench_steps or steps
         args = [py, "benchmarks/gpu.py", "--models", model, "--steps", str(steps), "--timeout", str(side_limit),
-                "--work-dir", str(home / "work" / name), "--json-out", str(out / f"{name}.json")]
+                "--work-dir", str(home / "work" / name), "--json-out", str(home / "work" / f"{name}.json")]
         log = stages.run(name, args + (["--plan"] if cpu else []), limit)
         bench.append(_tables(log) if not cpu else log[-2000:])
     if "profile" in only:
         log = stages.run("profile", [py, "benchmarks/update_profile.py", "--model", "qwen2.5-0.5b"]
                          + (["--cpu", "--prompts", "2", "--group", "4", "--prompt-len", "16", "--completion-len", "16"]
-                            if cpu else ["--trace-out", str(out)]), 90)
+                            if cpu else []), 70)
         bench.append("\n".join(line for line in log.splitlines() if line.startswith("|") or line.startswith("qwen")
                                or line.startswith("tiny")))
     lines = ["# GPU check", "", *[f"- {d}" for d in device], f"- wheels: {installed}",
@@ -249,8 +257,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also fetch wheels for this CPython (a replica of the image here), e.g. 3.11")
     r = sub.add_parser("run", help="install them and run the stages (on the GPU machine)")
     r.add_argument("out", type=Path, help="folder for summary.md and the logs")
-    r.add_argument("--budget", type=float, default=450.0, help="seconds for the whole call (stages are cut to fit)")
-    r.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
+    r.add_argument("--budget", type=float, default=470.0, help="seconds for the whole call (stages are cut to fit)")
+    r.add_argument("--stages", default=",".join(DEFAULT_STAGES),
+                   help=f"comma-separated subset of {','.join(STAGES)} (default: {','.join(DEFAULT_STAGES)})")
     r.add_argument("--bench-steps", type=int, help="steps per benchmark run (default: 4 at 0.5B, 3 at 1.5B)")
     r.add_argument("--no-install", action="store_true",
                    help="install no wheels: the environment has what the stages import (the replica test)")

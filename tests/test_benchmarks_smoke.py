@@ -371,15 +371,22 @@ def test_gpu_benchmark_plan_prints_each_setting_and_its_memory_plan_without_a_gp
     names = random_model_names()
     assert names == ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"]
     sections = out.split("\n## ")[1:]
-    assert [s.split(":")[0] for s in sections] == [f"gpu-{n}" for n in names]
+    # 7B's full fine-tuning (~16 B/param) does not fit one GPU: it runs with LoRA (--lora-r, 16).
+    assert [s.split(":")[0] for s in sections] == ["gpu-qwen2.5-0.5b", "gpu-qwen2.5-1.5b", "gpu-qwen2.5-7b-lora16"]
     for name, section in zip(names, sections):
         shape = Shape.from_config(json.loads((MODEL_CONFIGS / f"{name}.json").read_text()))
         assert f"({shape.params() / 1e9:.2f}B parameters, V={shape.vocab})" in section
-        # The float32 master weights of the plan, and the verdict that follows from it.
-        assert f"| policy weights | {4 * shape.params() / 2**30:.2f} |" in section
         assert "P=8 G=8 max_new_tokens=256 micro=8, bf16 compute over float32 master weights" in section
-    assert sections[0].rstrip().endswith("runs") and sections[1].rstrip().endswith("runs")
-    assert sections[2].rstrip().endswith("SKIPPED: our memory plan does not fit one GPU")  # 7B: ~16 B/param
+        assert section.rstrip().endswith("runs")
+    for section in sections[:2]:  # the float32 master weights of full fine-tuning
+        shape = Shape.from_config(json.loads((MODEL_CONFIGS / f"{section.split(':')[0][4:]}.json").read_text()))
+        assert f"| policy weights | {4 * shape.params() / 2**30:.2f} |" in section and "full fine-tuning" in section
+    shape = Shape.from_config(json.loads((MODEL_CONFIGS / "qwen2.5-7b.json").read_text()))
+    assert f"| policy weights | {2 * shape.params() / 2**30:.2f} |" in sections[2]  # a frozen bf16 base
+    assert "LoRA r=16 on q_proj" in sections[2] and "| LoRA adapters (float32) |" in sections[2]
+    skipped = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "gpu.py"), "--plan", "--models",
+                              "qwen2.5-7b", "--lora-r", "0"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert skipped.stdout.rstrip().endswith("SKIPPED: our memory plan does not fit one GPU")
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the refusal is for a machine without CUDA")
@@ -414,7 +421,8 @@ def test_a_random_model_has_the_kept_shapes_and_a_tokenizer_for_every_id(tmp_pat
 
 
 @pytest.mark.slow
-def test_gpu_side_meters_three_phases_per_step_on_both_sides_with_the_same_prompts(tmp_path, monkeypatch):
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_gpu_side_meters_three_phases_per_step_on_both_sides_with_the_same_prompts(tmp_path, monkeypatch, lora_r):
     """benchmarks/gpu_side.py's wiring, run on the CPU: each side's phase functions are found and
     metered once per optimizer step, TRL's nested phases are told apart, both train on the same
     prompts, and gpu.py's table reads the result. CUDA's memory counters are absent here: a
@@ -436,7 +444,8 @@ def test_gpu_side_meters_three_phases_per_step_on_both_sides_with_the_same_promp
                         (GRPOTrainer, "_generate"), (GRPOTrainer, "_generate_and_score_completions")):
         monkeypatch.setattr(owner, name, getattr(owner, name))
     # gpu.py's digest reward: every group has signal, so both sides take real steps.
-    setting = PRESETS["tiny"].replace(steps=3, max_new_tokens=8, digest_reward=True)
+    # lora_r: how gpu.py trains 7B on one GPU, LoRA on both sides.
+    setting = PRESETS["tiny"].replace(steps=3, max_new_tokens=8, digest_reward=True, lora_r=lora_r)
     model = resolve_model("tiny", tmp_path / "models")
     runs = {}
     for side, runner in (("ours", run_ours), ("trl", run_trl)):

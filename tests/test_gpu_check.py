@@ -96,14 +96,15 @@ def test_the_gpu_check_runs_each_stage_on_the_cpu(replica_env, tmp_path):
     """``run --cpu``: the tier (collected, skipped without CUDA), the benchmarks' plans and the
     update profile on the tiny model, each stage under its limit, and the summary written."""
     out = tmp_path / "out"
-    _run([sys.executable, "scripts/gpu_check.py", "run", str(out), "--cpu", "--no-install", "--budget", "600"],
-         replica_env)
+    _run([sys.executable, "scripts/gpu_check.py", "run", str(out), "--cpu", "--no-install", "--budget", "600",
+          "--stages", "tier,gpu-0.5b,gpu-1.5b,profile,gpu-7b"], replica_env)
     summary = (out / "summary.md").read_text()
-    for stage in ("tier", "gpu-0.5b", "gpu-1.5b", "profile"):
+    for stage in ("tier", "gpu-0.5b", "gpu-1.5b", "profile", "gpu-7b"):
         assert f"| {stage} | passed |" in summary, summary
     assert "| ours |" in summary  # the profile's table, on the tiny model
+    assert "## gpu-qwen2.5-7b-lora16" in (out / "gpu-7b.log").read_text()  # 7B: LoRA on one GPU
     assert {p.name for p in out.iterdir()} <= {"summary.md", "tier.log", "gpu-0.5b.log", "gpu-1.5b.log",
-                                               "profile.log", "sides.tar.gz"}
+                                               "gpu-7b.log", "profile.log", "sides.tar.gz"}
 
 
 def _wheel(folder: Path, name: str, version: str, tag: str, requires: list[str]) -> Path:

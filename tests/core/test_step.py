@@ -359,6 +359,8 @@ def test_activation_checkpointing_needs_unshared_prompts_named_in_one_line():
     from maxent_grpo.training.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="^training.gradient_checkpointing: needs training.share_prompts: false"):
-        load_config(None, ["training.gradient_checkpointing=true"])
+        load_config(None, ["training.gradient_checkpointing=true", "training.share_prompts=true"])
     cfg = load_config(None, ["training.gradient_checkpointing=true", "training.share_prompts=false"])
     assert cfg.training.gradient_checkpointing
+    # share_prompts auto (the default) turns itself off under checkpointing (training/precision.py).
+    assert load_config(None, ["training.gradient_checkpointing=true"]).training.share_prompts == "auto"

@@ -26,7 +26,7 @@ import torch
 
 from maxent_grpo.core.logprobs import Scoring
 from maxent_grpo.core.losses import LOSS_AGGREGATIONS
-from maxent_grpo.core.peer_losses import DppoParams
+from maxent_grpo.core.peer_losses import DppoParams, GmpoParams
 from maxent_grpo.core.rollout_correction import ROLLOUT_CORRECTIONS, mismatch_metrics, rollout_correction_weights
 from maxent_grpo.core.step import POLICY_LOSSES
 
@@ -229,31 +229,37 @@ def test_weight_of_a_ratio_of_ten_is_the_cap_or_zero():
         assert w[0].tolist() == [value] * 3 and w[1].tolist() == [1.0] * 3, mode
 
 
-def _reference_weight(mode, i, t, hot):
-    """The §15 weight with one token ``hot`` at ratio 10 and every other at ratio 1, C = 2."""
+def _reference_weight(mode, i, t, hot, ratio, cap=2.0):
+    """The §15 weight with one token ``hot`` at ``ratio`` and every other at ratio 1: the token's
+    ratio (token level) or its row's product (sequence level), ``min(r, C)`` (truncate) or
+    ``r * 1[r <= C]`` (mask: masked importance sampling keeps the ratio)."""
     level, kind = mode.split("_")
     hit = (i, t) == hot if level == "token" else i == hot[0]
-    return (2.0 if kind == "truncate" else 0.0) if hit else 1.0
+    r = ratio if hit else 1.0
+    return min(r, cap) if kind == "truncate" else (r if r <= cap else 0.0)
 
 
+@pytest.mark.parametrize("ratio", [10.0, 1.5])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("mode", CORRECTED)
-def test_a_ratio_of_ten_is_capped_or_masked_and_keeps_its_denominator(base_model, first_rows, mode, loss_type):
+def test_a_ratio_of_ten_is_capped_or_masked_and_keeps_its_denominator(base_model, first_rows, mode, loss_type,
+                                                                     ratio):
     """The step against a token-by-token PPO reference whose denominators count every active token:
     a masked token (or row) that left the denominator would change the loss by 1 / N_tok and more.
     On the first micro-step (the anchor just recomputed) no token is clipped, so the weighted token
-    moves the gradient."""
+    moves the gradient. A ratio of 1.5 is below C = 2: every mode weights it by 1.5 (the mask keeps
+    the ratio, and at sequence level the row's product on every token of the row)."""
     hot = (2, 1)  # row 2 (5 tokens, A != 0), its second token
     old, adv = first_rows["old_logps"], first_rows["advantages"]
     beh = old.clone()
-    beh[hot] = old[hot] - math.log(10.0)
+    beh[hot] = old[hot] - math.log(ratio)
     rows = dict(first_rows, behaviour_logps=beh)
     result, grads = _step(base_model, _micro_batches(rows, FOUR), loss_type=loss_type,
                           max_completion_length=L_MAX, rollout_correction=mode, rollout_correction_cap=2.0)
 
     def ppo(i, t, lp):
         c = torch.exp(lp - old[i, t])
-        return -_reference_weight(mode, i, t, hot) * torch.minimum(c * adv[i], c.clamp(0.8, 1.2) * adv[i])
+        return -_reference_weight(mode, i, t, hot, ratio) * torch.minimum(c * adv[i], c.clamp(0.8, 1.2) * adv[i])
 
     loss, ref = _reference(copy.deepcopy(base_model), rows, loss_type, FOUR, ppo)
     assert _max_abs_diff(grads, ref) < 1e-12 * _scale(ref)
@@ -262,3 +268,65 @@ def test_a_ratio_of_ten_is_capped_or_masked_and_keeps_its_denominator(base_model
     _, plain = _step(base_model, _micro_batches(rows, FOUR), loss_type=loss_type,
                      max_completion_length=L_MAX)
     assert _max_abs_diff(grads, plain) > 1e-6 * _scale(plain)
+
+
+# ------------------------------------------- GMPO: the correction of a sequence-level loss (§12)
+
+
+def _mis_or_tis(kind, r, cap):
+    return min(r, cap) if kind == "truncate" else (r if r <= cap else 0.0)
+
+
+@pytest.mark.parametrize("mode", CORRECTED)
+def test_gmpo_weights_each_row_by_the_geometric_mean_of_its_token_weights(base_model, first_rows, mode):
+    """§12 (verl ``geo_mean``): GMPO's sequence loss ``l_i = -Abar_i rho_i`` is weighted by
+    ``W_i = exp(sum_t m log(w_t + 1e-10) / (L_i + 1e-8))`` under a token-level correction and by the
+    row's own weight under a sequence-level one; the loss is ``(1/B) sum_i W_i l_i``. Row 0's first
+    three tokens have weights (2, 0.5, 4): arithmetic mean 2.167, geometric 1.587; row 1 has a
+    ratio of 8 that ``token_mask`` drops (its geometric mean goes to ~0, the arithmetic one to 2/3).
+    A float64 reference written from the formula, rows of both signs of A, step split in four."""
+    cap = 4.0
+    old, adv = first_rows["old_logps"], first_rows["advantages"]
+    beh = first_rows["behaviour_logps"].clone()
+    beh[0, :3] = old[0, :3] - torch.tensor([2.0, 0.5, 4.0], dtype=torch.float64).log()
+    beh[1, 0] = old[1, 0] - math.log(8.0)
+    rows = dict(first_rows, behaviour_logps=beh)
+    signs = {math.copysign(1.0, float(a)) for a, n in zip(adv, worker.LENGTHS) if n > 0}
+    assert signs == {1.0, -1.0}
+    result, grads = _step(base_model, _micro_batches(rows, FOUR), policy_loss="gmpo", policy_params=GmpoParams(),
+                          loss_type="grpo", rollout_correction=mode, rollout_correction_cap=cap)
+
+    level, kind = mode.split("_")
+
+    def reference(log_weight):
+        """The §12 loss ``(1/B) sum_i -Abar_i rho_i W_i`` token by token, ``log_weight`` the guarded log."""
+        model = copy.deepcopy(base_model)
+        logp = _reference_logps(model, rows)
+        loss = torch.zeros((), dtype=torch.float64)
+        for i, n in enumerate(worker.LENGTHS):
+            if n == 0:
+                continue  # rho = 1, Abar = 0: adds 0 and counts in the mean over B
+            d = [float(old[i, t] - beh[i, t]) for t in range(n)]
+            if level == "token":
+                w = [_mis_or_tis(kind, math.exp(x), cap) for x in d]
+                weight = math.exp(sum(log_weight(x) for x in w) / (n + 1e-8))
+            else:
+                weight = _mis_or_tis(kind, math.exp(sum(d)), cap)
+            a = float(adv[i])
+            s = [logp[i, t] - old[i, t] for t in range(n)]
+            s_tilde = [x.clamp(max=0.4) if a > 0 else x.clamp(min=-0.4) for x in s]
+            rho = torch.exp(sum(s_tilde) / (n + 1e-8))
+            loss = loss - a * n / (n + 1e-8) * rho * weight
+        loss = loss / N
+        grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+        return loss.item(), [torch.zeros_like(p) if g is None else g for g, p in zip(grads, model.parameters())]
+
+    # The spec's guard, verl's log(w + 1e-10): a relative 1e-10 / w_t per token from the code's floor
+    # log(max(w, 1e-10)) (which keeps w = 1 at W = 1 exactly, §15), some 1e-8 of the gradient after
+    # the rows' cancellation; with the floor the reference agrees to rounding.
+    spec_loss, spec_ref = reference(lambda x: math.log(x + 1e-10))
+    assert result.loss == pytest.approx(spec_loss, rel=1e-9)
+    assert _max_abs_diff(grads, spec_ref) < 1e-7 * _scale(spec_ref)
+    floor_loss, floor_ref = reference(lambda x: math.log(max(x, 1e-10)))
+    assert result.loss == pytest.approx(floor_loss, rel=1e-12)
+    assert _max_abs_diff(grads, floor_ref) < 1e-12 * _scale(floor_ref)

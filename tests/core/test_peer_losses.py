@@ -38,12 +38,13 @@ def t(values, requires_grad=False):
 
 
 def inputs(logp, old, adv, mask=None, *, params=None, behaviour=None, policy_mask=None, row_weights=None,
-           clip=None):
+           clip=None, correction=None, correction_level="token"):
     mask = torch.ones_like(logp.detach()) if mask is None else mask
+    extra = {} if correction is None else dict(correction_weights=correction, correction_level=correction_level)
     return PolicyInputs(
         logp=logp, old_logp=old, mask=mask, policy_mask=mask if policy_mask is None else policy_mask,
         advantages=adv, num_generations=1, clip=ClipSettings() if clip is None else clip,
-        row_weights=row_weights, behaviour_logp=behaviour, params=params,
+        row_weights=row_weights, behaviour_logp=behaviour, params=params, **extra,
     )
 
 
@@ -254,10 +255,12 @@ def test_sapo_policy_mask_and_row_weights():
 # ------------------------------------------------------------------- GMPO §12
 
 
-def _gmpo(s_values, adv, eps=(0.4, 0.4), mask=None, policy_mask=None, row_weights=None):
+def _gmpo(s_values, adv, eps=(0.4, 0.4), mask=None, policy_mask=None, row_weights=None, correction=None,
+          correction_level="token"):
     old = torch.zeros(len(s_values), len(s_values[0]), dtype=F64)
     logp = t(s_values, True)  # old = 0, so s = logp exactly
-    inp = inputs(logp, old, t(adv), mask, params=GmpoParams(*eps), policy_mask=policy_mask, row_weights=row_weights)
+    inp = inputs(logp, old, t(adv), mask, params=GmpoParams(*eps), policy_mask=policy_mask, row_weights=row_weights,
+                 correction=correction, correction_level=correction_level)
     term = run("gmpo", inp)
     return logp, inp, term
 
@@ -386,11 +389,46 @@ def test_gmpo_policy_mask_row_weights_and_sequence_weight():
     assert torch.allclose(term.per_token_loss, 2 * full.per_token_loss, rtol=1e-15, atol=0)
     term.per_token_loss.sum().backward()
     assert logp.grad[0, 1].item() == 0.0 and logp.grad[0, 0].item() != 0.0
-    # A sequence-level correction weight w_i (constant over the row) multiplies l_i.
-    w = torch.full_like(full.per_token_loss, 0.75)
-    weighted = aggregate(full.per_token_loss * w, full_inp.mask, "grpo", norm_for(full_inp.mask))
-    plain = aggregate(full.per_token_loss, full_inp.mask, "grpo", norm_for(full_inp.mask))
-    assert weighted.item() == pytest.approx(0.75 * plain.item(), rel=1e-15)
+    # A sequence-level correction weight w_i (constant over the row) multiplies l_i exactly.
+    _, seq_inp, seq = _gmpo([[0.1, -0.2, 0.3]], [1.0], correction=t([[0.75] * 3]), correction_level="sequence")
+    assert torch.equal(seq.per_token_loss, full.per_token_loss * 0.75)
+
+
+def _geometric_weight(w, m):
+    """§12's fold of token weights (verl ``geo_mean``): ``exp(sum_t m log(w_t + 1e-10) / (L + 1e-8))``."""
+    return math.exp(sum(math.log(wt + 1e-10) * mt for wt, mt in zip(w, m)) / (sum(m) + 1e-8))
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_gmpo_correction_is_the_geometric_mean_of_the_row(level):
+    """§12: a token-level correction weights GMPO's ``l_i`` by the geometric mean of the row's token
+    weights, a sequence-level one by the row's own weight; ``loss = (1/B) sum_i W_i l_i``. Row 0
+    (A > 0): w = (2, 0.5, 4), geometric mean 4^(1/3) = 1.587 where the arithmetic one is 2.167;
+    row 1 (A < 0) has a token_mask drop, w = 0; row 2 (A > 0), row 3 empty."""
+    s = [[0.6, -0.9, 0.1, 0.0], [-0.6, 0.3, 0.2, 0.1], [0.25, -0.5, 0.0, 0.0], [0.5, 0.5, 0.5, 0.5]]
+    adv = [1.0, -0.5, 2.0, 1.0]
+    masks = [[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]]
+    if level == "token":
+        w = [[2.0, 0.5, 4.0, 1.0], [0.0, 1.5, 1.0, 2.0], [0.75, 1.25, 1.0, 1.0], [3.0, 3.0, 3.0, 3.0]]
+    else:  # one weight per row on its active tokens (padding carries 1, as rollout_correction_weights)
+        w = [[1.875, 1.875, 1.875, 1.0], [0.0] * 4, [0.75, 0.75, 1.0, 1.0], [1.0] * 4]
+    logp, inp, term = _gmpo(s, adv, mask=t(masks), correction=t(w), correction_level=level)
+    loss = aggregate(term.per_token_loss, inp.mask, "grpo", norm_for(inp.mask))
+    loss.backward()
+    want_loss = 0.0
+    for i, (si, a, m, wi) in enumerate(zip(s, adv, masks, w)):
+        l_i, rho, abar = _gmpo_reference(si, [a] * 4, m, 0.4, 0.4)
+        weight = _geometric_weight(wi, m) if level == "token" else wi[0]
+        want_loss += weight * l_i / 4
+        for j in range(4):
+            clipped = (a > 0 and si[j] > 0.4) or (a < 0 and si[j] < -0.4)
+            want = 0.0 if clipped or not m[j] else -abar * rho * weight / ((sum(m) + 1e-8) * 4)
+            assert logp.grad[i, j].item() == pytest.approx(want, rel=1e-9, abs=1e-300), (i, j)
+    if level == "token":
+        assert _geometric_weight(w[0], masks[0]) == pytest.approx(4 ** (1 / 3), rel=1e-8)  # not (2+0.5+4)/3 = 2.167
+        assert _geometric_weight(w[1], masks[1]) < 1e-2  # a dropped token pulls the row towards 0
+    # The spec's log(w + 1e-10) against the code's log(max(w, 1e-10)), bit-exact at w = 1: a relative 1e-10 / w.
+    assert loss.item() == pytest.approx(want_loss, rel=1e-9)
 
 
 def test_gmpo_metrics_count_only_clipped_tokens():
@@ -491,6 +529,34 @@ def test_dppo_binary_kl_masked_gradient_and_denominator():
         loss.backward(retain_graph=True)
         assert loss.item() == pytest.approx(-(0.55 / 0.5 + 0.01 / 0.9) / 3, rel=1e-12)
         assert lp.grad[0, 0].item() == 0.0 and lp.grad[0, 1].item() != 0.0
+
+
+@pytest.mark.parametrize("cap", [10.0, None])
+def test_dppo_gradient_beyond_the_log_ratio_clamp(cap):
+    """§13: ``l = -A * valid * r * sg(min(r, C) / r)`` has gradient ``-A * min(r, C) * grad logp`` on
+    every kept token. The +/-20 clamp of the log-ratio only keeps ``exp`` finite (verl's
+    ``trunc_ratio``): past it the value is ``-A * min(exp(+/-20), C)`` and the gradient is verl's
+    ``-A * sg(min(exp(+/-20), C)) * grad logp``, not 0. Row 0 (A > 0): log-ratios (25, 0.25, -0.5);
+    row 1 (A < 0): (-25, 22, 0.125, 0); every token inside the TV region."""
+    log_ratio = [[25.0, 0.25, -0.5, 0.0], [-25.0, 22.0, 0.125, 0.0]]
+    logp = t([[math.log(0.1), math.log(0.5), math.log(0.25), 0.0],
+              [math.log(0.1) - 25.0, math.log(0.1), math.log(0.25), math.log(0.5)]], True)
+    anchor = logp.detach() - t(log_ratio)
+    mask = t([[1, 1, 1, 0], [1, 1, 1, 1]])
+    adv = [1.5, -0.75]
+    p = DppoParams(ratio_cap=cap)
+    assert dppo_trust_region_mask(logp, anchor, t(adv)).all()
+    term = run("dppo", inputs(logp, anchor, t(adv), mask, params=p))
+    loss = aggregate(term.per_token_loss, mask, "dapo", norm_for(mask))
+    loss.backward()
+    n_tok = 7
+    c = math.inf if cap is None else cap
+    for i, a in enumerate(adv):
+        for j, x in enumerate(log_ratio[i]):
+            weight = min(math.exp(min(max(x, -20.0), 20.0)), c) * mask[i, j].item()
+            assert term.per_token_loss[i, j].item() == pytest.approx(-a * weight, rel=1e-12), (i, j)
+            assert logp.grad[i, j].item() == pytest.approx(-a * weight / n_tok, rel=1e-12), (i, j)
+    assert logp.grad[0, 0].item() != 0.0 and logp.grad[1, 0].item() != 0.0 and logp.grad[1, 1].item() != 0.0
 
 
 def test_dppo_extremes_finite():

@@ -48,7 +48,7 @@ def _reference_weight(old, behaviour, lengths, mode, cap, i, t):
     r = math.exp(log_r)
     if kind == "truncate":
         return min(r, cap)
-    return 1.0 if r <= cap else 0.0
+    return r if r <= cap else 0.0  # masked IS: the ratio where kept (TRL's masked_fill of the ratio)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -63,6 +63,44 @@ def test_weights_match_reference(mode):
     # the data exercises both sides of the cap
     assert (w[mask > 0] == (cap if mode.endswith("truncate") else 0.0)).any()
     assert ((w[mask > 0] < cap) & (w[mask > 0] > 0)).any()
+
+
+def test_mask_keeps_the_ratio_below_the_cap_closed_form():
+    """Masked importance sampling (§9, §15): ``w = rho * 1[rho <= C]``, the ratio where it is kept
+    (TRL's ``masked_fill(ratio > C, 0)`` of the ratio), not 1. ``sequence_mask`` keeps the row's
+    ratio, the product of its token ratios, on every token (the sequence-level weight §12 and §15
+    name), not each token's own ratio. Dyadic ratios; C = 2, then C = inf (no truncation: the
+    plain ratio, not "no correction")."""
+    ratios = [[1.5, 0.5, 2.5, 1.0], [0.75, 4.0, 1.0, 0.5], [1.5, 1.25, 1.25, 1.0], [10.0, 1.0, 1.0, 1.0]]
+    lengths = [3, 4, 3, 3]
+    old = torch.tensor([[-0.5, -1.25, -2.0, -0.75], [-1.0, -0.25, -3.0, -1.5], [-2.5, -0.125, -1.0, -0.5],
+                        [-1.0, -2.0, -0.5, -1.0]], dtype=torch.float64)
+    beh = old - torch.tensor(ratios, dtype=torch.float64).log()
+    mask = torch.tensor([[1.0] * n + [0.0] * (4 - n) for n in lengths], dtype=torch.float64)
+
+    def reference(mode, cap):
+        level, _ = mode.split("_")
+        out = []
+        for i, n in enumerate(lengths):
+            row_ratio = math.prod(ratios[i][:n])  # 1.875, 1.5, 2.34375, 10: both sides of C = 2
+            row = []
+            for t in range(4):
+                r = ratios[i][t] if level == "token" else row_ratio
+                row.append((r if r <= cap else 0.0) if t < n else 1.0)
+            out.append(row)
+        return out
+
+    want = {
+        ("token_mask", 2.0): [[1.5, 0.5, 0.0, 1.0], [0.75, 0.0, 1.0, 0.5], [1.5, 1.25, 1.25, 1.0], [0.0, 1.0, 1.0, 1.0]],
+        ("sequence_mask", 2.0): [[1.875] * 3 + [1.0], [1.5] * 4, [0.0] * 3 + [1.0], [0.0] * 3 + [1.0]],
+        ("token_mask", math.inf): [row[:n] + [1.0] * (4 - n) for row, n in zip(ratios, lengths)],
+        ("sequence_mask", math.inf): [[1.875] * 3 + [1.0], [1.5] * 4, [2.34375] * 3 + [1.0], [10.0] * 3 + [1.0]],
+    }
+    for (mode, cap), hand in want.items():
+        assert reference(mode, cap) == hand, (mode, cap)  # the reference is the spec's closed form
+        w = rollout_correction_weights(old, beh, mask, mode, cap)
+        for i, (got, row) in enumerate(zip(w.tolist(), hand)):
+            assert got == pytest.approx(row, rel=1e-12), (mode, cap, i)
 
 
 def test_no_correction_and_equal_policies_are_neutral():

@@ -321,6 +321,10 @@ class PolicyInputs:
     that per-token term only. Listwise tensors are rows group-major, ``[B]`` and
     ``[B // num_generations]``. ``behaviour_logp`` (``[B, T]``) are the sampler's
     log-probs when it returned them; ``params`` is the loss's own settings record.
+    ``correction_weights`` (``[B, T]``, detached) is the rollout-correction weight ``w``
+    (§9, §15) at ``correction_level`` (``"token"`` or ``"sequence"``: one weight per row),
+    given only to a loss registered with ``applies_correction`` (the step multiplies
+    ``w`` into every other loss's per-token term); None: no correction.
     """
 
     logp: torch.Tensor
@@ -336,6 +340,8 @@ class PolicyInputs:
     listwise_clip_coef: float = 0.0
     behaviour_logp: torch.Tensor | None = None
     params: object | None = None
+    correction_weights: torch.Tensor | None = None
+    correction_level: str = "token"
 
 
 @dataclass(frozen=True)
@@ -369,11 +375,15 @@ PolicyLossFn = Callable[[PolicyInputs, StepNormalizer], PolicyTerm]
 @dataclass(frozen=True)
 class PolicyLoss:
     """A registered policy loss: its function, the type of its settings record (None: it has
-    none), and the ``loss_type`` aggregations it is defined for (None: any)."""
+    none), the ``loss_type`` aggregations it is defined for (None: any), and whether it applies
+    the rollout-correction weight itself (``PolicyInputs.correction_weights``; a sequence-level
+    loss such as GMPO folds token weights into one row weight) rather than the step
+    multiplying it into the per-token term."""
 
     fn: PolicyLossFn
     params: type | None = None
     loss_types: tuple[str, ...] | None = None
+    applies_correction: bool = False
 
     def __call__(self, inputs: PolicyInputs, norm: StepNormalizer) -> PolicyTerm:
         return self.fn(inputs, norm)
@@ -382,13 +392,14 @@ class PolicyLoss:
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
 
-def register_policy_loss(name: str, params: type | None = None, loss_types: tuple[str, ...] | None = None):
-    """Decorator: register ``fn`` as the policy loss ``name``."""
+def register_policy_loss(name: str, params: type | None = None, loss_types: tuple[str, ...] | None = None,
+                         applies_correction: bool = False):
+    """Decorator: register ``fn`` as the policy loss ``name`` (:class:`PolicyLoss` for the options)."""
 
     def add(fn: PolicyLossFn) -> PolicyLossFn:
         if name in POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is registered twice")
-        POLICY_LOSSES[name] = PolicyLoss(fn, params, loss_types)
+        POLICY_LOSSES[name] = PolicyLoss(fn, params, loss_types, applies_correction)
         return fn
 
     return add

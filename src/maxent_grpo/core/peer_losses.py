@@ -39,6 +39,8 @@ LOG_RATIO_CLAMP = 20.0
 # verl's guards: GMPO's sequence-length denominator (§12), the binary KL's log (§13).
 GMPO_LENGTH_EPS = 1e-8
 BINARY_KL_EPS = 1e-8
+# The floor of a token weight in GMPO's geometric mean of the rollout correction (§12; verl adds 1e-10).
+GMPO_WEIGHT_EPS = 1e-10
 
 
 def _loss_params(inputs: PolicyInputs, cls: type):
@@ -204,7 +206,31 @@ def gmpo_surrogate(
     return GmpoTerms(-abar * rho, rho, abar, raw, low, high)
 
 
-@register_policy_loss("gmpo", params=GmpoParams, loss_types=("grpo",))
+def gmpo_correction_weights(weights: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """The rollout-correction weight ``W_i`` ``[B]`` of GMPO's sequence loss (ALGORITHMS.md §12; verl ``geo_mean``).
+
+    ``level="token"``: the geometric mean of the row's token weights,
+    ``W_i = exp(sum_t m log(max(w_t, 1e-10)) / (L_i + 1e-8))``, as GMPO's ``rho_i`` is a
+    geometric mean of token ratios. verl writes ``log(w_t + 1e-10)``; the floor differs from
+    it by a relative ``1e-10 / w_t`` per token and keeps ``w = 1`` at exactly ``W = 1``, so a
+    sampler equal to the trainer leaves the step bit-for-bit synchronous (§15). A dropped
+    token (``w_t = 0``, ``token_mask``) pulls its row towards 0, not by ``1/L_i``.
+    ``level="sequence"``: the row's own weight (one value on all its active tokens, as
+    ``rollout_correction_weights`` gives it), exactly. An empty row gets 1 (its loss is 0).
+    weights, mask: ``[B, T]`` (``weights`` detached; its padding is ignored).
+    """
+    on = mask > 0
+    if level == "token":
+        log_w = torch.log(torch.clamp(weights, min=GMPO_WEIGHT_EPS))
+        length = on.sum(-1).to(weights.dtype) + GMPO_LENGTH_EPS
+        return torch.exp(torch.where(on, log_w, torch.zeros_like(log_w)).sum(-1) / length)
+    if level == "sequence":
+        row = torch.where(on, weights, torch.full_like(weights, math.inf)).amin(-1)
+        return torch.where(on.any(-1), row, torch.ones_like(row))
+    raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
+
+
+@register_policy_loss("gmpo", params=GmpoParams, loss_types=("grpo",), applies_correction=True)
 def gmpo_objective(inputs: PolicyInputs, norm: StepNormalizer) -> PolicyTerm:
     """GMPO, Geometric-Mean Policy Optimization (arXiv:2507.20673; ALGORITHMS.md §12).
 
@@ -215,12 +241,11 @@ def gmpo_objective(inputs: PolicyInputs, norm: StepNormalizer) -> PolicyTerm:
     equals ``sum_i l_i / num_sequences`` exactly, empty rows counting in the mean (verl's
     ``torch.mean``), and the result does not depend on how the step is split.
 
-    Rollout correction: the step multiplies its weight ``w_t`` into this per-token form, so
-    row ``i`` is weighted by the *arithmetic* mean ``mean_t w_t``. verl instead folds token
-    weights into the geometric mean ``exp(mean_t log(w_t + 1e-10))``. The two agree for the
-    sequence-level corrections (``w`` constant over a row: the spec's choice there) and when
-    ``w = 1``; for token-level ones the arithmetic mean is >= the geometric one (a
-    ``token_mask`` drop lowers the row weight by the dropped fraction, not towards 0).
+    Rollout correction: the loss applies it itself (registered ``applies_correction``): ``l_i``
+    is multiplied by :func:`gmpo_correction_weights` of ``inputs.correction_weights``, the
+    geometric mean ``exp(mean_t log w_t)`` of a token-level correction's weights (verl's
+    choice, §12) or the row's weight of a sequence-level one. Multiplying ``w_t`` into the
+    per-token form instead would weight the row by the arithmetic mean ``mean_t w_t``.
 
     ``policy_mask`` (top-entropy) restricts the gradient: the other tokens keep their
     clipped log-ratio in ``rho_i`` but pass no gradient. Shapes: ``[B, T]`` log-probs and
@@ -234,6 +259,9 @@ def gmpo_objective(inputs: PolicyInputs, norm: StepNormalizer) -> PolicyTerm:
     terms = gmpo_surrogate(inputs.logp, inputs.old_logp, inputs.advantages, mask=inputs.mask,
                            eps_low=p.eps_low, eps_high=p.eps_high, grad_mask=inputs.policy_mask)
     seq = terms.sequence_loss
+    if inputs.correction_weights is not None:
+        seq = seq * gmpo_correction_weights(inputs.correction_weights.detach().to(seq.dtype), inputs.mask,
+                                            inputs.correction_level)
     if inputs.row_weights is not None:
         seq = seq * inputs.row_weights.detach().to(seq.dtype)
     on = inputs.mask > 0
@@ -320,9 +348,13 @@ def dppo_objective(inputs: PolicyInputs, norm: StepNormalizer) -> PolicyTerm:
     Per token, with ``r = exp(clamp(logp - logp_anchor, -20, 20))``:
     ``l = -A * valid * r * sg(min(r, C) / r)``: value ``-A * min(r, C)`` (``-A`` at ``r = 1``,
     as PPO), gradient ``-A * min(r, C) * valid * grad logp`` (verl's; prime-rl's for ``C = inf``
-    and the behaviour anchor). ``valid`` is :func:`dppo_trust_region_mask` against the anchor;
-    a masked token has exactly zero gradient and still counts in the denominator. No KL
-    term is built in (the step's KL options add one).
+    and the behaviour anchor). The weight is computed as ``sg(min(r, C)) * exp(logp - sg(logp))``,
+    whose gradient is that of verl's ``-A * sg(trunc_ratio) * logp``: the clamp only keeps
+    ``exp`` finite, and a token past it still gets the gradient ``-A * min(e^(+/-20), C)``,
+    not the 0 of the clamped ratio's own derivative. ``valid`` is
+    :func:`dppo_trust_region_mask` against the anchor; a masked token has exactly zero
+    gradient and still counts in the denominator. No KL term is built in (the step's KL
+    options add one).
 
     The anchor is ``old_logp`` or, with ``anchor="behaviour"``, ``behaviour_logp`` for both the
     mask and the ratio (a ValueError when the sampler's log-probs are missing). Shapes:
@@ -346,13 +378,15 @@ def dppo_objective(inputs: PolicyInputs, norm: StepNormalizer) -> PolicyTerm:
     cap = p.ratio_cap if p.ratio_cap is not None else inputs.clip.delta
     valid = dppo_trust_region_mask(logp, anchor, inputs.advantages, divergence=p.divergence,
                                    delta_low=p.delta_low, delta_high=p.delta_high)
-    r = torch.exp(_clamped_log_ratio(logp, anchor))
-    weight = r if cap is None else r * (torch.clamp(r, max=cap) / r).detach()
+    r = torch.exp(_clamped_log_ratio(logp, anchor)).detach()
+    truncated_ratio = r if cap is None else torch.clamp(r, max=cap)
+    # Value min(r, C) (exp(0) = 1), gradient min(r, C) * grad logp, also past the +/-20 clamp.
+    weight = truncated_ratio * torch.exp(logp - logp.detach())
     adv = _token_advantages(inputs.advantages, logp)
     per_token = policy_token_term(-adv * torch.where(valid, weight, torch.zeros_like(weight)), inputs)
     mask = inputs.mask.to(logp.dtype)
     masked = (~valid).to(logp.dtype)
-    truncated = torch.zeros_like(masked) if cap is None else (valid & (r.detach() > cap)).to(logp.dtype)
+    truncated = torch.zeros_like(masked) if cap is None else (valid & (r > cap)).to(logp.dtype)
     metrics = {
         "dppo/masked_frac": LossMetric(_token_total(masked, mask), "token"),
         "dppo/masked_high_frac": LossMetric(_token_total(masked * (adv > 0), mask), "token"),

@@ -6,11 +6,16 @@ written for ``pi_old``, the trainer's policy at rollout time. Per completion
 token, with ``d[i,t] = logp_old[i,t] - logp_gen[i,t]``:
 
 * token ratio ``rho[i,t] = exp(d[i,t])``; sequence ratio ``rho_i = exp(sum_t m*d)``
-  (the product of the token ratios, as in TRL);
+  (the product of the token ratios, as in TRL); the ``sequence_*`` modes put the
+  row's one weight on every token of the row (§12's "sequence-level weight");
 * ``*_truncate``: weight ``min(rho, C)`` (truncated IS, TRL's default, cap 3);
-  ``*_mask``: weight ``1`` where ``rho <= C`` and ``0`` above, so an outlier
-  token or sequence is dropped from the policy term rather than down-weighted
-  (TRL's ``token_mask`` / ``sequence_mask``; only the upper side is bounded).
+  ``*_mask``: weight ``rho * 1[rho <= C]`` (masked IS): the ratio where it is at
+  most ``C``, ``0`` above, so an outlier token or sequence is dropped from the
+  policy term rather than down-weighted, and a kept one is importance-weighted
+  as under truncation (TRL's ``token_mask`` / ``sequence_mask``, which
+  ``masked_fill`` the ratio with 0; verl keeps the ratio as the weight and the
+  rejection as a separate mask). Only the upper side is bounded; ``C = inf``
+  gives the plain ratio in both kinds.
 
 The weights are detached and multiply the per-token *policy* term only (the KL
 and entropy terms are not importance-weighted), as TRL and verl do.
@@ -72,6 +77,9 @@ def rollout_correction_weights(
 ) -> torch.Tensor:
     """Detached importance weights ``[B, T]`` for the policy term (1 everywhere for ``mode="none"``).
 
+    With ``rho`` the token ratio ``exp(logp_old - logp_gen)`` (``token_*``) or the row's
+    ``exp(sum_t m (logp_old - logp_gen))`` on each of its tokens (``sequence_*``):
+    ``*_truncate`` -> ``min(rho, C)``, ``*_mask`` -> ``rho * 1[rho <= C]`` (module notes).
     old_logp, behaviour_logp, mask: ``[B, T]``; padding positions get weight 1
     (the aggregators multiply by the mask anyway).
     """
@@ -85,10 +93,8 @@ def rollout_correction_weights(
     log_ratio = d if level == "token" else _sequence_log_ratio(d, m)[:, None].expand_as(d)
     # Compare in log space: exp of a long sequence's log-ratio can overflow to inf.
     over = log_ratio > torch.log(torch.tensor(cap, dtype=log_ratio.dtype, device=log_ratio.device))
-    if kind == "truncate":
-        weight = torch.where(over, torch.full_like(d, cap), torch.exp(log_ratio))
-    else:
-        weight = torch.where(over, torch.zeros_like(d), torch.ones_like(d))
+    # exp is only selected where log_ratio <= log(C): an overflow to inf is never kept.
+    weight = torch.where(over, torch.full_like(d, cap if kind == "truncate" else 0.0), torch.exp(log_ratio))
     return torch.where(m > 0, weight, torch.ones_like(weight)).detach()
 
 

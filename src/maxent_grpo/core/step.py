@@ -115,7 +115,9 @@ class LossSpec:
     ``max_completion_length`` is required by ``loss_type="dr_grpo"``.
     ``rollout_correction`` / ``rollout_correction_cap``: the importance weight
     between the sampler and the trainer's old policy on the per-token policy
-    term (``core/rollout_correction.py``); needs behaviour log-probs.
+    term (``core/rollout_correction.py``; a loss registered with
+    ``applies_correction``, GMPO, is handed the weight and applies it to its
+    sequence loss itself); needs behaviour log-probs.
     """
 
     policy_loss: str = "clipped_surrogate"
@@ -298,6 +300,11 @@ def grpo_step(
             old = logp.detach() if mb.old_logps is None else mb.old_logps
             policy_mask = (mask if threshold is None
                            else top_entropy_mask(ent, mask, spec.top_entropy_quantile, threshold))
+            correction = None
+            if mb.behaviour_logps is not None and spec.rollout_correction != "none":
+                correction = rollout_correction_weights(
+                    old, mb.behaviour_logps, mask, spec.rollout_correction, spec.rollout_correction_cap
+                )
             term = policy_loss(
                 PolicyInputs(
                     logp=logp, old_logp=old, mask=mask, policy_mask=policy_mask,
@@ -305,19 +312,19 @@ def grpo_step(
                     row_weights=mb.row_weights, listwise_weights=mb.listwise_weights,
                     listwise_active=mb.listwise_active, listwise_clip_coef=spec.listwise_clip_coef,
                     behaviour_logp=mb.behaviour_logps, params=spec.policy_params,
+                    correction_weights=correction if policy_loss.applies_correction else None,
+                    correction_level=ratio_level,
                 ),
                 norm,
             )
             per_token_policy = term.per_token_loss
+            if correction is not None and not policy_loss.applies_correction:
+                per_token_policy = per_token_policy * correction.to(per_token_policy.dtype)
             if mb.behaviour_logps is not None:
                 mismatch.append(rollout_mismatch_sums(
                     old, mb.behaviour_logps, mask, level=ratio_level, seq_error_threshold=spec.seq_logprob_error_threshold,
                     cap=None if spec.rollout_correction == "none" else spec.rollout_correction_cap,
                 ))
-                if spec.rollout_correction != "none":
-                    per_token_policy = per_token_policy * rollout_correction_weights(
-                        old, mb.behaviour_logps, mask, spec.rollout_correction, spec.rollout_correction_cap
-                    ).to(per_token_policy.dtype)
                 if spec.seq_logprob_error_threshold is not None:
                     per_token_policy = per_token_policy * seq_error_weights(
                         old, mb.behaviour_logps, mask, spec.seq_logprob_error_threshold

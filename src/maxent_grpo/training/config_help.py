@@ -78,7 +78,7 @@ HELP: dict[str, str] = {
                                "sampler is not the trainer, else none), none, token_/sequence_ truncate or mask",
     "loss.seq_logprob_error_threshold": "leave out of the policy term each sequence whose mean exp(|logp_trainer - "
                                         "logp_sampler|) exceeds this (NeMo-RL's option; null: off; > 1)",
-    "loss.rollout_correction_cap": "cap C of the rollout correction (truncate: min(ratio, C); mask: drop above C)",
+    "loss.rollout_correction_cap": "cap C of the rollout correction (truncate: min(ratio, C); mask: the ratio, 0 above C)",
     "loss.entropy_coef": "alpha of the loss-side entropy regulariser (maxent_entropy)",
     "loss.policy_entropy_bonus_coef": "reward-side entropy bonus coefficient",
     "loss.dynamic_sampling": "DAPO: keep only groups whose rewards vary, generating more if needed",

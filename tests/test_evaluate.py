@@ -15,7 +15,7 @@ import torch
 Dataset = pytest.importorskip("datasets", reason="datasets is not installed (the GPU machine's image)").Dataset
 
 from maxent_grpo.cli import main
-from maxent_grpo.eval_command import select_eval_rows
+from maxent_grpo.eval_command import fresh_task_rows, select_eval_rows
 from maxent_grpo.evaluate import CORRECT_THRESHOLD, evaluate_prompts
 from maxent_grpo.models import load_tokenizer
 from maxent_grpo.rewards.registry import build_reward_spec
@@ -223,6 +223,22 @@ def test_select_eval_rows_is_the_held_out_prefix_or_the_first_rows():
     assert select_eval_rows(ds, 0, 5, 3) == [dict(ds[i]) for i in range(5)]
     with pytest.raises(ValueError, match="num_prompts"):
         select_eval_rows(ds, 0, 0, 3)
+
+
+def test_fresh_task_rows_are_problems_the_run_did_not_train_on_while_there_are_any(caplog):
+    cfg = load_config(None, ["data.task_kwargs={min_terms: 1, max_terms: 1, max_digits: 1}"])  # 10 problems
+    task = sorted(set(load_prompt_dataset(cfg.data.source, size=64, seed=1, instruction=cfg.data.instruction,
+                                          task_kwargs=cfg.data.task_kwargs)["prompt"]))
+    assert len(task) == 10
+    untrained = fresh_task_rows(cfg, set(), 4)
+    assert len({r["prompt"] for r in untrained}) == 4  # distinct problems
+    with caplog.at_level("WARNING", logger="maxent_grpo"):
+        assert [r["prompt"] for r in fresh_task_rows(cfg, set(task[2:]), 4)] in (task[:2], task[1::-1])
+        assert "has 2 problem(s) the run did not train on, fewer than the 4 asked for" in caplog.text
+        caplog.clear()
+        # Every problem trained on: those (eval_rows' overlap warning says so).
+        assert [r["prompt"] for r in fresh_task_rows(cfg, set(task), 4)] == [r["prompt"] for r in untrained]
+        assert caplog.text == ""
 
 
 # ----------------------------------------------------------------------------- the eval command

@@ -75,9 +75,10 @@ A completion is correct when the FIRST reward function of the config gives >= 1.
 None counts as wrong. distinct@K counts distinct correct final answers (last \\boxed{}
 or <answer>, canonicalised). Prompts: the run's held-out split when data.eval_size > 0;
 else, for reasoning_gym sources, problems generated from another seed that the run did
-not train on; else the first N rows of data.source, with a warning that the run trained
-on them. With --config RUN/config.yaml and MODEL = RUN/checkpoints/step-N it reproduces
-RUN/eval/step-N exactly.""",
+not train on (with MODEL = RUN/checkpoints/step-N: that its sampler had not drawn by step
+N), or, when it trained on every problem the task has, those, with a warning; else the
+first N rows of data.source, with a warning for those the run trained on. With --config
+RUN/config.yaml and MODEL = RUN/checkpoints/step-N it reproduces RUN/eval/step-N exactly.""",
     )
     ev.add_argument("model", help="model name or path, or a checkpoint folder")
     ev.add_argument("--config", metavar="FILE", help="recipe whose data, rewards and generation settings to use")

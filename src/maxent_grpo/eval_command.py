@@ -1,9 +1,11 @@
 """``maxent-grpo eval``: evaluate a saved model or checkpoint the way the run's config says.
 
-Which rows: :func:`select_eval_rows` (the held-out split when there is one), else for a
-generated task fresh problems from another seed (:func:`fresh_task_rows`), with a
-warning whenever evaluation prompts are training rows. The metrics are
-:mod:`maxent_grpo.evaluate`'s.
+Which rows (:func:`eval_rows`): the held-out split when there is one
+(:func:`select_eval_rows`); else, for a generated task, problems from another seed that
+the run did not train on (:func:`fresh_task_rows`; for a checkpoint of the run, those its
+sampler did not draw up to that step), or, when the run trained on every problem the task
+has, those; else the first rows of the data. A warning says whenever evaluation prompts
+are ones the run trained on. The metrics are :mod:`maxent_grpo.evaluate`'s.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from maxent_grpo.data.datasets import RG_PREFIX, load_prompt_dataset, split_train_eval
+from maxent_grpo.data.datasets import RG_PREFIX, PromptSampler, load_prompt_dataset, split_train_eval
 from maxent_grpo.data.prompts import longest_prompt_tokens
 from maxent_grpo.errors import ConfigError
 from maxent_grpo.envs import ENVIRONMENT_COLUMN
@@ -25,7 +27,8 @@ from maxent_grpo.models import load_model_and_tokenizer, parse_dtype, resolve_mo
 from maxent_grpo.rewards.registry import build_reward_spec
 from maxent_grpo.rollout.backend import SamplingParams
 from maxent_grpo.rollout.backends import BACKENDS, BackendInputs
-from maxent_grpo.training.config import load_config
+from maxent_grpo.training.checkpoint import TRAINER_STATE_NAME, read_trainer_state
+from maxent_grpo.training.config import load_config, to_dict
 from maxent_grpo.training.distributed import Dist
 from maxent_grpo.training.precision import bf16_is_fast, resolve_precision
 
@@ -52,30 +55,83 @@ def select_eval_rows(dataset, eval_size: int, num_prompts: int, seed: int) -> li
 FRESH_SEED_OFFSET = 1_000_003
 
 
-def fresh_task_rows(cfg, train_dataset, num_prompts: int) -> list[dict]:
-    """A reasoning-gym run without a held-out split: ``num_prompts`` problems generated from
-    another seed, leaving out any whose prompt the run trained on (small tasks repeat)."""
-    seen = set(train_dataset["prompt"])
-    fresh = load_prompt_dataset(
+def _key(prompt) -> str:
+    """A prompt as a set member: its text, or a chat's JSON."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt)
+
+
+def _checkpoint_state(cfg, model: str) -> dict | None:
+    """MODEL's trainer state when MODEL is a checkpoint of a run with this config's data and seed."""
+    path = Path(model)
+    if not (path / TRAINER_STATE_NAME).is_file():
+        return None
+    state = read_trainer_state(path)
+    if "config" not in state:  # a checkpoint from before checkpoints held their config
+        return None
+    ours = json.loads(json.dumps(to_dict(cfg)))
+    saved = state["config"]
+    if saved["data"] != ours["data"] or saved["training"]["seed"] != ours["training"]["seed"]:
+        return None
+    return state
+
+
+def trained_prompts(cfg, dataset, model: str) -> set[str]:
+    """The prompts (as :func:`_key`) the run trained on.
+
+    When MODEL is a checkpoint of a run of this config: the rows its sampler drew up to that
+    step (the default run draws 60 of its 1000 rows). Otherwise every training row of the
+    config's data (the held-out split excepted).
+    """
+    d = cfg.data
+    train = split_train_eval(dataset, d.eval_size, cfg.training.seed)[0] if d.eval_size else dataset
+    prompts = train["prompt"]
+    state = _checkpoint_state(cfg, model)
+    if state is None:
+        return {_key(p) for p in prompts}
+    sampler = PromptSampler(train, state["sampler"]["batch_size"], seed=cfg.training.seed, shuffle=d.shuffle)
+    sampler.load_state_dict(state["sampler"])
+    return {_key(prompts[i]) for i in sampler.drawn_indices()}
+
+
+def fresh_task_rows(cfg, trained: set[str], num_prompts: int) -> list[dict]:
+    """A reasoning-gym run without a held-out split: up to ``num_prompts`` distinct problems generated
+    from another seed that the run did not train on (``trained``: :func:`trained_prompts`).
+
+    A small task can run out of them (one-digit chain_sum has 200 problems): then as many as are
+    left, and when none are, problems the run trained on (``warn_training_overlap`` says so).
+    """
+    pool = load_prompt_dataset(
         cfg.data.source, size=max(4 * num_prompts, 64), seed=cfg.training.seed + FRESH_SEED_OFFSET,
         instruction=cfg.data.instruction, task_kwargs=cfg.data.task_kwargs,
     )
-    rows = [dict(r) for r in fresh if r["prompt"] not in seen][:num_prompts]
-    if not rows:
-        raise ConfigError(f"eval: every problem {cfg.data.source} generates is one the run trained on; "
-                          "set data.eval_size > 0 to hold some out")
-    return rows
+    distinct: dict[str, dict] = {}
+    for row in pool:
+        distinct.setdefault(_key(row["prompt"]), dict(row))
+    fresh = [row for key, row in distinct.items() if key not in trained]
+    if 0 < len(fresh) < num_prompts:
+        log.warning("eval: %s has %d problem(s) the run did not train on, fewer than the %d asked for; evaluating "
+                    "those (set data.eval_size > 0 to hold more out)", cfg.data.source, len(fresh), num_prompts)
+    return (fresh or list(distinct.values()))[:num_prompts]
 
 
-def warn_training_overlap(rows: list[dict], dataset, eval_size: int, seed: int, source: str) -> None:
+def warn_training_overlap(rows: list[dict], trained: set[str], source: str) -> None:
     """Warn when evaluation prompts are among the prompts the run trained on."""
-    train = split_train_eval(dataset, eval_size, seed)[0] if eval_size else dataset
-    seen = set(train["prompt"]) if isinstance(train[0]["prompt"], str) else {json.dumps(p) for p in train["prompt"]}
-    key = (lambda p: p) if isinstance(rows[0]["prompt"], str) else json.dumps
-    overlap = sum(key(r["prompt"]) in seen for r in rows)
+    overlap = sum(_key(r["prompt"]) in trained for r in rows)
     if overlap:
         log.warning("eval: %d of %d prompts are training rows of %s; set data.eval_size > 0 (a held-out split) "
                     "or point data.source at a test set", overlap, len(rows), source)
+
+
+def eval_rows(cfg, dataset, model: str, num_prompts: int) -> list[dict]:
+    """The rows ``maxent-grpo eval MODEL`` evaluates (the module docstring), with a warning for
+    any the run trained on."""
+    trained = trained_prompts(cfg, dataset, model)
+    if not cfg.data.eval_size and cfg.data.source.startswith(RG_PREFIX):
+        rows = fresh_task_rows(cfg, trained, num_prompts)
+    else:
+        rows = select_eval_rows(dataset, cfg.data.eval_size, num_prompts, cfg.training.seed)
+    warn_training_overlap(rows, trained, cfg.data.source)
+    return rows
 
 
 def run_eval_cli(args) -> int:
@@ -100,10 +156,7 @@ def run_eval_cli(args) -> int:
         answer_column=cfg.data.answer_column, size=cfg.data.size, seed=cfg.training.seed,
         instruction=cfg.data.instruction, task_kwargs=cfg.data.task_kwargs,
     )
-    rows = select_eval_rows(dataset, cfg.data.eval_size, n, cfg.training.seed)
-    if not cfg.data.eval_size and cfg.data.source.startswith(RG_PREFIX):
-        rows = fresh_task_rows(cfg, dataset, n)
-    warn_training_overlap(rows, dataset, cfg.data.eval_size, cfg.training.seed, cfg.data.source)
+    rows = eval_rows(cfg, dataset, args.model, n)
     spec = build_reward_spec(cfg.rewards)
     g = cfg.generation
     limits = episode_limits(cfg.environment, g.max_new_tokens)

@@ -258,6 +258,16 @@ def test_sampler_resume_continues_exactly():
     assert resumed.state_dict() == continuing.state_dict()
 
 
+def test_drawn_indices_are_every_row_drawn_so_far_also_from_a_restored_state():
+    for batches in (0, 1, 2, 3, 5):  # 2 batches an epoch: none, within, at the end of, across epochs
+        sampler = PromptSampler(numbered(11), 4, seed=3)
+        drawn = {i for batch in drain(sampler, batches) for i in batch}
+        assert sampler.drawn_indices() == drawn
+        restored = PromptSampler(numbered(11), 4, seed=3)
+        restored.load_state_dict(json.loads(json.dumps(sampler.state_dict())))
+        assert restored.drawn_indices() == drawn
+
+
 def test_sampler_rejects_bad_arguments_and_foreign_state():
     with pytest.raises(ValueError, match="batch_size=5 is larger than the dataset"):
         PromptSampler(numbered(4), 5, seed=0)

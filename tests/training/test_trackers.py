@@ -6,12 +6,32 @@ import glob
 import importlib.util
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from maxent_grpo.training.trackers import TRACKER_NAMES, make_trackers, resolve_report_to
+from maxent_grpo.errors import ConfigError
+from maxent_grpo.training.trackers import TRACKER_NAMES, make_trackers, require_trackers, resolve_report_to
 from tiny_runs import wandb_history
+
+REPO = Path(__file__).resolve().parents[2]
+# A sitecustomize that makes the path finder miss wandb, as on a machine without it (tests/test_gpu_check.py).
+NO_WANDB = '''
+import importlib.machinery
+
+_find = importlib.machinery.PathFinder.find_spec
+
+
+def _find_spec(cls, name, path=None, target=None):
+    if name.partition(".")[0] == "wandb":
+        return None
+    return _find(name, path, target)
+
+
+importlib.machinery.PathFinder.find_spec = classmethod(_find_spec)
+'''
 
 METRICS = [
     {"reward": 0.25, "kl": 0.0, "eval/pass@1": 0.5, "step_time": 3},
@@ -47,13 +67,40 @@ def test_resolve_report_to_follows_trl_conventions():
         resolve_report_to(["tensorboard", "comet"])
 
 
-def test_missing_package_is_a_one_line_error_naming_it_and_the_extra(monkeypatch, tmp_path):
+def test_missing_package_is_a_one_line_config_error_naming_the_key_and_the_package(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "trackio", None)  # makes `import trackio` fail as if absent
-    with pytest.raises(ValueError) as info:
-        make_trackers(["tensorboard", "trackio"], tmp_path)
-    message = str(info.value)
-    assert "trackio" in message and "maxent-grpo[trackers]" in message and "\n" not in message
+    for call in (lambda: require_trackers("tensorboard,trackio"),
+                 lambda: make_trackers(["tensorboard", "trackio"], tmp_path)):
+        with pytest.raises(ConfigError) as info:
+            call()
+        assert str(info.value) == "logging.report_to: trackio is not installed (pip install trackio)"
     assert not (tmp_path / "tensorboard").exists()  # nothing started before the check failed
+
+
+def test_train_with_a_tracker_that_is_not_installed_stops_with_one_line_before_the_model(tmp_path):
+    """``maxent-grpo train`` asking for wandb where it cannot be imported: one line naming
+    logging.report_to and the package, exit 2, no output folder. The model path does not exist:
+    the same command without wandb fails on it, so the tracker check comes before the model."""
+    (tmp_path / "sitecustomize.py").write_text(NO_WANDB)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO / "src")])}
+    missing = tmp_path / "no-such-model"
+
+    def train(report_to, out):
+        return subprocess.run(
+            [sys.executable, "-m", "maxent_grpo.cli", "train", "--output-dir", str(out),
+             "--set", f"logging.report_to={report_to}", "--set", f"model.name_or_path={missing}"],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        )
+
+    proc = train("[tensorboard, wandb]", tmp_path / "run")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        "maxent-grpo: config error: logging.report_to: wandb is not installed (pip install wandb)"
+    ]
+    assert not (tmp_path / "run").exists()
+    proc = train("[tensorboard]", tmp_path / "control")
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.splitlines()[-1] == f"maxent-grpo: error: model directory '{missing}' does not exist"
 
 
 def test_no_trackers_is_a_no_op(tmp_path):

@@ -328,6 +328,16 @@ class PromptSampler:
     def __next__(self) -> list[dict[str, Any]]:
         return self.next_batch()
 
+    def drawn_indices(self) -> set[int]:
+        """The dataset indices of every row drawn so far: each finished epoch's batches, then the
+        current epoch's up to ``position`` (what a run trained on, from a checkpoint's state)."""
+        drawn = {int(i) for i in self._order[: self.position]}
+        for epoch in range(self.epoch):
+            if len(drawn) == len(self.dataset):
+                break
+            drawn.update(int(i) for i in self._permutation(epoch)[: self.batches_per_epoch * self.batch_size])
+        return drawn
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch,

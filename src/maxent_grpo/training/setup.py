@@ -40,7 +40,7 @@ from maxent_grpo.training.run_dir import (
     RunDirError, RunLock, claim_output_dir, config_history, history_line, resume_changes,
 )
 from maxent_grpo.training.strategy import STRATEGIES, Strategy
-from maxent_grpo.training.trackers import make_trackers
+from maxent_grpo.training.trackers import make_trackers, require_trackers
 from maxent_grpo.training.weighting_config import weighting_from_config
 
 if TYPE_CHECKING:  # datasets is imported by the loaders that need it (the GPU machine has none)
@@ -147,8 +147,10 @@ def _generation_backend(cfg: TrainConfig, model, tokenizer, model_path: str, out
 def build_run(
     cfg: TrainConfig, *, resume: str | bool | None = None, overwrite: bool = False, allow_config_change: bool = False,
 ) -> Run:
-    """Everything a run needs, checked in the order of their cost: the output folder,
-    the resume checkpoint's config, data, rewards, the generation backend, then the model."""
+    """Everything a run needs, checked in the order of their cost: the tracker packages, the output
+    folder, the resume checkpoint's config, data, rewards, the generation backend, then the model."""
+    # Every process checks (the main one starts them): all ranks refuse together, none waits for the others.
+    require_trackers(cfg.logging.report_to)
     dist = Dist.init(cfg.training.dist_timeout_minutes)
     log_device(dist)
     strategy = STRATEGIES[cfg.training.strategy](dist)

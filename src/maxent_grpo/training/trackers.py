@@ -2,8 +2,9 @@
 
 ``report_to`` follows TRL: a list of names, one name (or names joined by commas),
 ``"none"`` or ``"all"`` (every installed one). Each backend's package is imported
-only when it is asked for; a missing one is a ``ValueError`` that says what to install.
-Create the trackers on the main process only.
+only when it is asked for; a missing one is a :class:`ConfigError` naming
+``logging.report_to`` and what to install (:func:`require_trackers`, which a run calls
+before any model loads). Create the trackers on the main process only.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-__all__ = ["TRACKER_NAMES", "Trackers", "make_trackers", "resolve_report_to"]
+from maxent_grpo.errors import ConfigError
 
+__all__ = ["TRACKER_NAMES", "Trackers", "make_trackers", "require_trackers", "resolve_report_to"]
+
+# Each is also the name of its package on PyPI and of the module it installs.
 TRACKER_NAMES = ("tensorboard", "wandb", "mlflow", "trackio")
-_INSTALL_HINT = "pip install 'maxent-grpo[trackers]'"
 
 
 class _Backend(Protocol):
@@ -52,11 +55,25 @@ def resolve_report_to(report_to: str | Sequence[str] | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def _not_installed(name: str) -> ConfigError:
+    return ConfigError(f"logging.report_to: {name} is not installed (pip install {name})")
+
+
+def require_trackers(report_to: str | Sequence[str] | None) -> list[str]:
+    """The backend names of ``report_to``; a :class:`ConfigError` for the first whose package is
+    not installed (found without importing it, so this is quick: a run calls it first)."""
+    names = resolve_report_to(report_to)
+    for name in names:
+        if importlib.util.find_spec(name) is None:
+            raise _not_installed(name)
+    return names
+
+
 def _import(name: str) -> Any:
     try:
         return importlib.import_module(name)
     except ImportError as exc:
-        raise ValueError(f"report_to asks for '{name}', which is not installed: {_INSTALL_HINT}") from exc
+        raise _not_installed(name) from exc
 
 
 def _floats(metrics: dict[str, Any]) -> dict[str, float]:
@@ -223,10 +240,7 @@ def make_trackers(
     ``MLFLOW_TRACKING_URI`` is set; trackio its local store. ``config`` (the resolved
     run config) is recorded with the run.
     """
-    names = resolve_report_to(report_to)
-    for name in names:  # fail on a missing package before any backend starts a run
-        if importlib.util.find_spec(name) is None:
-            raise ValueError(f"report_to asks for '{name}', which is not installed: {_INSTALL_HINT}")
+    names = require_trackers(report_to)  # every package, before any backend starts a run
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     backends: list[_Backend] = []

@@ -27,6 +27,20 @@ def raises(prompts, completions, **kwargs):
     raise RuntimeError("scorer crashed")
 
 
+def shortness_then_flat(calls: int):
+    """A factory: ``shortness`` for ``calls`` calls (batches), then 0 for every completion, so that every
+    later batch has zero advantages (nothing to learn; only the KL term and AdamW's moments move the policy)."""
+    seen = [0]
+
+    def reward(prompts, completions, completion_ids, **kwargs):
+        seen[0] += 1
+        if seen[0] > calls:
+            return [0.0] * len(completion_ids)
+        return shortness(prompts, completions, completion_ids)
+
+    return reward
+
+
 def fails_after(calls: int):
     """A factory: the reward works for ``calls`` calls (steps), then raises every time."""
     seen = [0]

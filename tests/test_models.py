@@ -116,6 +116,22 @@ def test_lora_reference_context_is_the_base_model(tiny_model_dir):
     assert torch.allclose(_logits(peft_model, ids), adapted)
 
 
+def test_apply_lora_keeps_the_loaded_eval_mode_so_its_dropout_is_off(tiny_model_dir):
+    """peft builds its adapter modules in training mode; the policy trains in eval mode (from_pretrained's),
+    so a LoRA dropout > 0 must not thin the trainer's forward (issue 32: the sampler samples the merged,
+    dropout-free policy)."""
+    model, _ = load_model_and_tokenizer(tiny_model_dir)
+    peft_model = apply_lora(model, r=4, alpha=8, dropout=0.5)
+    assert not any(m.training for m in peft_model.modules())
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.5)
+    ids = torch.tensor([[3, 17, 42, 99, 7, 250]])
+    assert torch.equal(_logits(peft_model, ids), _logits(peft_model, ids))
+
+
 def test_reference_context_requires_adapters(tiny_model_dir):
     model, _ = load_model_and_tokenizer(tiny_model_dir)
     with pytest.raises(ValueError, match="LoRA"):

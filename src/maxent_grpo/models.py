@@ -366,6 +366,16 @@ def apply_lora(
     """Wrap ``model`` in LoRA adapters (peft); only adapter weights stay trainable.
 
     ``target_modules`` is a list of module-name suffixes or ``"all-linear"``.
+
+    The result is left in the train/eval mode ``model`` was in: eval for the policy as loaded
+    (``from_pretrained``'s, in which it trains; see ``enable_activation_checkpointing``). peft
+    builds its adapter modules in training mode (``nn.Module``'s default), so its
+    ``lora_dropout`` would otherwise be on in every trainer forward: the trainer's log-probs
+    would be those of a randomly thinned adapter, not of the policy the sampler samples
+    (the merged weights, or the HF backend's eval-mode generation), and the two would drift
+    apart as ``B`` grows from 0 (issue 32). So ``dropout`` is not applied in training, as the
+    base model's own dropout is not; it stays in the adapter config (``model.lora.dropout``)
+    so that saved configs and checkpoints still load.
     """
     from peft import LoraConfig, get_peft_model
 
@@ -386,7 +396,8 @@ def apply_lora(
     config = LoraConfig(
         task_type="CAUSAL_LM", r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets
     )
-    return get_peft_model(model, config)
+    training = model.training
+    return get_peft_model(model, config).train(training)
 
 
 @contextlib.contextmanager

@@ -4,8 +4,9 @@ Real engines on a tiny model whose head size vLLM's CPU attention supports:
 log-prob parity with the trainer, weight pushes (tied head, prefix cache),
 seeds, stop strings, the bf16 mismatch, the server with disk sync, two
 colocated processes, a short training run that learns, LoRA pushed merged
-(and a LoRA run), ``maxent-grpo eval`` through the engine, and the CPU build's
-refusal of sleep mode (whose sequencing tests/rollout/test_vllm_sleep.py checks).
+(and LoRA runs, one with the default dropout, flat steps and a reference
+pass), ``maxent-grpo eval`` through the engine, and the CPU build's refusal
+of sleep mode (whose sequencing tests/rollout/test_vllm_sleep.py checks).
 """
 
 from __future__ import annotations
@@ -273,6 +274,28 @@ def test_training_with_lora_and_vllm(vllm_model_dir, tmp_path):
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in rows)
+
+
+def test_lora_with_default_dropout_stays_the_sampled_policy_through_flat_steps_and_the_reference(
+        vllm_model_dir, tmp_path):
+    """Issue 32: LoRA with its default dropout (0.05), a reference pass every step (loss.beta > 0: the
+    base model, adapters disabled) and zero-advantage steps after the first. After each step's push the
+    fp32 engine samples the trainer's policy at fp32 rounding, the full fine-tune's bound (1e-4), while the
+    adapters have moved (KL to the reference > 0). With peft's dropout on in the trainer's forward the
+    difference grew with every step (max 0.02-0.07 per token)."""
+    out = tmp_path / "run"
+    reward = "[{name: 'learnable_rewards:shortness_then_flat', kwargs: {calls: 1}}]"
+    args = tiny_overrides(vllm_model_dir, out, rewards=reward, steps=5, extra=[
+        "method=grpo", "generation.backend=vllm", "generation.vllm.enforce_eager=true",
+        "model.lora.enabled=true", "training.learning_rate=0.01", "loss.beta=0.04",
+    ])
+    assert main(["train", *args]) == 0
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert rows[-1]["skipped/no_signal"] == 4  # steps 2-5: every advantage 0
+    assert all(r["kl"] > 0 for r in rows[1:])  # the adapters moved away from the base
+    diffs = [r["sampling/sampling_logp_difference/max"] for r in rows]
+    assert max(diffs) < 1e-4, diffs
 
 
 # ------------------------------------------------------------------ sleep mode, eval

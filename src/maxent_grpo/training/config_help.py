@@ -18,7 +18,8 @@ HELP: dict[str, str] = {
     "model.lora.enabled": "train LoRA adapters (peft); the reference is the base model with adapters off",
     "model.lora.r": "LoRA rank",
     "model.lora.alpha": "LoRA scaling alpha",
-    "model.lora.dropout": "LoRA dropout",
+    "model.lora.dropout": "LoRA dropout, kept in the adapter config but not applied: the policy trains in eval mode, "
+                          "so its log-probs are those of the weights the sampler gets",
     "model.lora.target_modules": "module names LoRA wraps, or 'all-linear'",
     "data.source": "file (.jsonl/.json/.parquet), datasets name, or reasoning_gym:<task>",
     "data.split": "dataset split to read",

@@ -98,3 +98,22 @@ def test_uncorrected_stale_samples_are_refused(tiny_model_dir, tmp_path, capsys)
     assert code != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "config error: loss.rollout_correction: none leaves samples" in err[0]
+
+
+def test_a_sampler_that_never_answers_is_named_with_what_was_awaited():
+    """The wait for a batch sampled beside the trainer names, on timeout, the step, its partition on the
+    data plane, the weights version sampling it, and whether the sampling thread is still at it (the
+    endless wait of verl#7155 is bounded here by rollout.wait_timeout_s; its message must say what hung)."""
+    import threading
+
+    from maxent_grpo.training.rollout_queue import RolloutsLost, _Job
+
+    release = threading.Event()
+    job = _Job(6, 4, lambda: release.wait())
+    with pytest.raises(RolloutsLost) as err:
+        job.wait(0.05)
+    release.set()
+    message = str(err.value)
+    assert message.startswith("no rollouts for step 7 (partition train/6, sampled by weights version 4) after 0 s "
+                              "(rollout.wait_timeout_s): the sampling thread is alive")
+    assert job.wait(60) is True  # once the work returns, the result is handed over

@@ -55,14 +55,15 @@ class _Job:
     """One batch sampled in a daemon thread (a thread that outlives a stopped run must not keep
     the process alive: it only waits on a server)."""
 
-    def __init__(self, step: int, work: Callable[[], Sampled | SkipBatch]):
-        self.step = step
+    def __init__(self, step: int, version: int, work: Callable[[], Sampled | SkipBatch]):
+        self.step, self.version = step, version
         self.started = time.perf_counter()
         self.finished: float | None = None
         self.result: Sampled | SkipBatch | None = None
         self.error: BaseException | None = None
         self._done = threading.Event()
-        threading.Thread(target=self._run, args=(work,), daemon=True, name=f"rollouts-{step}").start()
+        self._thread = threading.Thread(target=self._run, args=(work,), daemon=True, name=f"rollouts-{step}")
+        self._thread.start()
 
     def _run(self, work) -> None:
         try:
@@ -75,9 +76,13 @@ class _Job:
 
     def wait(self, timeout_s: float) -> Sampled | SkipBatch:
         if not self._done.wait(timeout_s):
+            # What it waited for, and whether the producer is still at it (a hung server) or gone.
+            producer = (f"the sampling thread is alive, {time.perf_counter() - self.started:.0f} s into the batch "
+                        "(a generation request that never returned)" if self._thread.is_alive()
+                        else "the sampling thread has ended without handing a result over")
             raise RolloutsLost(
-                f"no rollouts for step {self.step + 1} after {timeout_s:.0f} s (rollout.wait_timeout_s): "
-                "the sampler did not answer"
+                f"no rollouts for step {self.step + 1} (partition {partition(self.step)}, sampled by weights version "
+                f"{self.version}) after {timeout_s:.0f} s (rollout.wait_timeout_s): {producer}"
             )
         if self.error is not None:
             raise self.error
@@ -122,7 +127,7 @@ class RolloutQueue:
         params = replace(self.ctx.plan.batch.sampling, seed=step_seed(self.seed, self.ctx.dist.rank, j))
         if self._last_finish is not None:
             self.timings["time/sampler_idle"] = time.perf_counter() - self._last_finish
-        self._job = _Job(j, lambda: _sampled_or_skip(self.ctx, rows, params))
+        self._job = _Job(j, version, lambda: _sampled_or_skip(self.ctx, rows, params))
 
     def take(self, step: int) -> RolloutRecord:
         """The record of batch ``step``; ``StopIteration`` when the data ran out before it.
@@ -132,7 +137,7 @@ class RolloutQueue:
             raise StopIteration
         record = self.plane.fetch(partition(step))
         if record is None:
-            raise RuntimeError(f"batch {step} was never put on the data plane")
+            raise RuntimeError(f"batch {step} (partition {partition(step)}) was never put on the data plane")
         if not bool(admissible(step, torch.tensor([record.version]), self.k)[0]):
             self.dropped_stale += 1
             self.plane.clear(partition(step))

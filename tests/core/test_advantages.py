@@ -74,7 +74,8 @@ def test_nan_rows_are_zero_and_excluded_from_group_stats():
     torch.testing.assert_close(adv[[0, 2, 3]], ref)
 
 
-@pytest.mark.parametrize("estimator", sorted(ADVANTAGE_ESTIMATORS))
+# The group-baseline estimators (maxrl's zeros are tested in test_maxrl.py, with binary rewards).
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_equal_rewards_give_exact_zero(estimator, scale):
     # 0.1 three times: the float mean is not exactly 0.1, so only an explicit test gives 0.
@@ -116,6 +117,7 @@ def test_batch_scaling_uses_one_scalar():
     ],
 )
 def test_bad_arguments_raise(kwargs, name):
+    assert set(ADVANTAGE_ESTIMATORS) >= {"grpo", "rloo", "maxrl", "reinforce_pp", "reinforce_pp_baseline"}
     with pytest.raises(ValueError, match=name):
         compute_advantages(**kwargs)
 

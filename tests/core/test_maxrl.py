@@ -166,3 +166,15 @@ def test_group_stats_for_the_metrics():
     rate, none = maxrl_group_stats(r, 4)
     assert rate.tolist() == [0.25, 0.0, 2 / 3] and none.tolist() == [False, True, False]
     assert maxrl(r.tolist(), 4).max().item() == 3.0
+
+
+def test_order_of_operations_is_g_v_times_r_over_k_minus_one():
+    """§16 Chosen 6: ``(G_v*r)/K - 1`` in the reward dtype, exactly; ``G_v*(r/K) - 1`` (e.g. G=5, K=3)
+    and ``(r - rbar)/rbar`` (e.g. G=3, K=1) differ in the last bit for some (G, K)."""
+    for g in range(2, 33):
+        for k in range(1, g + 1):
+            adv = maxrl([1.0] * k + [0.0] * (g - k), g)
+            assert adv[0].item() == (g * 1.0) / k - 1, (g, k)
+            # The same group with a NaN row appended: G_v = g valid rows of g + 1.
+            adv = maxrl([1.0] * k + [0.0] * (g - k) + [NAN], g + 1)
+            assert adv[0].item() == (g * 1.0) / k - 1 and adv[-1].item() == 0.0, (g, k)

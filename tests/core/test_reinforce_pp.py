@@ -87,9 +87,18 @@ def test_token_weighting_is_not_a_sequence_mean():
 
 @pytest.mark.parametrize("estimator, baseline", ESTIMATORS)
 def test_all_equal_rewards_in_the_batch_give_exact_zero(estimator, baseline):
-    for r in ([0.1] * 6, [1.0] * 6):
-        a = adv(r, [3, 1, 4, 1, 5, 9], 3, estimator)
+    # Three tokens of 0.1: their float mean is 0.10000000000000002, not 0.1, so only an explicit
+    # equality test gives 0 (a 1e-17 deviation times rsqrt(1e-8) would be 1e-13).
+    assert statistics.fmean([0.1] * 3) != 0.1 and sum([0.1] * 3) / 3 != 0.1
+    for r, t in (([0.1] * 6, [1, 1, 1, 0, 0, 0]), ([0.1] * 6, [3, 1, 4, 1, 5, 9]), ([1.0] * 6, [1] * 6)):
+        a = adv(r, t, 3, estimator)
         assert torch.equal(a, torch.zeros(6, dtype=torch.float64)) and not torch.isnan(a).any()
+
+
+def test_baseline_of_zero_std_groups_is_exactly_zero():
+    # Every group's rewards agree (at different levels): every centred value is 0, so every advantage.
+    a = adv([0.1, 0.1, 0.1, 0.7, 0.7, 0.7, 0.3, 0.3, 0.3], [1, 2, 3, 1, 2, 3, 4, 5, 6], 3, "reinforce_pp_baseline")
+    assert torch.equal(a, torch.zeros(9, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("estimator, baseline", ESTIMATORS)

@@ -83,3 +83,9 @@ def kills_process_at(pid: int, call: int):
         return shortness(prompts, completions, completion_ids)
 
     return reward
+
+
+def parity(prompts, completions, completion_ids, **kwargs):
+    """1.0 when the completion's token ids sum to an even number, else 0.0: a binary reward that
+    varies on random text (MaxRL needs 0/1 rewards)."""
+    return [float(sum(ids) % 2 == 0) for ids in completion_ids]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,8 +29,12 @@ METHOD_RECIPES = [p for p in RECIPES if p.stem in METHODS]
 REWARDS = "[{name: boxed_accuracy}, {name: length, kwargs: {max_length: 100}}]"
 
 
-def tiny_overrides(model_dir, out, *, steps=2, extra=()):
-    return tiny_run_args(model_dir, out, rewards=REWARDS, steps=steps, extra=extra)
+# MaxRL needs 0/1 rewards: its recipe runs on its own reward set (boxed_accuracy alone).
+BINARY_REWARDS = "[{name: boxed_accuracy}]"
+
+
+def tiny_overrides(model_dir, out, *, steps=2, extra=(), rewards=REWARDS):
+    return tiny_run_args(model_dir, out, rewards=rewards, steps=steps, extra=extra)
 
 
 def test_every_method_recipe_is_present():
@@ -42,7 +47,9 @@ def test_every_method_recipe_is_present():
 def test_recipe_runs_two_steps(recipe, tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     extra = ["generation.backend=hf"] if recipe.stem.endswith("-1gpu") else []
-    assert main(["train", "--config", str(recipe), *tiny_overrides(tiny_model_dir, out, extra=extra)]) == 0
+    binary = load_config(recipe).loss.advantage_estimator == "maxrl"
+    assert main(["train", "--config", str(recipe), *tiny_overrides(
+        tiny_model_dir, out, extra=extra, rewards=BINARY_REWARDS if binary else REWARDS)]) == 0
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     for key in ("reward", "reward_std", "frac_reward_zero_std", "loss", "entropy", "clip_ratio/low_mean",
@@ -59,8 +66,28 @@ def test_recipe_runs_two_steps(recipe, tiny_model_dir, tmp_path):
         assert "weight_entropy" in rows[-1]
     if info["needs_reference"]:
         assert "kl" in rows[-1]
+    if binary:
+        assert {"maxrl/success_rate", "maxrl/no_success_frac", "maxrl/adv_max"} <= set(rows[-1])
     assert (out / "config.yaml").is_file()
     assert (out / "completions" / "step-2.jsonl").is_file()
+
+
+def test_maxrl_run_logs_its_metrics_and_skips_non_binary_rewards(tiny_model_dir, tmp_path, capsys):
+    """ALGORITHMS.md §16: a binary reward that varies on random text gives MaxRL advantages, logged as
+    maxrl/*; a non-binary reward set is refused batch by batch, naming the value and its row."""
+    out = tmp_path / "run"
+    assert main(["train", *tiny_overrides(tiny_model_dir, out, extra=["method=maxrl"],
+                                          rewards="[{name: 'learnable_rewards:parity'}]")]) == 0
+    rows = read_metrics(out / "metrics.jsonl")
+    for row in rows:
+        assert 0 < row["maxrl/success_rate"] < 1 and 0 <= row["maxrl/no_success_frac"] < 1
+        # The largest advantage is (G_v - K)/K for some group with 0 < K < G_v = 4: 3, 1 or 1/3.
+        assert row["maxrl/adv_max"] in (3.0, 1.0, pytest.approx(1 / 3)), row["maxrl/adv_max"]
+    bad = tmp_path / "bad"
+    capsys.readouterr()
+    assert main(["train", *tiny_overrides(tiny_model_dir, bad, extra=["method=maxrl", "training.max_consecutive_skips=1"],
+                                          rewards="[{name: 'learnable_rewards:shortness'}]")]) == 1
+    assert re.search(r"maxrl needs binary rewards .*: row \d+ has reward 0\.\d+", capsys.readouterr().err)
 
 
 def test_meta_controller_steers_tau_and_beta_in_a_run(tiny_model_dir, tmp_path):
@@ -133,6 +160,9 @@ def _one_line_error(proc, *needles):
     (["loss.epsilon=1.0"], ["loss.epsilon", "(0, 1)"]),
     (["loss.epsilon_high=0.28", "loss.delta=1.2"], ["loss.delta", "1 + epsilon_high = 1.28"]),
     (["maxent.tau=.inf"], ["maxent.tau", "finite"]),
+    # Advantage estimators that are their own scaling (ALGORITHMS.md §2, §16).
+    (["method=maxrl", "loss.scale_rewards=group"], ["loss.scale_rewards", "none", "maxrl"]),
+    (["loss.advantage_estimator=reinforce_pp"], ["loss.scale_rewards", "none", "reinforce_pp"]),
 ])
 def test_bad_config_one_line_error(sets, needles, tmp_path):
     proc = _cli(["train", "--output-dir", str(tmp_path / "o"), *[a for s in sets for a in ("--set", s)]], tmp_path)

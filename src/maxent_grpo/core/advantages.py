@@ -197,14 +197,18 @@ register_advantage_estimator(
     "rloo", "leave-one-out baseline, A_i = r_i - mean_{j!=i} r_j")(_group_baseline(_rloo_centered))
 
 
+class NonBinaryRewardError(ValueError):
+    """A reward other than 0.0 or 1.0 reached an estimator defined for binary rewards only."""
+
+
 def check_binary_rewards(rewards: torch.Tensor, what: str) -> None:
     """``ValueError`` naming the first valid (non-NaN) reward of ``rewards [P, G]`` that is not
-    exactly 0.0 or 1.0, and its row (prompt-major ``p*G + i``)."""
+    exactly 0.0 or 1.0, and its row (prompt-major ``p*G + i``): :class:`NonBinaryRewardError`."""
     bad = ~torch.isnan(rewards) & (rewards != 0) & (rewards != 1)
     if bad.any():
         row = int(torch.nonzero(bad.reshape(-1))[0])
         value = float(rewards.reshape(-1)[row])
-        raise ValueError(f"{what} needs binary rewards (exactly 0.0 or 1.0): row {row} has reward {value!r} "
+        raise NonBinaryRewardError(f"{what} needs binary rewards (exactly 0.0 or 1.0): row {row} has reward {value!r} "
                          f"({int(bad.sum())} such rows in the batch)")
 
 

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
+from maxent_grpo.core.advantages import advantage_settings_problem
 from maxent_grpo.core.bounds import SpecError
 from maxent_grpo.envs import ENVIRONMENTS
 from maxent_grpo.envs.settings import episode_limits
@@ -309,6 +310,11 @@ def validate(cfg: TrainConfig) -> None:
     _check(t.num_iterations >= 1, "training.num_iterations", "must be >= 1")
     _check(t.warmup_steps >= 0, "training.warmup_steps", "must be >= 0")
     _check(lo.max_gen_batches >= 1, "loss.max_gen_batches", "must be >= 1")
+    problem = advantage_settings_problem(lo.advantage_estimator, lo.scale_rewards)
+    _check(problem is None, "loss.scale_rewards", (problem or "").removeprefix("scale_rewards "))
+    _check(lo.advantage_estimator != "maxrl" or lo.policy_entropy_bonus_coef == 0, "loss.policy_entropy_bonus_coef",
+           f"must be 0 with loss.advantage_estimator maxrl (the bonus makes rewards non-binary), "
+           f"got {lo.policy_entropy_bonus_coef}")
     r = cfg.rollout
     _check(r.max_staleness >= 0, "rollout.max_staleness", f"must be >= 0 (0: synchronous), got {r.max_staleness}")
     _check(r.wait_timeout_s > 0, "rollout.wait_timeout_s", f"must be > 0, got {r.wait_timeout_s}")

@@ -71,7 +71,11 @@ HELP: dict[str, str] = {
     "loss.beta": "KL coefficient to the reference (0 = no reference model)",
     "loss.kl_estimator": "KL estimator per token: k1, k2 or k3",
     "loss.top_entropy_quantile": "train the policy term only on the top fraction of tokens by entropy",
-    "loss.advantage_estimator": "grpo (group mean baseline) or rloo (leave-one-out)",
+    "loss.advantage_estimator": "grpo (group mean baseline), rloo (leave-one-out), maxrl (binary rewards: "
+                                "G_v*r/K - 1, K successes of G_v; needs scale_rewards none), reinforce_pp "
+                                "(REINFORCE++: reward whitened over the batch's completion tokens), "
+                                "reinforce_pp_baseline (group mean subtracted first); the last three need "
+                                "scale_rewards none",
     "loss.scale_rewards": "divide advantages by the group std, the batch std, or not at all",
     "loss.mask_truncated_completions": "drop completions that hit max_new_tokens from the loss",
     "loss.zero_truncated_completion_rewards": "give completions that hit max_new_tokens reward 0",

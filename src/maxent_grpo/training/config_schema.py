@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Literal
 
+from maxent_grpo.core.advantages import ADVANTAGE_ESTIMATORS
 from maxent_grpo.data.prompts import FewShotExample
 from maxent_grpo.envs.settings import EnvironmentConfig
 from maxent_grpo.methods import method_sections
@@ -115,7 +116,8 @@ class LossSection:
     beta: float = 0.0
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     top_entropy_quantile: float = 1.0
-    advantage_estimator: Literal["grpo", "rloo"] = "grpo"
+    # The names core/advantages.py registers (grpo, rloo, maxrl, reinforce_pp, reinforce_pp_baseline).
+    advantage_estimator: Literal[tuple(ADVANTAGE_ESTIMATORS)] = "grpo"
     scale_rewards: Literal["group", "batch", "none"] = "group"
     mask_truncated_completions: bool = False
     zero_truncated_completion_rewards: bool = False

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from maxent_grpo.core.advantages import maxrl_group_stats
 from maxent_grpo.core.rollout_correction import MismatchSums, combine_mismatch_sums, mismatch_metrics
 from maxent_grpo.core.step import StepResult
 from maxent_grpo.training.distributed import Dist
@@ -101,6 +102,20 @@ def summarize_weight_stats(dist: Dist, weight_stats: WeightStats) -> WeightLoggi
     )
 
 
+def maxrl_metrics(dist: Dist, rc: RewardComputation) -> dict[str, float]:
+    """ALGORITHMS.md §16's metrics over every process: ``maxrl/success_rate`` (the mean of
+    ``K / G_v`` over groups with a valid reward), ``maxrl/no_success_frac`` (the share of those
+    with ``K = 0``, which carry no signal) and ``maxrl/adv_max`` (the largest advantage)."""
+    rate, none = maxrl_group_stats(rc.total, rc.num_generations)
+    rates = dist.gather_floats([float(v) for v in rate])
+    nones = dist.gather_floats([float(v) for v in none])
+    return {
+        "maxrl/success_rate": sum(rates) / len(rates) if rates else math.nan,
+        "maxrl/no_success_frac": sum(nones) / len(nones) if nones else math.nan,
+        "maxrl/adv_max": max(dist.gather_floats([float(rc.advantages.max())])),
+    }
+
+
 def log_local_step(dist: Dist, prepared: PreparedBatch, result: StepResult, step: int) -> None:
     """This process's own view of the step (DEBUG level: ``MAXENT_GRPO_LOG=DEBUG``)."""
     if not log.isEnabledFor(logging.DEBUG):
@@ -153,6 +168,8 @@ def build_training_metrics_dict(
         m["xdr/multiplier_max"] = max(dist.gather_floats([float(prepared.row_weights.max())]))
     if rc.seed_scales is not None:
         m["seed_grpo/scale_mean"] = dist.mean(float(rc.seed_scales.mean()))
+    if rc.settings.advantage_estimator == "maxrl":
+        m.update(maxrl_metrics(dist, rc))
     for key, value in {**prepared.diversity, **prepared.stats}.items():
         m[key] = dist.mean(value)
     m.update(controller)

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from maxent_grpo.core.advantages import combine_rewards, zero_std_groups
+from maxent_grpo.core.advantages import NonBinaryRewardError, combine_rewards, zero_std_groups
 from maxent_grpo.core.step import MicroBatch
 from maxent_grpo.methods import RewardScalingInputs, TargetInputs
 from maxent_grpo.tasks.modebench import answer_key
@@ -361,17 +361,23 @@ def _score_and_weight(ctx: PipelineContext, rows, rollout, per_fn, stats, timing
         except ValueError as err:
             raise SkipBatch("reward_scaling", str(err)) from err
     rs = b.reward_stats
-    reward_comp = compute_reward_statistics(
-        per_fn, ctx.reward_spec.weight_tensor(), g,
-        names=ctx.reward_spec.names,
-        q_temperature=rs.q_temperature,
-        q_epsilon=rs.q_epsilon,
-        scale_rewards=rs.scale_rewards,
-        advantage_estimator=rs.advantage_estimator,
-        truncated=packed.truncated.cpu(),
-        zero_truncated_completion_rewards=b.zero_truncated_completion_rewards,
-        seed_grpo=seed,
-    )
+    counts = packed.completion_mask.sum(1).cpu()
+    try:
+        reward_comp = compute_reward_statistics(
+            per_fn, ctx.reward_spec.weight_tensor(), g,
+            names=ctx.reward_spec.names,
+            q_temperature=rs.q_temperature,
+            q_epsilon=rs.q_epsilon,
+            scale_rewards=rs.scale_rewards,
+            advantage_estimator=rs.advantage_estimator,
+            truncated=packed.truncated.cpu(),
+            zero_truncated_completion_rewards=b.zero_truncated_completion_rewards,
+            seed_grpo=seed,
+            token_counts=counts,
+        )
+    except NonBinaryRewardError as err:  # the reward set does not fit loss.advantage_estimator (maxrl)
+        # Skipped on every rank like a failing reward function; max_consecutive_skips stops the run.
+        raise SkipBatch("reward", f"{err}; use 0/1 reward functions only (e.g. boxed_accuracy alone)") from err
     if b.policy_entropy_bonus_coef > 0:
         reward_comp = apply_policy_entropy_bonus(reward_comp, _policy_entropy(ctx, packed), b.policy_entropy_bonus_coef)
     timings["time/reward"] += time.perf_counter() - t1
@@ -382,7 +388,6 @@ def _score_and_weight(ctx: PipelineContext, rows, rollout, per_fn, stats, timing
         if not torch.isfinite(ref_logps).all():
             raise SkipBatch("reference", "non-finite reference log-probs")
     timings["time/reference"] = time.perf_counter() - t2
-    counts = packed.completion_mask.sum(1).cpu()
     targets = method.targets(TargetInputs(
         weighting=ctx.weighting, reward_comp=reward_comp, completion_texts=rollout.completion_texts,
         answer_keys=keys, num_generations=g, lengths=counts,

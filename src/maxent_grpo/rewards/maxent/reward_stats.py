@@ -87,6 +87,7 @@ class RewardComputation:
     settings: RewardStatsSettings
     seed_grpo: SeedGrpoInputs | None = None
     entropy_bonus: torch.Tensor | None = None
+    token_counts: torch.Tensor | None = None  # [N] completion tokens in the loss (REINFORCE++ whitening)
 
     @property
     def num_prompts(self) -> int:
@@ -114,10 +115,10 @@ class RewardComputation:
 
 
 def _derived(total: torch.Tensor, num_generations: int, settings: RewardStatsSettings,
-             seed: SeedGrpoInputs | None) -> dict[str, torch.Tensor | None]:
+             seed: SeedGrpoInputs | None, token_counts: torch.Tensor | None) -> dict[str, torch.Tensor | None]:
     """Advantages, q, group statistics and SEED scales from the final rewards."""
     adv = compute_advantages(total, num_generations, estimator=settings.advantage_estimator,
-                             scale_rewards=settings.scale_rewards)
+                             scale_rewards=settings.scale_rewards, token_counts=token_counts)
     scales = None
     if seed is not None:
         scales = seed.scales(num_generations).to(adv.dtype)
@@ -145,13 +146,15 @@ def compute_reward_statistics(
     zero_truncated_completion_rewards: bool = False,
     seed_grpo: SeedGrpoInputs | None = None,
     names: Sequence[str] | None = None,
+    token_counts: torch.Tensor | None = None,
 ) -> RewardComputation:
     """Total rewards, group advantages, q-distribution and (optionally) SEED scales for one batch.
 
     ``per_function[N, K]`` holds each reward function's value (``NaN`` where it
     returned ``None``), ``weights[K]`` their weights. With
     ``zero_truncated_completion_rewards``, rows flagged in ``truncated[N]`` get
-    reward 0.
+    reward 0. ``token_counts[N]``: each completion's tokens in the loss (the REINFORCE++
+    estimators whiten over them; required by those).
     """
     check_num_generations(num_generations)
     if per_function.dim() != 2 or per_function.shape[0] % num_generations != 0:
@@ -175,7 +178,8 @@ def compute_reward_statistics(
         num_generations=num_generations,
         settings=settings,
         seed_grpo=seed_grpo,
-        **_derived(total, num_generations, settings, seed_grpo),
+        token_counts=token_counts,
+        **_derived(total, num_generations, settings, seed_grpo, token_counts),
     )
 
 
@@ -200,7 +204,7 @@ def apply_policy_entropy_bonus(
         reward_comp,
         total=total,
         entropy_bonus=total - reward_comp.total,
-        **_derived(total, g, reward_comp.settings, reward_comp.seed_grpo),
+        **_derived(total, g, reward_comp.settings, reward_comp.seed_grpo, reward_comp.token_counts),
     )
 
 

@@ -28,6 +28,7 @@ and tells every process whether it worked: a failed push stops them all.
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -109,7 +110,17 @@ def _request(base_url: str, method: str, path: str, body: dict | None, timeout_s
         raise VLLMServerError(f"{method} {url}: HTTP {err.code}: {err.read().decode(errors='replace')[:500]}") from None
     except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
         raise VLLMServerError(f"{method} {url}: {err} (is `maxent-grpo serve` running there?)") from None
-    return json.loads(raw) if raw.strip() else {}
+    except http.client.HTTPException as err:
+        # A server that dies while it writes its reply (headers sent, body not; half a status line)
+        # leaves http.client's own errors, which are neither OSError nor URLError: the server's failure
+        # all the same. Unconverted, it escaped the sampler thread on one rank as a traceback while the
+        # other ranks waited for it in a collective.
+        raise VLLMServerError(f"{method} {url}: the reply broke off ({type(err).__name__}: {err}); "
+                              "did the server die?") from None
+    try:
+        return json.loads(raw) if raw.strip() else {}
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        raise VLLMServerError(f"{method} {url}: the reply is not JSON ({err}): {raw[:200]!r}") from None
 
 
 def served_model(base_url: str, *, timeout_s: float = 30.0) -> str:

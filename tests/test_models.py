@@ -99,12 +99,7 @@ def test_lora_reference_context_is_the_base_model(tiny_model_dir):
     peft_model.eval()
     trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
-    # LoRA starts as the identity (B = 0); move B so the adapters change the output
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for n, p in peft_model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0.0, 0.5)
+    _move_lora_b(peft_model)  # LoRA starts as the identity (B = 0): the adapters must change the output
     ids = torch.tensor([[3, 17, 42, 99, 7, 250]])
     expected = _logits(base, ids)
     adapted = _logits(peft_model, ids)
@@ -123,13 +118,18 @@ def test_apply_lora_keeps_the_loaded_eval_mode_so_its_dropout_is_off(tiny_model_
     model, _ = load_model_and_tokenizer(tiny_model_dir)
     peft_model = apply_lora(model, r=4, alpha=8, dropout=0.5)
     assert not any(m.training for m in peft_model.modules())
+    _move_lora_b(peft_model)
+    ids = torch.tensor([[3, 17, 42, 99, 7, 250]])
+    assert torch.equal(_logits(peft_model, ids), _logits(peft_model, ids))
+
+
+def _move_lora_b(peft_model) -> None:
+    """Random LoRA B matrices (seeded): adapters that change the model's output."""
     torch.manual_seed(0)
     with torch.no_grad():
         for n, p in peft_model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0.0, 0.5)
-    ids = torch.tensor([[3, 17, 42, 99, 7, 250]])
-    assert torch.equal(_logits(peft_model, ids), _logits(peft_model, ids))
 
 
 def test_reference_context_requires_adapters(tiny_model_dir):

@@ -78,8 +78,7 @@ def test_the_gpu_tier_collects_from_the_repository_root(replica_env):
 def test_the_tiers_training_run_needs_none_of_them(replica_env, tiny_model_dir, tmp_path):
     """The tier's run (tests/gpu/test_cuda.py) on the CPU: the tiny model on ``modebench:pair_sum``,
     our own generator, with the ``length`` reward; it saves the step's checkpoint."""
-    sys.path.insert(0, str(REPO / "tests"))
-    from tiny_runs import tiny_overrides
+    from tiny_runs import tiny_overrides  # tests/ is on pytest's pythonpath
 
     args = tiny_overrides(tiny_model_dir, tmp_path / "run", rewards="[{name: length, kwargs: {max_length: 100000}}]",
                           steps=1, source="modebench:pair_sum", extra=["checkpoint.save_steps=1"])

@@ -268,7 +268,7 @@ def split_train_eval(dataset, eval_size: int | float, seed: int):
         eval_size = max(1, round(eval_size * n))
     if not 1 <= eval_size < n:
         raise ValueError(f"eval_size must be in [1, {n - 1}] for a dataset of {n} rows, got {eval_size}")
-    split = dataset.train_test_split(test_size=eval_size, seed=seed, shuffle=True)
+    split = dataset.train_test_split(test_size=eval_size, seed=seed)  # shuffled (datasets' default)
     return split["train"], split["test"]
 
 

@@ -60,12 +60,10 @@ class Rows:
                              f"with columns {self._columns}")
         return Rows([{**row, name: value} for row, value in zip(self._rows, values)])
 
-    def train_test_split(self, test_size: int, seed: int, shuffle: bool = True) -> dict[str, Rows]:
-        """``{"train", "test"}`` as ``datasets.Dataset.train_test_split(test_size=int, seed=seed)`` splits."""
+    def train_test_split(self, test_size: int, seed: int) -> dict[str, Rows]:
+        """``{"train", "test"}`` as ``datasets.Dataset.train_test_split(test_size=int, seed=seed)`` splits them."""
         n = len(self._rows)
         if not 1 <= test_size < n:
             raise ValueError(f"test_size must be in [1, {n - 1}], got {test_size}")
-        if not shuffle:  # datasets: the first rows train, the last test
-            return {"train": self.select(range(n - test_size)), "test": self.select(range(n - test_size, n))}
         order = np.random.default_rng(seed).permutation(n)
         return {"train": self.select(order[test_size:]), "test": self.select(order[:test_size])}

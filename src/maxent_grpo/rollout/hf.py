@@ -104,7 +104,9 @@ class _SampledLogps(LogitsProcessor):
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.held is not None:
             self._take(input_ids[:, -1])
-        self.held = scores.detach().clone()  # the warpers after this one must not change what is held
+        # Held as given, no copy: generate hands each step a fresh tensor, and the warpers after this one
+        # (_warpers: temperature, top-k, top-p) build new ones (test_draws_are_generates_own_... checks it).
+        self.held = scores.detach()
         return scores
 
     def finish(self, generated: torch.Tensor) -> torch.Tensor:

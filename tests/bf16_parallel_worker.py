@@ -12,6 +12,7 @@ on CUDA, gloo elsewhere (the worker also runs on a CPU, slowly).
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import sys
 from pathlib import Path
@@ -26,17 +27,27 @@ from fsdp2_step_worker import load_model  # noqa: E402
 def main(model_dir: str, out_path: str) -> None:
     import torch.distributed as dist
 
-    from maxent_grpo.core.logprobs import Scoring
-    from maxent_grpo.core.step import Comm, OptimizerUpdate, grpo_step
-    from maxent_grpo.training.distributed import DataParallelPolicy, Dist, ddp_gradient_sync
-    from maxent_grpo.training.sharding import fsdp2_gradient_sync, full_state_dict, shard_model
+    from maxent_grpo.training.distributed import Dist
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    d = Dist.current()
+    dist.init_process_group("nccl" if cuda else "gloo")  # also with one process: FSDP2 needs a group
+    try:
+        _compare(Dist.current(), device, model_dir, out_path)
+    finally:
+        gc.collect()  # the models go before the group (training.distributed.process_group says why)
+        dist.destroy_process_group()
+
+
+def _compare(d, device: torch.device, model_dir: str, out_path: str) -> None:
+    from maxent_grpo.core.logprobs import Scoring
+    from maxent_grpo.core.step import Comm, OptimizerUpdate, grpo_step
+    from maxent_grpo.training.distributed import DataParallelPolicy, ddp_gradient_sync
+    from maxent_grpo.training.sharding import fsdp2_gradient_sync, full_state_dict, shard_model
+
+    cuda = device.type == "cuda"
     base = load_model(model_dir)
     rows = {k: v.to(device) for k, v in build_rows(base).items()}
     mine = rank_micro_batches(rows, d.rank, d.world_size)
@@ -60,7 +71,6 @@ def main(model_dir: str, out_path: str) -> None:
     if d.is_main:
         torch.save({"ddp": ddp_update, "fsdp2": {k: start[k] - after[k] for k in start}, "world_size": d.world_size,
                     "param_dtypes": sorted({str(p.dtype) for p in sharded.parameters()})}, out_path)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

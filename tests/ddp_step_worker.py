@@ -108,7 +108,6 @@ def main(model_dir: str, out_path: str) -> None:
 
     from maxent_grpo.training.distributed import DataParallelPolicy, ddp_gradient_sync
 
-    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
     saved = {}
@@ -132,8 +131,12 @@ def main(model_dir: str, out_path: str) -> None:
                        "metrics": result.metrics, "all_reduces": len(all_reduces), "buckets": len(set(all_reduces))}
     if rank == 0:
         torch.save(saved, out_path)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    from maxent_grpo.training.distributed import process_group
+
+    # The group ends after main's objects are gone (process_group's docstring: a gloo group
+    # destroyed while a model still holds it can abort or hang a rank at exit).
+    with process_group(timeout_minutes=5):
+        main(sys.argv[1], sys.argv[2])

@@ -25,7 +25,6 @@ def main(model_dir: str, out_path: str) -> None:
     from maxent_grpo.models import enable_activation_checkpointing
     from maxent_grpo.training.sharding import fsdp2_gradient_sync, full_state_dict, shard_model
 
-    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
     saved = {}
@@ -45,8 +44,12 @@ def main(model_dir: str, out_path: str) -> None:
         saved[name] = {"grads": {k: before[k] - after[k] for k in before}, "mlp_calls": len(calls)}
     if rank == 0:
         torch.save(saved, out_path)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    from maxent_grpo.training.distributed import process_group
+
+    # The group ends after main's objects are gone (process_group's docstring: a gloo group
+    # destroyed while a model still holds it can abort or hang a rank at exit).
+    with process_group(timeout_minutes=5):
+        main(sys.argv[1], sys.argv[2])

@@ -37,7 +37,6 @@ def main(model_dir: str, out_dir: str) -> None:
     from maxent_grpo.training.sharding import fsdp2_gradient_sync, full_state_dict, shard_model
     from maxent_grpo.training.strategy import FSDP2Strategy
 
-    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     strategy = FSDP2Strategy(Dist.current())
 
@@ -80,8 +79,12 @@ def main(model_dir: str, out_dir: str) -> None:
     dist.all_gather_object(ranks, per_rank)
     if rank == 0:
         torch.save({**result, "ranks": ranks}, Path(out_dir) / "result.pt")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    from maxent_grpo.training.distributed import process_group
+
+    # The group ends after main's objects are gone (process_group's docstring: a gloo group
+    # destroyed while a model still holds it can abort or hang a rank at exit).
+    with process_group(timeout_minutes=5):
+        main(sys.argv[1], sys.argv[2])

@@ -35,7 +35,6 @@ def main(model_dir: str, out_path: str) -> None:
 
     from maxent_grpo.training.sharding import fsdp2_gradient_sync, full_state_dict, shard_model
 
-    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = load_model(model_dir)
     loaded = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -65,7 +64,6 @@ def main(model_dir: str, out_path: str) -> None:
             "reduce_scatters": len(reduce_scatters), "every_reduce_scatters": len(every_reduce_scatters),
             "units": sum(isinstance(m, FSDPModule) for m in model.modules()),
         }, out_path)
-    dist.destroy_process_group()
 
 
 def _count_reduce_scatters(model: torch.nn.Module) -> list:
@@ -88,4 +86,9 @@ def _count_reduce_scatters(model: torch.nn.Module) -> list:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    from maxent_grpo.training.distributed import process_group
+
+    # The group ends after main's objects are gone (process_group's docstring: a gloo group
+    # destroyed while a model still holds it can abort or hang a rank at exit).
+    with process_group(timeout_minutes=5):
+        main(sys.argv[1], sys.argv[2])

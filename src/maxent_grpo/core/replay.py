@@ -1,0 +1,151 @@
+"""Verified mode replay: the likelihood term over banked exemplars (ALGORITHMS.md §17).
+
+Re:Dr (Dr.GRPO + replay) and Re:Max (MaxRL + replay), from remax-rl 0.1.1
+(``remax/core/objectives.py``, ``remax/core/scoring.py``). Each replay group is one
+prompt's banked exemplars, one per verified mode (``core/mode_bank.py``). Exemplar
+``m`` of group ``g`` is teacher-forced as ``[prompt || exemplar]`` and scored by its
+length-normalised log-likelihood ``s_{g,m} = (1/T_{g,m}) sum_t log pi(y_t | ...)``;
+the term is
+
+    L_replay = (1/n_R) sum_g (sum_m w_m (-s_{g,m})) / (sum_m w_m)       (w = 1 in every recipe)
+
+and the step objective ``L_fresh + alpha (G-1)/G^2 L_replay`` (remax's learner applies
+its reward-estimator scale ``(G-1)/G`` and its per-rollout ``1/G`` to ``alpha``). Replay
+rows are likelihood only: no advantage, ratio, clip, KL or correction weight, and
+they are outside the fresh loss's normalisers.
+
+Unlike remax, the reductions keep the input dtype (no float32 cast), so a float64
+model gives float64 values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ReplayLayout", "ReplayLoss", "mode_scores", "replay_layout", "replay_scale", "verified_likelihood_loss"]
+
+
+def replay_scale(coef: float, num_generations: int) -> float:
+    """``alpha * (G-1) / G^2``: the replay term's weight beside the fresh loss (0.005859375 at 0.1, 16)."""
+    if not math.isfinite(coef) or coef <= 0:
+        raise ValueError(f"replay coef must be finite and > 0, got {coef!r}")
+    if num_generations < 2:
+        raise ValueError(f"replay needs num_generations >= 2, got {num_generations!r}")
+    return coef * (num_generations - 1) / num_generations**2
+
+
+@dataclass(frozen=True)
+class ReplayLayout:
+    """The teacher-forcing batch of some replay groups, one row per exemplar, right-padded.
+
+    ``input_ids``/``attention_mask`` ``[M, L]``; ``response_mask`` ``[M, L-1]`` marks the
+    exemplar's tokens after the causal shift (position ``t`` predicts token ``t+1``);
+    ``group_sizes`` the exemplars per group, in order.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    group_sizes: tuple[int, ...]
+
+
+def replay_layout(groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], pad_token_id: int,
+                  device: torch.device | str = "cpu") -> ReplayLayout:
+    """Rows ``prompt + exemplar`` for ``groups`` = ``[(prompt ids, [exemplar ids, ...]), ...]``.
+
+    The same layout as remax's ``materialize_canonical_replay_batch``: right padding with
+    ``pad_token_id``, the response mask from ``prompt_length - 1`` for the exemplar's length.
+    """
+    if not groups:
+        raise ValueError("replay needs at least one group")
+    if pad_token_id < 0:
+        raise ValueError(f"pad_token_id must be >= 0, got {pad_token_id}")
+    rows: list[tuple[tuple[int, ...], int]] = []
+    sizes = []
+    for prompt, exemplars in groups:
+        prompt = tuple(int(t) for t in prompt)
+        if not prompt or not exemplars or any(len(e) == 0 for e in exemplars):
+            raise ValueError("a replay group needs a prompt and at least one exemplar with a response token")
+        sizes.append(len(exemplars))
+        rows += [(prompt + tuple(int(t) for t in e), len(prompt)) for e in exemplars]
+    if any(t < 0 for seq, _ in rows for t in seq):
+        raise ValueError("replay token ids must be >= 0")
+    width = max(len(seq) for seq, _ in rows)
+    input_ids = torch.full((len(rows), width), int(pad_token_id), dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    response_mask = torch.zeros((len(rows), width - 1), dtype=torch.bool)
+    for i, (seq, prompt_length) in enumerate(rows):
+        input_ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attention_mask[i, : len(seq)] = 1
+        response_mask[i, prompt_length - 1 : len(seq) - 1] = True
+    return ReplayLayout(input_ids.to(device), attention_mask.to(device), response_mask.to(device), tuple(sizes))
+
+
+def mode_scores(token_logps: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """``s_m = mean of token_logps[m] over response_mask[m]``: ``[M, T]`` x ``[M, T]`` -> ``[M]``.
+
+    Padding and prompt positions contribute nothing (also no NaN from a padded position).
+    """
+    if token_logps.shape != response_mask.shape:
+        raise ValueError(f"token_logps {tuple(token_logps.shape)} and response_mask {tuple(response_mask.shape)} differ")
+    counts = response_mask.sum(dim=1)
+    if bool((counts == 0).any()):
+        raise ValueError("every replay row needs at least one response token")
+    kept = torch.where(response_mask, token_logps, torch.zeros_like(token_logps))
+    return kept.sum(dim=1) / counts.to(token_logps.dtype)
+
+
+@dataclass(frozen=True)
+class ReplayLoss:
+    """``loss``: L_replay (differentiable). The rest are detached diagnostics over the groups
+    with at least 2 modes: ``normalized_entropy`` the mean of ``H(softmax s_g) / ln M_g``
+    (1.0 when none qualifies) and ``ce_excess`` the mean of ``-mean_m log softmax(s_g)_m - ln M_g``
+    (0.0 when none qualifies)."""
+
+    loss: torch.Tensor
+    normalized_entropy: float
+    ce_excess: float
+    groups: int
+    modes: int
+
+
+def verified_likelihood_loss(scores: torch.Tensor, group_sizes: Sequence[int],
+                             weights: torch.Tensor | None = None) -> ReplayLoss:
+    """L_replay of ``scores`` ``[M]`` (groups consecutive, ``group_sizes`` summing to ``M``).
+
+    ``d L / d s_{g,m} = -w_m / (n_R * sum_{m' in g} w_{m'})``: -1/(n_R M_g) with unit weights;
+    the gradients sum to -1 over all modes.
+    """
+    sizes = tuple(int(s) for s in group_sizes)
+    if scores.ndim != 1:
+        raise ValueError(f"replay scores must be 1-D, got shape {tuple(scores.shape)}")
+    if not sizes or any(s < 1 for s in sizes):
+        raise ValueError(f"replay group sizes must be a non-empty list of ints >= 1, got {list(group_sizes)}")
+    if sum(sizes) != scores.numel():
+        raise ValueError(f"replay group sizes {list(sizes)} do not add up to the {scores.numel()} scores")
+    if not bool(torch.isfinite(scores).all()):
+        raise ValueError("replay scores must be finite")
+    if weights is None:
+        weights = torch.ones_like(scores.detach())
+    if weights.shape != scores.shape or not bool(torch.isfinite(weights).all()) or bool((weights <= 0).any()):
+        raise ValueError("replay weights must be finite, > 0 and one per score")
+    weights = weights.to(scores.dtype)
+    losses, entropies, excesses = [], [], []
+    for group_scores, group_weights in zip(scores.split(sizes), weights.split(sizes)):
+        losses.append(-(group_scores * group_weights).sum() / group_weights.sum())
+        if group_scores.numel() >= 2:
+            log_support = math.log(group_scores.numel())
+            logp = torch.log_softmax(group_scores.detach().double(), dim=0)
+            entropies.append(float(-(logp.exp() * logp).sum()) / log_support)
+            excesses.append(float(-logp.mean()) - log_support)
+    return ReplayLoss(
+        loss=torch.stack(losses).mean(),
+        normalized_entropy=sum(entropies) / len(entropies) if entropies else 1.0,
+        ce_excess=sum(excesses) / len(excesses) if excesses else 0.0,
+        groups=len(sizes),
+        modes=sum(sizes),
+    )

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from maxent_grpo.core.eval_metrics import PromptSamples, summarize_eval
+from maxent_grpo.core.mode_metrics import modebench_cell
 from maxent_grpo.data.prompts import FewShotExample, format_prompt, prompt_messages
 from maxent_grpo.envs.episodes import EpisodePlay, run_episodes
 from maxent_grpo.rewards.registry import RewardSpec, evaluate_rewards, rollout_reward_inputs
@@ -48,7 +49,7 @@ from maxent_grpo.rollout.backend import GenerationBackend, RolloutBatch, Samplin
 from maxent_grpo.rollout.data_plane import RolloutRecord
 from maxent_grpo.run_files import write_text_atomic
 from maxent_grpo.tasks.answers import canonical_answer, extract_final_answer
-from maxent_grpo.tasks.modebench import mode_info
+from maxent_grpo.tasks.modebench import mode_info, row_task
 
 log = logging.getLogger("maxent_grpo")
 
@@ -120,7 +121,8 @@ def _records(spec: RewardSpec, scored: RolloutRecord, indices: list[int], mode: 
             "score": score,
             "correct": score is not None and score >= CORRECT_THRESHOLD,
             "answer": canonical_answer(answer) if answer is not None else None,
-            "task": episodes.environments.name(rows[i // g]) if episodes is not None else rows[i // g].get("mb_task"),
+            "task": episodes.environments.name(rows[i // g]) if episodes is not None else row_task(rows[i // g]),
+            "keyed": modes is not None,
             "mode_key": None if modes is None else modes[0],
             "num_valid": None if modes is None else modes[1],
             "length": len(batch.completion_ids[i]),
@@ -180,12 +182,34 @@ def evaluate_prompts(
     ]
     summary = summarize_eval(per_prompt, ks=sorted({1, k}), correct_threshold=CORRECT_THRESHOLD)
     summary["num_prompts"] = len(kept)
+    summary.update(modebench_summary(records))
     return summary, records
+
+
+def modebench_summary(records: list[dict]) -> dict[str, float | bool | None]:
+    """ModeBench's ``mb/`` metrics (``core/mode_metrics.py``) of the sampled records of mode-keyed rows,
+    one cell per task: ``mb/accuracy``, ``mb/pass@k``, ``mb/distinct@k`` (the group of k is the
+    sample), ``mb/pcmd`` with ``mb/pcmd_defined``, ``mb/pcmd_prompts``, ``mb/pcmd_se`` and
+    ``mb/pcmd_reportable``; ``mb/<task>/...`` when the rows hold several tasks. Empty without such rows."""
+    groups: dict[str, dict[int, list]] = {}
+    for r in records:
+        if r["mode"] == "sampled" and r["keyed"]:
+            verified = r["correct"] and r["mode_key"] is not None
+            groups.setdefault(r["task"], {}).setdefault(r["prompt_index"], []).append((verified, r["mode_key"], False))
+    out: dict[str, float | bool | None] = {}
+    for task, prompts in sorted(groups.items()):
+        cell = modebench_cell([[group] for _, group in sorted(prompts.items())])
+        prefix = "mb/" if len(groups) == 1 else f"mb/{task}/"
+        out |= {f"{prefix}accuracy": cell["accuracy"], f"{prefix}pass@k": cell["pass@k"],
+                f"{prefix}distinct@k": cell["distinct@k"], f"{prefix}pcmd": cell["pcmd"],
+                f"{prefix}pcmd_defined": cell["defined_prompts"], f"{prefix}pcmd_prompts": cell["prompts"],
+                f"{prefix}pcmd_se": cell["standard_error"], f"{prefix}pcmd_reportable": cell["reportable"]}
+    return out
 
 
 def _prompt_samples(mine: list[dict], greedy_correct: bool | None) -> PromptSamples:
     """One prompt's sampled records as :class:`PromptSamples`: mode keys where the task defines them."""
-    keyed = mine[0]["num_valid"] is not None
+    keyed = mine[0]["keyed"]
     return PromptSamples(
         # The deciding reward's score; None (not applicable) counts as 0, so it is never correct.
         scores=[0.0 if r["score"] is None else r["score"] for r in mine],

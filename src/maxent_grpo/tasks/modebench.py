@@ -32,8 +32,10 @@ from typing import Any
 
 from maxent_grpo.tasks.answers import canonical_answer, completion_text, extract_final_answer
 from maxent_grpo.tasks import coloring, countdown, pair_sum
+from maxent_grpo.tasks.modebench_package import row_mode_key as row_mode_key_package
 
-__all__ = ["EVAL_SEED", "PREFIX", "TASKS", "Task", "mode_info", "modebench_reward", "modebench_rows", "row_mode_key"]
+__all__ = ["EVAL_SEED", "PREFIX", "TASKS", "Task", "mode_info", "modebench_reward", "modebench_rows", "row_mode_key",
+           "row_task"]
 
 PREFIX = "modebench:"
 EVAL_SEED = 20_251_123  # the eval split's fixed draw
@@ -168,12 +170,23 @@ def row_mode_key(row: Mapping[str, Any], answer: str | None) -> str | None:
     return TASKS[row["mb_task"]].mode_key(answer, json.loads(row["mb_problem"]))
 
 
-def mode_info(row: Mapping[str, Any], completion: str) -> tuple[str | None, int] | None:
-    """``(mode key or None, number of valid modes)`` of a completion for a ModeBench row; None for other rows."""
+def mode_info(row: Mapping[str, Any], completion: str) -> tuple[str | None, int | None] | None:
+    """``(mode key or None, number of valid modes or None)`` of a completion for a ModeBench row (this
+    module's or the modebench package's, ``tasks/modebench_package.py``); None for other rows."""
+    if row.get("mbp_task") is not None:
+        answer = json.loads(row["mbp_task"])["answer"]
+        return row_mode_key_package(row, completion), answer.get("num_modes", answer.get("num_solutions"))
     if "mb_task" not in row or row["mb_task"] is None:
         return None
     problem = json.loads(row["mb_problem"])
     return TASKS[row["mb_task"]].mode_key(extract_final_answer(completion), problem), int(problem["num_valid"])
+
+
+def row_task(row: Mapping[str, Any]) -> str | None:
+    """The ModeBench task (or package domain) of a row; None for other rows."""
+    if row.get("mbp_task") is not None:
+        return json.loads(row["mbp_task"])["domain"]
+    return row.get("mb_task")
 
 
 def answer_key(row: Mapping[str, Any], completion: str) -> str | None:

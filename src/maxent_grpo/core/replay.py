@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["ReplayLayout", "ReplayLoss", "mode_scores", "replay_layout", "replay_scale", "verified_likelihood_loss"]
+from maxent_grpo.core.logprobs import Scoring
+
+__all__ = ["ReplayBatch", "ReplayLayout", "ReplayLoss", "mode_scores", "replay_backward", "replay_layout", "replay_scale",
+           "verified_likelihood_loss"]
 
 
 def replay_scale(coef: float, num_generations: int) -> float:
@@ -149,3 +152,66 @@ def verified_likelihood_loss(scores: torch.Tensor, group_sizes: Sequence[int],
         groups=len(sizes),
         modes=sum(sizes),
     )
+
+
+@dataclass(frozen=True)
+class ReplayBatch:
+    """This step's replay work: the layout (on the model's device), the scale
+    ``alpha (G-1)/G^2``, ``compute_only`` (the control: the same passes, an exactly zero
+    gradient) and the rows per differentiable pass."""
+
+    layout: ReplayLayout
+    scale: float
+    compute_only: bool = False
+    rows_per_pass: int = 8
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.scale) or self.scale <= 0:
+            raise ValueError(f"replay scale must be finite and > 0, got {self.scale}")
+        if self.rows_per_pass < 1:
+            raise ValueError(f"rows_per_pass must be >= 1, got {self.rows_per_pass}")
+
+
+def _row_coefficients(group_sizes: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:
+    """``dL/ds_m = -c_m``: ``c_m = 1/(n_R M_g)`` for the rows of group ``g`` (unit weights)."""
+    return torch.cat([torch.full((m,), 1.0 / (len(group_sizes) * m), dtype=dtype, device=device) for m in group_sizes])
+
+
+def replay_backward(model, batch: ReplayBatch, scoring: Scoring) -> dict[str, float]:
+    """Accumulate ``scale * dL_replay/dtheta`` into the gradients (exact zeros with ``compute_only``)
+    and return the ``replay/*`` metrics.
+
+    Two passes, as remax runs them: one without gradients for the value and diagnostics, then a
+    differentiable one, ``rows_per_pass`` rows at a time. L_replay is linear in the scores,
+    ``L = -sum_m c_m s_m``, so the chunks' backwards add up to the whole term. The rows are
+    scored under ``scoring`` (the sampling temperature, bf16 autocast) without prompt sharing
+    (each row has its own prompt), from position 1 with the exemplar mask.
+    """
+    layout = batch.layout
+    rows = replace(scoring, share_prompts=False, rows_per_pass=batch.rows_per_pass)
+    logps, _ = rows.score_rows(model, layout.input_ids, layout.attention_mask, 1)
+    scores = mode_scores(logps, layout.response_mask)
+    value = verified_likelihood_loss(scores, layout.group_sizes)
+    raw = batch.scale * float(value.loss)
+    coefficients = _row_coefficients(layout.group_sizes, logps.dtype, logps.device)
+    for start in range(0, layout.input_ids.shape[0], batch.rows_per_pass):
+        chunk = slice(start, start + batch.rows_per_pass)
+        live, _ = rows.logps(model, layout.input_ids[chunk], layout.attention_mask[chunk], 1)
+        live_scores = mode_scores(live, layout.response_mask[chunk])
+        if batch.compute_only:
+            (live_scores * torch.zeros_like(live_scores)).sum().backward()
+        else:
+            (-batch.scale * (coefficients[chunk].to(live_scores.dtype) * live_scores).sum()).backward()
+    return {
+        "replay/loss": float(value.loss),
+        "replay/raw_loss": raw,
+        "replay/applied_loss": 0.0 if batch.compute_only else raw,
+        "replay/groups": float(value.groups),
+        "replay/modes": float(value.modes),
+        "replay/effective_coef": batch.scale,
+        "replay/compute_only": float(batch.compute_only),
+        "replay/score_mean": float(scores.mean()),
+        "replay/score_min": float(scores.min()),
+        "replay/normalized_entropy": value.normalized_entropy,
+        "replay/ce_excess": value.ce_excess,
+    }

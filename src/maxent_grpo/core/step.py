@@ -37,6 +37,7 @@ from maxent_grpo.core.losses import (
     check_kl_estimator,
     kl_penalty,
 )
+from maxent_grpo.core.replay import ReplayBatch, replay_backward
 from maxent_grpo.core.rollout_correction import (
     MismatchSums,
     check_rollout_correction,
@@ -276,9 +277,17 @@ def grpo_step(
     *,
     comm: Comm = Comm(),
     update: Callable[[torch.nn.Module, torch.optim.Optimizer], torch.Tensor] = OptimizerUpdate(),
+    replay: ReplayBatch | None = None,
 ) -> StepResult:
     """Forward/backward every micro-batch under ``spec``, then ``update`` (an :class:`OptimizerUpdate`;
-    the trainer passes a timed one: the core keeps no clock)."""
+    the trainer passes a timed one: the core keeps no clock).
+
+    ``replay`` (verified mode replay, ``core/replay.py``) adds ``scale * L_replay`` once to the
+    step's gradient. It runs before the fresh micro-batches, with the gradient reduction off:
+    the gradients cross ranks once, in the last fresh backward, and the sum does not depend on
+    the order. Every rank replays the same groups and the reduction averages, so the term
+    counts once whatever the world size (the fresh loss is multiplied by the world size for
+    the same reason). Its metrics join the step's."""
     _check_micro_batches(micro_batches, spec)
     norm = _step_normalizer(micro_batches, spec, comm)
     policy_loss = POLICY_LOSSES[spec.policy_loss]
@@ -291,6 +300,10 @@ def grpo_step(
 
     threshold = _step_entropy_threshold(model, micro_batches, spec.top_entropy_quantile, scoring)
     optimizer.zero_grad()
+    replay_metrics: dict[str, float] = {}
+    if replay is not None:
+        with nullcontext() if comm.gradient_sync is None else comm.gradient_sync(False):
+            replay_metrics = replay_backward(model, replay, scoring)
     last = len(micro_batches) - 1
     for i, mb in enumerate(micro_batches):
         # Gradients are reduced over ranks once, in the last micro-batch's backward.
@@ -363,6 +376,7 @@ def grpo_step(
     for name, total in zip(names, totals[len(_SUMS):]):
         per = loss_metrics[name][0].per
         metrics[name] = total / max(norm.num_tokens if per == "token" else norm.num_sequences, 1)
+    metrics.update(replay_metrics)
     return StepResult(
         loss=totals[0], grad_norm=float(grad_norm), metrics=metrics,
         mismatch=combine_mismatch_sums(mismatch) if mismatch else None,

@@ -311,6 +311,33 @@ def make_length(
     return _named(length, "length")
 
 
+def make_soft_overlong(*, max_completion_len: int, soft_punish_cache: int) -> RewardFunction:
+    """DAPO's soft overlong punishment (arXiv 2503.14476 Eq. 13; TRL ``get_soft_overlong_punishment``,
+    verl ``overlong_buffer``): with ``L`` the completion's tokens, ``0`` for ``L <= L_max - L_cache``,
+    ``(L_max - L_cache - L) / L_cache`` up to ``L_max`` (a linear fall to -1), ``-1`` beyond.
+    Add it beside the task reward (weight 1, as DAPO does); set ``max_completion_len`` to
+    ``generation.max_new_tokens``. Reads ``completion_ids``."""
+    if isinstance(max_completion_len, bool) or not isinstance(max_completion_len, int) or max_completion_len < 1:
+        raise ValueError(f"max_completion_len must be a positive int, got {max_completion_len!r}")
+    if (isinstance(soft_punish_cache, bool) or not isinstance(soft_punish_cache, int)
+            or not 0 <= soft_punish_cache < max_completion_len):
+        raise ValueError(f"soft_punish_cache must be an int in [0, max_completion_len), got {soft_punish_cache!r}")
+    free = max_completion_len - soft_punish_cache
+
+    def soft_overlong(prompts, completions, **columns) -> list[float | None]:
+        out: list[float | None] = []
+        for length in (len(ids) for ids in _column(columns, "completion_ids", len(completions), "soft_overlong")):
+            if length <= free:
+                out.append(0.0)
+            elif length <= max_completion_len:
+                out.append((free - length) / soft_punish_cache)
+            else:
+                out.append(-1.0)
+        return out
+
+    return _named(soft_overlong, "soft_overlong")
+
+
 def make_repetition_penalty(*, ngram_size: int = 3, max_penalty: float = -1.0) -> RewardFunction:
     """`max_penalty * (1 - distinct / total)` over the completion's word n-grams
     (lower-cased, whitespace-split): 0 for no repeated n-gram, approaching

@@ -40,6 +40,7 @@ REWARD_FUNCTIONS: dict[str, Callable[..., RewardFunction]] = {
     "cosine_length": builtin.make_cosine_length,
     "length": builtin.make_length,
     "repetition_penalty": builtin.make_repetition_penalty,
+    "soft_overlong": builtin.make_soft_overlong,  # DAPO's soft overlong punishment (kwargs max_completion_len, soft_punish_cache)
     "reasoning_gym": builtin.make_reasoning_gym,
     "code_unit_tests": code.make_code_unit_tests,
     "code_check": code.make_code_check,

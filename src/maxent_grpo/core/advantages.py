@@ -101,6 +101,33 @@ def combine_rewards(per_function: torch.Tensor, weights: torch.Tensor) -> torch.
     return torch.where(missing.all(dim=1), torch.full_like(total, float("nan")), total)
 
 
+REWARD_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+
+
+def normalize_then_sum(per_function: torch.Tensor, weights: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """GDPO's aggregation (arXiv 2601.05242; TRL ``multi_objective_aggregation="normalize_then_sum"``):
+    each reward function normalised over its group first, then the weighted sum,
+    ``r_i = sum_k w_k (r_ik - mean_g r_k) / (std_g r_k + 1e-4)``: ``[N, K]`` x ``[K]`` -> ``[N]``.
+
+    A sparse 0/1 reward is then not drowned by a dense one with a larger spread. Mean and
+    (unbiased) std skip ``NaN`` entries; a ``NaN`` entry adds nothing; a row where every
+    function is ``NaN`` stays ``NaN``. Follow it with ``scale_rewards: batch`` for TRL's
+    advantages: the sum has group mean 0 (no ``NaN`` rows), so the group-centred and
+    batch-centred versions agree.
+    """
+    if per_function.dim() != 2:
+        raise ValueError(f"per_function must be [N, K], got shape {tuple(per_function.shape)}")
+    n, k = per_function.shape
+    if weights.dim() != 1 or weights.shape[0] != k:
+        raise ValueError(f"weights must be [K={k}], got shape {tuple(weights.shape)}")
+    grouped = per_function.T.reshape(k * (n // num_generations), num_generations) if n % num_generations == 0 else None
+    if grouped is None or num_generations < 2:
+        raise ValueError(f"per_function rows ({n}) must be groups of num_generations={num_generations} >= 2")
+    _, _, mean, std = _group_moments(grouped)
+    normalised = ((grouped - mean[:, None]) / (std[:, None] + STD_EPS)).reshape(k, n).T
+    return combine_rewards(normalised, weights)
+
+
 def zero_truncated_rewards(rewards: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
     """Reward 0 for completions that hit ``max_completion_length`` without EOS."""
     if truncated.shape != rewards.shape or truncated.dtype != torch.bool:

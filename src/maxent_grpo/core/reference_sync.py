@@ -1,0 +1,31 @@
+"""A reference that follows the policy (TR-DPO, arXiv 2404.09656; TRL ``sync_ref_model``):
+every ``sync_steps`` optimizer steps, ``pi_ref <- alpha * pi_theta + (1 - alpha) * pi_ref``
+(``alpha = 1``: a hard copy), parameter by parameter, in place, without gradients."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["due", "mix_into_reference"]
+
+
+def due(step: int, sync_steps: int) -> bool:
+    """Whether the reference is updated after optimizer step ``step`` (1 after the first)."""
+    if sync_steps < 1:
+        raise ValueError(f"sync_steps must be >= 1, got {sync_steps}")
+    return step > 0 and step % sync_steps == 0
+
+
+@torch.no_grad()
+def mix_into_reference(reference: torch.nn.Module, policy: torch.nn.Module, alpha: float) -> None:
+    """``reference <- alpha * policy + (1 - alpha) * reference`` over same-named parameters (the
+    policy unwrapped, full, as the reference was loaded); one line naming a missing or mis-shaped one."""
+    if not (math.isfinite(alpha) and 0.0 < alpha <= 1.0):
+        raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
+    source = dict(policy.named_parameters())
+    for name, ref in reference.named_parameters():
+        if name not in source or source[name].shape != ref.shape:
+            raise ValueError(f"the reference's parameter {name} has no same-shaped policy parameter")
+        ref.lerp_(source[name].to(device=ref.device, dtype=ref.dtype), alpha)

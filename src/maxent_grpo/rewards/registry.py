@@ -25,6 +25,7 @@ from maxent_grpo.errors import UserError
 from maxent_grpo.rewards import builtin, code
 from maxent_grpo.rewards.builtin import RewardFunction
 from maxent_grpo.rewards.invoke import call_all
+from maxent_grpo.rewards.reward_model import make_reward_model
 from maxent_grpo.rewards.user_code import import_reference, split_reference
 from maxent_grpo.rollout.backend import RolloutBatch
 from maxent_grpo.tasks.modebench import make_modebench_reward
@@ -46,6 +47,7 @@ REWARD_FUNCTIONS: dict[str, Callable[..., RewardFunction]] = {
     "code_check": code.make_code_check,
     "environment": builtin.make_environment,  # a multi-turn episode's score from its environment (envs/)
     "modebench": make_modebench_reward,  # the ModeBench task verifiers (data.source: modebench:<task>)
+    "reward_model": make_reward_model,  # a sequence classifier scoring prompt + completion (kwargs model: PATH_OR_ID)
     "modebench_pkg": make_modebench_pkg_reward,  # modebench 0.4.0's grade (data.source: modebench_pkg:<domain>)
 }
 

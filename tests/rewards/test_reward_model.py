@@ -1,0 +1,61 @@
+"""A reward model as a reward function (rewards/reward_model.py): a tiny sequence classifier built
+offline scores prompt + completion exactly as TRL's GRPOTrainer builds its inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaForSequenceClassification
+from trl.data_utils import apply_chat_template
+
+from maxent_grpo.rewards.registry import build_reward_spec, evaluate_rewards
+
+
+@pytest.fixture(scope="module")
+def classifier_dir(tiny_model_dir, tmp_path_factory):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config.num_labels = 1
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(config)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    out = tmp_path_factory.mktemp("reward-model")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _trl_scores(path, prompts, completions):
+    """TRL 1.16's _calculate_rewards for a PreTrainedModel reward function."""
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if isinstance(prompts[0], list):
+        texts = [apply_chat_template({"messages": p + c}, tokenizer)["text"] for p, c in zip(prompts, completions)]
+    else:
+        texts = [p + c for p, c in zip(prompts, completions)]
+    inputs = tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+    with torch.no_grad():
+        return model(**inputs).logits[:, 0].tolist()
+
+
+@pytest.mark.parametrize("conversational", [True, False])
+def test_scores_equal_trls_inputs_batched_or_not(classifier_dir, conversational):
+    if conversational:
+        prompts = [[{"role": "user", "content": "What is 2 + 3?"}]] * 3
+        completions = [[{"role": "assistant", "content": t}] for t in ("5", "It is five, 5.", "6")]
+    else:
+        prompts = ["What is 2 + 3? "] * 3
+        completions = ["5", "It is five, 5.", "6"]
+    theirs = _trl_scores(classifier_dir, prompts, completions)
+    for batch_size in (1, 2, 8):
+        spec = build_reward_spec([{"name": "reward_model", "kwargs": {"model": str(classifier_dir), "batch_size": batch_size}}])
+        ours = evaluate_rewards(spec, prompts, completions, {})[:, 0].tolist()
+        assert ours == pytest.approx(theirs, abs=1e-5)
+    assert len(set(round(v, 6) for v in theirs)) == 3
+
+
+def test_a_missing_model_fails_when_the_reward_is_built(tmp_path):
+    with pytest.raises(OSError):
+        build_reward_spec([{"name": "reward_model", "kwargs": {"model": str(tmp_path / "nothing")}}])

@@ -13,7 +13,8 @@ bound to core 1 with one thread, as ``benchmarks/async_rollouts.py`` does. Runs 
 another. Prints one row per run: the mean reward over the first and the last fifth of the
 steps, the mean token entropy and completion length (first and last fifth), and the
 sampler/trainer log-prob difference (``sampling/sampling_logp_difference/mean``, first and
-last fifth). A finished run (its ``metrics.jsonl`` has ``--steps`` rows) is read, not rerun.
+last fifth), and the lowest step reward with its step. A finished run (its ``metrics.jsonl``
+has ``--steps`` rows) is read, not rerun.
 """
 
 from __future__ import annotations
@@ -117,14 +118,22 @@ def main() -> None:
     finally:
         if proc is not None:
             stop_server(proc)
-    print("\n| backend | max_staleness | seed | " + " | ".join(f"{c} first -> last" for c, _ in COLUMNS) + " |")
-    print("|---|---|---|" + "---|" * len(COLUMNS))
+    print("\n| backend | max_staleness | seed | " + " | ".join(f"{c} first -> last" for c, _ in COLUMNS)
+          + " | lowest reward (step) |")
+    print("|---|---|---|" + "---|" * (len(COLUMNS) + 1))
     for backend, k, seed, rows in table:
-        cells = []
-        for _, key in COLUMNS:
-            pair = fifths(rows, key)
-            cells.append("-" if pair is None else f"{pair[0]:.3g} -> {pair[1]:.3g}")
-        print(f"| {backend} | {k} | {seed} | " + " | ".join(cells) + " |")
+        print(f"| {backend} | {k} | {seed} | {table_cells(rows)} |")
+
+
+def table_cells(rows: list[dict]) -> str:
+    """The table's cells of one run: each column's first -> last fifth, then its lowest step reward."""
+    cells = []
+    for _, key in COLUMNS:
+        pair = fifths(rows, key)
+        cells.append("-" if pair is None else f"{pair[0]:.3g} -> {pair[1]:.3g}")
+    low = min(rows, key=lambda r: r["reward"])
+    cells.append(f"{low['reward']:.3g} ({low['step']})")
+    return " | ".join(cells)
 
 
 if __name__ == "__main__":

@@ -489,3 +489,14 @@ def test_backend_learning_reads_first_and_last_fifth_and_parses_settings():
     assert _setting("hf") == ("hf", 0)
     with pytest.raises(argparse.ArgumentTypeError, match="trl"):
         _setting("trl:0")
+
+
+def test_backend_learning_row_names_the_lowest_step_reward():
+    from benchmarks.backend_learning import table_cells
+
+    rows = [{"step": i + 1, "reward": r, "entropy": 0.5, "completions/mean_length": 10.0}
+            for i, r in enumerate([0.6, 0.1, 0.9, 0.8, 0.7])]
+    cells = table_cells(rows).split(" | ")
+    assert cells[0] == "0.6 -> 0.7"  # five steps: a fifth is one step
+    assert cells[3] == "-"  # no log-prob gap logged
+    assert cells[-1] == "0.1 (2)"

@@ -470,3 +470,33 @@ def test_gpu_side_meters_three_phases_per_step_on_both_sides_with_the_same_promp
     assert lines[-1].startswith("ours/TRL tokens/s: ")
     # No final checkpoint on our side: the benchmark times steps, TRL's side writes none either.
     assert not (tmp_path / "ours" / "out" / "checkpoints").exists() or not any((tmp_path / "ours" / "out" / "checkpoints").iterdir())
+
+
+# ------------------------------------------------------------------ backend_learning.py
+
+
+def test_backend_learning_reads_first_and_last_fifth_and_parses_settings():
+    import argparse
+
+    from benchmarks.backend_learning import _setting, fifths
+
+    rows = [{"reward": float(i)} for i in range(10)] + [{"reward": None}, {}]
+    # 10 values: a fifth is 2 of them; rows without the key (None, missing) are not zeros.
+    assert fifths(rows, "reward") == (0.5, 8.5)
+    assert fifths(rows, "sampling/sampling_logp_difference/mean") is None  # a metric no row has
+    assert fifths([{"reward": 3.0}], "reward") == (3.0, 3.0)
+    assert _setting("vllm_server:1") == ("vllm_server", 1)
+    assert _setting("hf") == ("hf", 0)
+    with pytest.raises(argparse.ArgumentTypeError, match="trl"):
+        _setting("trl:0")
+
+
+def test_backend_learning_row_names_the_lowest_step_reward():
+    from benchmarks.backend_learning import table_cells
+
+    rows = [{"step": i + 1, "reward": r, "entropy": 0.5, "completions/mean_length": 10.0}
+            for i, r in enumerate([0.6, 0.1, 0.9, 0.8, 0.7])]
+    cells = table_cells(rows).split(" | ")
+    assert cells[0] == "0.6 -> 0.7"  # five steps: a fifth is one step
+    assert cells[3] == "-"  # no log-prob gap logged
+    assert cells[-1] == "0.1 (2)"

@@ -15,6 +15,7 @@ from maxent_grpo.cli import main
 from maxent_grpo.methods import METHODS
 from maxent_grpo.training.config import ConfigError, load_config, parse_override
 from maxent_grpo.training.metrics import read_metrics
+from tiny_runs import compiled
 from tiny_runs import tiny_overrides as tiny_run_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -185,7 +186,7 @@ def test_bad_config_one_line_error(sets, needles, tmp_path):
 ])
 def test_maxent_bounds_are_the_core_records_and_name_the_key(sets, message):
     with pytest.raises(ConfigError) as err:
-        load_config(None, sets)
+        compiled(None, sets)
     assert str(err.value).startswith(message), str(err.value)
 
 

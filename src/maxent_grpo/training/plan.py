@@ -29,7 +29,10 @@ from maxent_grpo.envs.settings import episode_limits
 from maxent_grpo.errors import ConfigError
 from maxent_grpo.methods import MethodPlan, PlanInputs, get_method
 from maxent_grpo.models import master_dtype
-from maxent_grpo.rewards.maxent import RewardStatsSettings, WeightingSettings
+from maxent_grpo.rewards.maxent import (
+    ControllerMetaSettings, KlControllerSettings, QDistributionSettings, RewardStatsSettings, TauSchedule,
+    WeightingSettings, WeightNormalizationSettings,
+)
 from maxent_grpo.rollout.backend import SamplingParams
 from maxent_grpo.rollout.backends import BACKENDS
 from maxent_grpo.rollout.settings import RolloutConfig
@@ -42,7 +45,6 @@ from maxent_grpo.training.sampler import SamplerPlan
 from maxent_grpo.training.schedule import LoggingPlan, Schedule
 from maxent_grpo.training.strategy import STRATEGIES
 from maxent_grpo.training.validation import EvalPlan
-from maxent_grpo.training.weighting_config import weighting_from_config
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,41 @@ def _compile_method(cfg: TrainConfig, rollout_correction: str) -> MethodPlan:
         raise ConfigError(f"{key}: {err.problem}") from None
 
 
+# The setting each MaxEnt record names in its SpecError -> the config key it comes from.
+_WEIGHTING_KEYS = {
+    "tau": "maxent.tau",
+    "beta": "loss.beta",
+    "scale_rewards": "loss.scale_rewards",
+    "q_distribution.temperature": "maxent.q_temperature",
+    "q_distribution.epsilon": "maxent.q_epsilon",
+    **{f"tau_schedule.{f}": f"maxent.tau_{k}" for f, k in (
+        ("target_entropy", "target_entropy"), ("target_final", "target_final"), ("horizon", "target_horizon"),
+        ("lr", "lr"), ("min", "min"), ("max", "max"), ("warmup_steps", "warmup_steps"))},
+    **{f"kl_controller.{f}": f"maxent.kl_{f}" for f in ("target", "horizon", "step_size")},
+    **{f"controller_meta.{f}": f"maxent.meta_{f}" for f in ("lr_tau", "lr_beta", "every", "grad_clip")},
+}
+
+
+def _weighting(cfg: TrainConfig) -> WeightingSettings:
+    """The run's MaxEnt weighting and controller settings; each record checks its own bounds."""
+    m = cfg.maxent
+    try:
+        return WeightingSettings(
+            tau=m.tau, beta=cfg.loss.beta, scale_rewards=cfg.loss.scale_rewards,
+            normalization=WeightNormalizationSettings(len_norm_ref=m.length_normalize_ref),
+            q_distribution=QDistributionSettings(temperature=m.q_temperature, epsilon=m.q_epsilon),
+            tau_schedule=TauSchedule(
+                target_entropy=m.tau_target_entropy, target_final=m.tau_target_final, horizon=m.tau_target_horizon,
+                lr=m.tau_lr, min=m.tau_min, max=m.tau_max, warmup_steps=m.tau_warmup_steps,
+            ),
+            kl_controller=KlControllerSettings(target=m.kl_target, horizon=m.kl_horizon, step_size=m.kl_step_size),
+            controller_meta=ControllerMetaSettings(lr_tau=m.meta_lr_tau, lr_beta=m.meta_lr_beta, every=m.meta_every,
+                                                   grad_clip=m.meta_grad_clip),
+        )
+    except SpecError as err:
+        raise ConfigError(f"{_WEIGHTING_KEYS[err.setting]}: {err.problem}") from None
+
+
 def _precision(cfg: TrainConfig, machine: Machine, master: str) -> Precision:
     g, t = cfg.generation, cfg.training
     backend = BACKENDS[g.backend]
@@ -179,7 +216,7 @@ def compile_run(cfg: TrainConfig, machine: Machine) -> RunPlan:
     g, t, lo, d, m = cfg.generation, cfg.training, cfg.loss, cfg.data, cfg.model
     master = master_dtype(m.dtype, m.lora.enabled)
     check_run(cfg, machine, master)
-    weighting = weighting_from_config(cfg)  # loss.beta and maxent.*: before the method's own loss bounds
+    weighting = _weighting(cfg)  # loss.beta and maxent.*: before the method's own loss bounds
     precision = _precision(cfg, machine, master)
     episodes = episode_limits(cfg.environment, g.max_new_tokens)
     sampling = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,

@@ -22,6 +22,7 @@ from typing import Any
 from maxent_grpo.core.bounds import SpecError
 from maxent_grpo.core.logprobs import Scoring
 from maxent_grpo.core.losses import ClipSettings
+from maxent_grpo.core.rollout_correction import correction_parts
 from maxent_grpo.core.step import LossSpec
 from maxent_grpo.data.prompts import FewShotExample
 from maxent_grpo.envs.episodes import EpisodeLimits
@@ -297,6 +298,6 @@ def describe_rollout_correction(loss: LossSpec) -> str:
     """One line for the start of a run: which sampler -> trainer weight the policy term gets."""
     if loss.rollout_correction == "none":
         return "none (the policy term uses no sampler -> trainer importance weight)"
-    action = "truncated at" if loss.rollout_correction.endswith("truncate") else "masked above"
-    level = loss.rollout_correction.split("_")[0]
+    level, kind = correction_parts(loss.rollout_correction)
+    action = "truncated at" if kind == "truncate" else "masked above"
     return f"{loss.rollout_correction}: {level}-level ratio trainer/sampler {action} C={loss.rollout_correction_cap:g}"

@@ -128,7 +128,7 @@ def plan(cfg, shape: Shape, gpus: int, gpu_memory_gib: float, prompt_tokens: int
     rows.append(("LM head logits (float32)", 4 * t.micro_batch_size * g.max_new_tokens * shape.vocab / GIB,
                  f"{t.micro_batch_size} x {g.max_new_tokens} completion positions x V={shape.vocab}"))
     if g.backend == "hf":
-        rows_per_call = g.batch_size or t.prompts_per_step * g.num_generations
+        rows_per_call = g.batch_size or run.batch.prompts_per_step * g.num_generations
         sample_bytes = _BYTES[copy] if copy is not None else stored  # the sampling model's dtype
         length = prompt_tokens + g.max_new_tokens
         rows.append((f"{GENERATION}KV cache", sample_bytes * rows_per_call * length * shape.layers * 2 * kv / GIB,

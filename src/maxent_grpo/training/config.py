@@ -227,10 +227,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict[str,
     for key, value in get_method(method).preset.items():
         _set_dotted(preset, key, value)
     cfg = _build(TrainConfig, _merge(preset, user), "")
-    t, g = cfg.training, cfg.generation
-    if t.batch_size is not None and g.num_generations > 0:
-        # training.batch_size counts completions; the run draws prompts.
-        cfg.training.prompts_per_step = t.batch_size // g.num_generations
     validate(cfg)
     config_dir = Path(path).resolve().parent if path is not None else None
     for entry in cfg.rewards:

@@ -11,7 +11,7 @@ import difflib
 from maxent_grpo.envs import ENVIRONMENTS
 from maxent_grpo.errors import ConfigError
 from maxent_grpo.rollout.backends import BACKENDS
-from maxent_grpo.training.config_schema import TrainConfig
+from maxent_grpo.training.config_schema import TrainConfig, TrainingConfig
 from maxent_grpo.training.precision import Machine
 from maxent_grpo.training.strategy import STRATEGIES, Strategy
 
@@ -26,6 +26,21 @@ def suggest(name, options) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def prompts_per_step(cfg: TrainConfig) -> int:
+    """Prompts each process draws per step: ``training.batch_size`` (completions, TRL's per-device
+    convention) over ``num_generations`` when it is set, else ``training.prompts_per_step``."""
+    t, g = cfg.training, cfg.generation
+    if t.batch_size is None:
+        return t.prompts_per_step
+    require(t.batch_size % g.num_generations == 0, "training.batch_size",
+            f"{t.batch_size} is not a multiple of generation.num_generations={g.num_generations}")
+    prompts = t.batch_size // g.num_generations
+    require(t.prompts_per_step in (prompts, TrainingConfig.prompts_per_step), "training.prompts_per_step",
+            f"{t.prompts_per_step} contradicts training.batch_size={t.batch_size} "
+            f"(= {prompts} prompts x {g.num_generations} completions); set one of them")
+    return prompts
+
+
 def check_run(cfg: TrainConfig, machine: Machine, master: str) -> None:
     """Every rule that ties two sections; ``master``: the dtype the trained weights are stored in."""
     g, t, lo, lora = cfg.generation, cfg.training, cfg.loss, cfg.model.lora.enabled
@@ -36,10 +51,7 @@ def check_run(cfg: TrainConfig, machine: Machine, master: str) -> None:
                 f"N >= {strategy.min_processes}); with one process use ddp")
     require(not (t.gradient_checkpointing and t.share_prompts is True), "training.gradient_checkpointing",
             "needs training.share_prompts: false (a shared prompt's KV cache cannot be recomputed in the backward)")
-    if t.batch_size is not None:
-        require(t.batch_size % g.num_generations == 0, "training.batch_size",
-                f"{t.batch_size} is not a multiple of generation.num_generations={g.num_generations}")
-    total = t.prompts_per_step * g.num_generations
+    total = prompts_per_step(cfg) * g.num_generations
     require(total % t.micro_batch_size == 0, "training.micro_batch_size",
             f"{t.micro_batch_size} does not divide the {total} completions of a step")
     require(g.vllm.max_model_len is None or g.vllm.max_model_len > g.max_new_tokens, "generation.vllm.max_model_len",

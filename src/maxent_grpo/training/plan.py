@@ -37,7 +37,7 @@ from maxent_grpo.rewards.maxent import (
 from maxent_grpo.rollout.backend import SamplingParams
 from maxent_grpo.rollout.backends import BACKENDS
 from maxent_grpo.rollout.settings import RolloutConfig
-from maxent_grpo.training.config_rules import check_run
+from maxent_grpo.training.config_rules import check_run, prompts_per_step
 from maxent_grpo.training.config_schema import RewardEntry, TrainConfig
 from maxent_grpo.training.data import DataPlan
 from maxent_grpo.training.policy import LoraPlan, ModelPlan, OptimizerPlan
@@ -223,7 +223,7 @@ def compile_run(cfg: TrainConfig, machine: Machine) -> RunPlan:
     sampling = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                               top_k=g.top_k, stop=tuple(g.stop))
     batch = BatchPlan(
-        num_generations=g.num_generations, prompts_per_step=t.prompts_per_step, system_prompt=d.system_prompt,
+        num_generations=g.num_generations, prompts_per_step=prompts_per_step(cfg), system_prompt=d.system_prompt,
         few_shot=tuple(d.few_shot), sampling=sampling, max_retry_rounds=g.max_retry_rounds,
         dynamic_sampling=lo.dynamic_sampling, max_gen_batches=lo.max_gen_batches,
         mask_truncated_completions=lo.mask_truncated_completions,

@@ -94,6 +94,12 @@ class MethodPlan:
     targets: Callable[[TargetInputs], MethodTargets]
     reward_scaling: Callable[[RewardScalingInputs], SeedGrpoInputs] | None = None
 
+    @property
+    def logs_controllers(self) -> bool:
+        """Whether the run's metrics carry the live tau and beta: the MaxEnt family's weighting uses
+        them, and any method's KL term uses beta."""
+        return self.family == "maxent" or self.loss.beta > 0
+
     def identity(self) -> dict:
         """What the run trains with, as written to ``run_info.json``."""
         return {

@@ -265,7 +265,7 @@ def _old_logps(run: Run, prepared) -> torch.Tensor:
 
 
 def _controller_metrics(run: Run) -> dict[str, float]:
-    if run.ctx.plan.method.family != "maxent" and run.ctx.plan.method.loss.beta == 0:
+    if not run.plan.method.logs_controllers:
         return {}
     state = controller_state_dict(run.ctx.weighting)
     return {"tau": float(state["tau"]), "beta": float(state["beta"])}

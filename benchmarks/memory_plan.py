@@ -36,7 +36,7 @@ from maxent_grpo.rollout.backends import BACKENDS  # noqa: E402
 from maxent_grpo.training.config import load_config  # noqa: E402
 from maxent_grpo.training.plan import compile_run  # noqa: E402
 from maxent_grpo.models import master_dtype  # noqa: E402
-from maxent_grpo.training.precision import resolve_precision  # noqa: E402
+from maxent_grpo.training.precision import Machine  # noqa: E402
 from maxent_grpo.training.strategy import STRATEGIES  # noqa: E402
 
 GIB = 2**30
@@ -90,12 +90,11 @@ class Shape:
 
 def plan(cfg, shape: Shape, gpus: int, gpu_memory_gib: float, prompt_tokens: int) -> list[tuple[str, float, str]]:
     """Rows (what, GiB per GPU, how it was counted) for a loaded TrainConfig on ``gpus`` GPUs."""
-    cfg = resolve_precision(cfg, fast_bf16=True, cuda=True)  # a GPU multiplies bf16 natively
-    run = compile_run(cfg)
+    run = compile_run(cfg, Machine(fast_bf16=True, cuda=True, processes=None))  # a GPU multiplies bf16 natively
     t, g, lora = cfg.training, cfg.generation, cfg.model.lora
     shard = gpus if STRATEGIES[t.strategy].collective_forward else 1
     p = shape.params()
-    compute = _BYTES["bfloat16"] if t.autocast_bf16 is True else _BYTES[cfg.model.dtype]
+    compute = _BYTES["bfloat16"] if run.model.autocast_bf16 else _BYTES[cfg.model.dtype]
     stored = _BYTES[master_dtype(cfg.model.dtype, lora.enabled)]
     trained = shape.lora_params(lora.r, lora.target_modules) if lora.enabled else p
     rows = [
@@ -114,8 +113,9 @@ def plan(cfg, shape: Shape, gpus: int, gpu_memory_gib: float, prompt_tokens: int
     if run.method.needs_reference and not lora.enabled:
         rows.append(("reference model", _BYTES[cfg.model.dtype] * p / shard / GIB, f"in model.dtype {cfg.model.dtype}"))
     backend = BACKENDS[g.backend]
-    if not backend.owns_weights and g.dtype not in (None, master_dtype(cfg.model.dtype, lora.enabled)):
-        rows.append(("sampling copy", _BYTES[g.dtype] * p / GIB, f"generation.dtype {g.dtype}, a whole model per GPU"))
+    copy = run.sampler.sample_dtype
+    if not backend.owns_weights and copy not in (None, master_dtype(cfg.model.dtype, lora.enabled)):
+        rows.append(("sampling copy", _BYTES[copy] * p / GIB, f"generation.dtype {copy}, a whole model per GPU"))
     tokens = t.micro_batch_size * (prompt_tokens + g.max_new_tokens)
     h, kv, i = shape.hidden, shape.kv_dim, shape.intermediate
     if t.gradient_checkpointing:
@@ -128,8 +128,8 @@ def plan(cfg, shape: Shape, gpus: int, gpu_memory_gib: float, prompt_tokens: int
     rows.append(("LM head logits (float32)", 4 * t.micro_batch_size * g.max_new_tokens * shape.vocab / GIB,
                  f"{t.micro_batch_size} x {g.max_new_tokens} completion positions x V={shape.vocab}"))
     if g.backend == "hf":
-        rows_per_call = g.batch_size or t.prompts_per_step * g.num_generations
-        sample_bytes = _BYTES[g.dtype] if g.dtype is not None else stored  # the sampling model's dtype
+        rows_per_call = g.batch_size or run.batch.prompts_per_step * g.num_generations
+        sample_bytes = _BYTES[copy] if copy is not None else stored  # the sampling model's dtype
         length = prompt_tokens + g.max_new_tokens
         rows.append((f"{GENERATION}KV cache", sample_bytes * rows_per_call * length * shape.layers * 2 * kv / GIB,
                      f"{rows_per_call} rows x {length} tokens x {shape.layers} layers x 2 x kv_dim {kv}"))

@@ -181,7 +181,8 @@ def ours_step(case: Case, model, tokenizer, rollouts: Rollouts) -> Outcome:
     from maxent_grpo.rollout.backend import RolloutBatch, pack_rollout
     from maxent_grpo.training.config import load_config
     from maxent_grpo.training.plan import compile_run
-    from maxent_grpo.training.setup import build_optimizer
+    from maxent_grpo.training.policy import build_optimizer
+    from maxent_grpo.training.precision import Machine
 
     cfg = load_config(overrides={
         "method": "grpo", "loss.loss_type": case.loss_type, "loss.beta": 0.0, "loss.epsilon": 0.2,
@@ -194,8 +195,8 @@ def ours_step(case: Case, model, tokenizer, rollouts: Rollouts) -> Outcome:
         "training.max_grad_norm": case.max_grad_norm, "training.max_steps": TOTAL_STEPS,
         "training.autocast_bf16": False, "training.share_prompts": True,
     })
-    plan = compile_run(cfg)
-    optimizer, scheduler = build_optimizer(model, cfg.training)
+    plan = compile_run(cfg, Machine(fast_bf16=False, cuda=False))
+    optimizer, scheduler = build_optimizer(model, plan.optimizer)
     batch = RolloutBatch(
         prompts=[""] * PROMPTS, prompt_ids=rollouts.prompt_ids, completion_ids=rollouts.completion_ids,
         completion_texts=[""] * len(rollouts.completion_ids),

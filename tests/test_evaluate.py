@@ -24,7 +24,7 @@ from maxent_grpo.training.config import load_config
 from maxent_grpo.data.datasets import load_prompt_dataset, split_train_eval
 from maxent_grpo.data.prompts import format_prompt
 from maxent_grpo.training.metrics import read_metrics
-from tiny_runs import read_jsonl
+from tiny_runs import compiled, read_jsonl
 from tiny_runs import tiny_overrides as tiny_run_args
 
 # ----------------------------------------------------------------------------- reward functions
@@ -226,18 +226,18 @@ def test_select_eval_rows_is_the_held_out_prefix_or_the_first_rows():
 
 
 def test_fresh_task_rows_are_problems_the_run_did_not_train_on_while_there_are_any(caplog):
-    cfg = load_config(None, ["data.task_kwargs={min_terms: 1, max_terms: 1, max_digits: 1}"])  # 10 problems
-    task = sorted(set(load_prompt_dataset(cfg.data.source, size=64, seed=1, instruction=cfg.data.instruction,
-                                          task_kwargs=cfg.data.task_kwargs)["prompt"]))
+    d = compiled(None, ["data.task_kwargs={min_terms: 1, max_terms: 1, max_digits: 1}"]).data  # 10 problems
+    task = sorted(set(load_prompt_dataset(d.source, size=64, seed=1, instruction=d.instruction,
+                                          task_kwargs=d.task_kwargs)["prompt"]))
     assert len(task) == 10
-    untrained = fresh_task_rows(cfg, set(), 4)
+    untrained = fresh_task_rows(d, set(), 4)
     assert len({r["prompt"] for r in untrained}) == 4  # distinct problems
     with caplog.at_level("WARNING", logger="maxent_grpo"):
-        assert [r["prompt"] for r in fresh_task_rows(cfg, set(task[2:]), 4)] in (task[:2], task[1::-1])
+        assert [r["prompt"] for r in fresh_task_rows(d, set(task[2:]), 4)] in (task[:2], task[1::-1])
         assert "has 2 problem(s) the run did not train on, fewer than the 4 asked for" in caplog.text
         caplog.clear()
         # Every problem trained on: those (eval_rows' overlap warning says so).
-        assert [r["prompt"] for r in fresh_task_rows(cfg, set(task), 4)] == [r["prompt"] for r in untrained]
+        assert [r["prompt"] for r in fresh_task_rows(d, set(task), 4)] == [r["prompt"] for r in untrained]
         assert caplog.text == ""
 
 
@@ -391,8 +391,7 @@ def test_validate_restores_the_rng_and_uses_its_own_seed(tiny_model_dir, tmp_pat
 
     args = tiny_overrides(tiny_model_dir, tmp_path / "run", extra=["data.eval_size=3", "eval.k=2", "eval.num_prompts=3"])
     overrides = [args[i + 1] for i in range(len(args)) if args[i] == "--set"]
-    cfg = load_config(None, [*overrides, f"logging.output_dir={tmp_path / 'run'}"])
-    run = build_run(cfg)
+    run = build_run(compiled(None, [*overrides, f"logging.output_dir={tmp_path / 'run'}"]))
     try:
         torch.manual_seed(1234)
         random.seed(99)
@@ -408,3 +407,27 @@ def test_validate_restores_the_rng_and_uses_its_own_seed(tiny_model_dir, tmp_pat
                                                     "distinct@2", "greedy_pass@1", "num_prompts")}
     finally:
         run.finish()
+
+
+@pytest.mark.slow
+def test_eval_and_train_print_the_same_sampling_line(tiny_model_dir, tmp_path, caplog):
+    """Both commands build the sampler from the same compiled plan (training/sampler.py): for the same
+    config they print the same sampling line; train also prints the global batch it derives."""
+    run = tmp_path / "run"
+    args = tiny_overrides(tiny_model_dir, run, steps=1, extra=["generation.temperature=0.7", "generation.top_k=5",
+                                                              "checkpoint.save_final=false"])
+
+    def said(prefix: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith(prefix)]
+
+    with caplog.at_level("INFO", logger="maxent_grpo"):
+        assert main(["train", *args]) == 0
+        trained, batch = said("sampling:"), said("global batch:")
+        caplog.clear()
+        assert main(["eval", str(tiny_model_dir), "--config", str(run / "config.yaml"), "--output",
+                     str(tmp_path / "eval"), "--num-prompts", "2", "-k", "2"]) == 0
+        evaluated = said("sampling:")
+    assert trained == evaluated == [
+        "sampling: hf from the policy itself, temperature 0.7, top_p 1, top_k 5, max_new_tokens 8, stop []"]
+    assert batch == ["global batch: 2 prompts x 1 process(es) x 4 completions = 8 completions per optimizer step "
+                     "(micro-batches of 4, 1 pass(es))"]

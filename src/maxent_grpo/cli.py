@@ -121,6 +121,11 @@ def _train(args) -> int:
     if args.resume is not None and args.overwrite:
         raise ConfigError("--resume and --overwrite: choose one (continue the run, or delete it)")
     cfg = load_config(args.config, overrides)
+    from maxent_grpo.training.plan import compile_run
+    from maxent_grpo.training.precision import Machine
+
+    # Compiled once, here: below this line the run reads the plan, and the config is data it saves.
+    plan = compile_run(cfg, Machine.here())
     if args.print_config:
         import yaml
 
@@ -131,7 +136,7 @@ def _train(args) -> int:
     from maxent_grpo.training.summary import format_summary
 
     try:
-        summary = train(cfg, resume=args.resume, overwrite=args.overwrite, allow_config_change=args.allow_config_change)
+        summary = train(plan, resume=args.resume, overwrite=args.overwrite, allow_config_change=args.allow_config_change)
     except RunInterrupted as stopped:
         # The checkpoint is written: one more Ctrl-C must not turn the exit code into a crash.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -171,9 +176,12 @@ def _resume_command(argv: list[str]) -> str:
 
 
 def _eval(args) -> int:
-    from maxent_grpo.eval_command import run_eval_cli
+    from maxent_grpo.eval_command import run_eval
+    from maxent_grpo.training.config import load_config
+    from maxent_grpo.training.plan import compile_run
+    from maxent_grpo.training.precision import Machine
 
-    return run_eval_cli(args)
+    return run_eval(compile_run(load_config(args.config, args.set), Machine.here(training=False)), args)
 
 
 def _report(args) -> int:

@@ -17,20 +17,17 @@ from pathlib import Path
 import torch
 
 from maxent_grpo.data.datasets import RG_PREFIX, PromptSampler, load_prompt_dataset, split_train_eval
-from maxent_grpo.data.prompts import longest_prompt_tokens
 from maxent_grpo.errors import ConfigError
 from maxent_grpo.envs import ENVIRONMENT_COLUMN
-from maxent_grpo.envs.episodes import EpisodePlay
-from maxent_grpo.envs.settings import episode_limits, row_environments
 from maxent_grpo.evaluate import eval_seed, evaluate_prompts, per_prompt_metrics, per_task_means, write_eval_outputs
-from maxent_grpo.models import load_model_and_tokenizer, parse_dtype, resolve_model_path
+from maxent_grpo.models import load_model_and_tokenizer, resolve_model_path
 from maxent_grpo.rewards.registry import build_reward_spec
-from maxent_grpo.rollout.backend import SamplingParams
-from maxent_grpo.rollout.backends import BACKENDS, BackendInputs
+from maxent_grpo.rollout.backends import BACKENDS
 from maxent_grpo.training.checkpoint import TRAINER_STATE_NAME, read_trainer_state
-from maxent_grpo.training.config import load_config, to_dict
+from maxent_grpo.training.data import DataPlan, load_table, row_episodes
 from maxent_grpo.training.distributed import Dist
-from maxent_grpo.training.precision import bf16_is_fast, resolve_precision
+from maxent_grpo.training.plan import RunPlan
+from maxent_grpo.training.sampler import build_sampler, describe_sampling
 
 log = logging.getLogger("maxent_grpo")
 
@@ -60,40 +57,40 @@ def _key(prompt) -> str:
     return prompt if isinstance(prompt, str) else json.dumps(prompt)
 
 
-def _checkpoint_state(cfg, model: str) -> dict | None:
-    """MODEL's trainer state when MODEL is a checkpoint of a run with this config's data and seed."""
+def _checkpoint_state(source: dict, model: str) -> dict | None:
+    """MODEL's trainer state when MODEL is a checkpoint of a run with this config's (``source``) data and seed."""
     path = Path(model)
     if not (path / TRAINER_STATE_NAME).is_file():
         return None
     state = read_trainer_state(path)
     if "config" not in state:  # a checkpoint from before checkpoints held their config
         return None
-    ours = json.loads(json.dumps(to_dict(cfg)))
+    ours = json.loads(json.dumps(source))
     saved = state["config"]
     if saved["data"] != ours["data"] or saved["training"]["seed"] != ours["training"]["seed"]:
         return None
     return state
 
 
-def trained_prompts(cfg, dataset, model: str) -> set[str]:
+def trained_prompts(plan: RunPlan, dataset, model: str) -> set[str]:
     """The prompts (as :func:`_key`) the run trained on.
 
     When MODEL is a checkpoint of a run of this config: the rows its sampler drew up to that
     step (the default run draws 60 of its 1000 rows). Otherwise every training row of the
     config's data (the held-out split excepted).
     """
-    d = cfg.data
-    train = split_train_eval(dataset, d.eval_size, cfg.training.seed)[0] if d.eval_size else dataset
+    d = plan.data
+    train = split_train_eval(dataset, d.eval_size, d.seed)[0] if d.eval_size else dataset
     prompts = train["prompt"]
-    state = _checkpoint_state(cfg, model)
+    state = _checkpoint_state(plan.source, model)
     if state is None:
         return {_key(p) for p in prompts}
-    sampler = PromptSampler(train, state["sampler"]["batch_size"], seed=cfg.training.seed, shuffle=d.shuffle)
+    sampler = PromptSampler(train, state["sampler"]["batch_size"], seed=d.seed, shuffle=d.shuffle)
     sampler.load_state_dict(state["sampler"])
     return {_key(prompts[i]) for i in sampler.drawn_indices()}
 
 
-def fresh_task_rows(cfg, trained: set[str], num_prompts: int) -> list[dict]:
+def fresh_task_rows(d: DataPlan, trained: set[str], num_prompts: int) -> list[dict]:
     """A reasoning-gym run without a held-out split: up to ``num_prompts`` distinct problems generated
     from another seed that the run did not train on (``trained``: :func:`trained_prompts`).
 
@@ -101,8 +98,8 @@ def fresh_task_rows(cfg, trained: set[str], num_prompts: int) -> list[dict]:
     left, and when none are, problems the run trained on (``warn_training_overlap`` says so).
     """
     pool = load_prompt_dataset(
-        cfg.data.source, size=max(4 * num_prompts, 64), seed=cfg.training.seed + FRESH_SEED_OFFSET,
-        instruction=cfg.data.instruction, task_kwargs=cfg.data.task_kwargs,
+        d.source, size=max(4 * num_prompts, 64), seed=d.seed + FRESH_SEED_OFFSET,
+        instruction=d.instruction, task_kwargs=d.task_kwargs,
     )
     distinct: dict[str, dict] = {}
     for row in pool:
@@ -110,7 +107,7 @@ def fresh_task_rows(cfg, trained: set[str], num_prompts: int) -> list[dict]:
     fresh = [row for key, row in distinct.items() if key not in trained]
     if 0 < len(fresh) < num_prompts:
         log.warning("eval: %s has %d problem(s) the run did not train on, fewer than the %d asked for; evaluating "
-                    "those (set data.eval_size > 0 to hold more out)", cfg.data.source, len(fresh), num_prompts)
+                    "those (set data.eval_size > 0 to hold more out)", d.source, len(fresh), num_prompts)
     return (fresh or list(distinct.values()))[:num_prompts]
 
 
@@ -122,71 +119,53 @@ def warn_training_overlap(rows: list[dict], trained: set[str], source: str) -> N
                     "or point data.source at a test set", overlap, len(rows), source)
 
 
-def eval_rows(cfg, dataset, model: str, num_prompts: int) -> list[dict]:
+def eval_rows(plan: RunPlan, dataset, model: str, num_prompts: int) -> list[dict]:
     """The rows ``maxent-grpo eval MODEL`` evaluates (the module docstring), with a warning for
     any the run trained on."""
-    trained = trained_prompts(cfg, dataset, model)
-    if not cfg.data.eval_size and cfg.data.source.startswith(RG_PREFIX):
-        rows = fresh_task_rows(cfg, trained, num_prompts)
+    d = plan.data
+    trained = trained_prompts(plan, dataset, model)
+    if not d.eval_size and d.source.startswith(RG_PREFIX):
+        rows = fresh_task_rows(d, trained, num_prompts)
     else:
-        rows = select_eval_rows(dataset, cfg.data.eval_size, num_prompts, cfg.training.seed)
-    warn_training_overlap(rows, trained, cfg.data.source)
+        rows = select_eval_rows(dataset, d.eval_size, num_prompts, d.seed)
+    warn_training_overlap(rows, trained, d.source)
     return rows
 
 
-def run_eval_cli(args) -> int:
-    """``maxent-grpo eval MODEL --output DIR [--config FILE] [--set K=V] [-k K] [--num-prompts N]``.
+def run_eval(plan: RunPlan, args) -> int:
+    """``maxent-grpo eval MODEL --output DIR [--config FILE] [--set K=V] [-k K] [--num-prompts N]``,
+    with ``plan`` compiled from the config (``--config``/``--set``).
 
-    Data, rewards and sampling settings come from the config (``--config``/``--set``);
-    the prompts from :func:`select_eval_rows`; correctness from the config's first
-    reward function (see the module docstring). Writes ``DIR/summary.json`` (the
-    metrics, ``num_prompts``, ``model``, the ``deciding_reward`` and, on ModeBench
-    rows, ``<task>/<metric>`` pooled per task), ``DIR/completions.jsonl`` (one record
+    Data, rewards and sampling come from the plan, built as training builds them
+    (``training/data.py``, ``training/sampler.py``); the prompts from :func:`eval_rows`;
+    correctness from the config's first reward function (see the module docstring). Writes
+    ``DIR/summary.json`` (the metrics, ``num_prompts``, ``model``, the ``deciding_reward`` and, on
+    ModeBench rows, ``<task>/<metric>`` pooled per task), ``DIR/completions.jsonl`` (one record
     per completion) and ``DIR/per_prompt.jsonl`` (every metric per prompt).
     """
     for flag, value in (("-k", args.k), ("--num-prompts", args.num_prompts)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
-    device = Dist().device  # the device a run trains on: the GPU when torch has one
-    cfg = resolve_precision(load_config(args.config, args.set), bf16_is_fast(device), cuda=device.type == "cuda")
-    k = args.k if args.k is not None else cfg.eval.k
-    n = args.num_prompts if args.num_prompts is not None else cfg.eval.num_prompts
-    dataset = load_prompt_dataset(
-        cfg.data.source, split=cfg.data.split, prompt_column=cfg.data.prompt_column,
-        answer_column=cfg.data.answer_column, size=cfg.data.size, seed=cfg.training.seed,
-        instruction=cfg.data.instruction, task_kwargs=cfg.data.task_kwargs,
-    )
-    rows = eval_rows(cfg, dataset, args.model, n)
-    spec = build_reward_spec(cfg.rewards)
-    g = cfg.generation
-    limits = episode_limits(cfg.environment, g.max_new_tokens)
+    k = args.k if args.k is not None else plan.eval.k
+    n = args.num_prompts if args.num_prompts is not None else plan.eval.num_prompts
+    rows = eval_rows(plan, load_table(plan.data), args.model, n)
+    spec = build_reward_spec(list(plan.rewards))
     # A multi-turn run is evaluated on episodes, each row with its environment (checked before the model loads).
-    episodes = None if limits is None else EpisodePlay(
-        row_environments(cfg.environment, [r[ENVIRONMENT_COLUMN] if ENVIRONMENT_COLUMN in r else None for r in rows]),
-        limits)
+    episodes = row_episodes(plan.data, None if plan.data.episodes is None else [r.get(ENVIRONMENT_COLUMN) for r in rows])
     model_path = resolve_model_path(args.model)
-    BACKENDS[g.backend].check(g.vllm, model_path)  # before the model loads
-    model, tokenizer = load_model_and_tokenizer(model_path, dtype=cfg.model.dtype, device=device)
-    sampling = SamplingParams(
-        max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, stop=tuple(g.stop),
-    )
-    # The sampler the config names, as in training (generation.backend: hf, vllm or vllm_server).
-    backend = BACKENDS[g.backend].build(BackendInputs(
-        model=model, tokenizer=tokenizer, model_path=model_path,
-        sample_dtype=None if g.dtype is None else parse_dtype(g.dtype), batch_size=g.batch_size,
-        share_prompts=cfg.training.share_prompts, vllm=g.vllm, seed=eval_seed(cfg.training.seed),
-        default_sync_dir=Path(args.output) / "vllm_weights",
-        # An episode's context grows past its prompt: the engine then keeps the model's length.
-        max_prompt_tokens=None if episodes is not None else longest_prompt_tokens(
-            tokenizer, [r["prompt"] for r in rows], system_prompt=cfg.data.system_prompt, few_shot=cfg.data.few_shot,
-        ),
-        max_new_tokens=g.max_new_tokens,
-    ))
-    torch.manual_seed(eval_seed(cfg.training.seed))
+    BACKENDS[plan.sampler.backend].check(plan.sampler.vllm, model_path)  # before the model loads
+    for note in plan.notes:
+        log.info("%s", note)
+    log.info("%s", describe_sampling(plan.sampler))
+    model, tokenizer = load_model_and_tokenizer(model_path, dtype=plan.model.dtype, device=Dist().device)
+    # The sampler the config names, built as training builds it.
+    backend = build_sampler(plan.sampler, model, tokenizer, model_path, seed=eval_seed(plan.seed),
+                            sync_dir=Path(args.output) / "vllm_weights", prompts=lambda: [r["prompt"] for r in rows])
+    torch.manual_seed(eval_seed(plan.seed))
     with backend.rollout_phase(model):
         summary, records = evaluate_prompts(
-            backend, tokenizer, rows, spec, k=k, sampling=sampling,
-            system_prompt=cfg.data.system_prompt, few_shot=cfg.data.few_shot, episodes=episodes,
+            backend, tokenizer, rows, spec, k=k, sampling=plan.batch.sampling,
+            system_prompt=plan.batch.system_prompt, few_shot=plan.batch.few_shot, episodes=episodes,
         )
     summary.update(per_task_means(per_prompt_metrics(records, k)))
     summary["model"] = str(args.model)

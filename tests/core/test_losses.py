@@ -402,10 +402,10 @@ def test_cispo_is_one_registered_method():
     from maxent_grpo.methods import get_method
     from maxent_grpo.training.config import load_config
 
-    from maxent_grpo.training.plan import compile_run
+    from tiny_runs import compiled
 
     cfg = load_config(overrides=["method=cispo"])
     assert (cfg.loss.loss_type, cfg.loss.epsilon_high) == ("dapo", 5.0)
-    plan = compile_run(cfg).method
+    plan = compiled(overrides=["method=cispo"]).method
     assert get_method("cispo").family == "grpo"
     assert plan.loss.policy_loss == "cispo" and plan.loss.clip.epsilon_high == 5.0 and not plan.needs_reference

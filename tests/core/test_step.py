@@ -356,11 +356,12 @@ def test_activation_checkpointing_recomputes_the_layers_and_leaves_the_gradient_
 
 
 def test_activation_checkpointing_needs_unshared_prompts_named_in_one_line():
-    from maxent_grpo.training.config import ConfigError, load_config
+    from maxent_grpo.training.config import ConfigError
+    from tiny_runs import compiled
 
     with pytest.raises(ConfigError, match="^training.gradient_checkpointing: needs training.share_prompts: false"):
-        load_config(None, ["training.gradient_checkpointing=true", "training.share_prompts=true"])
-    cfg = load_config(None, ["training.gradient_checkpointing=true", "training.share_prompts=false"])
-    assert cfg.training.gradient_checkpointing
+        compiled(None, ["training.gradient_checkpointing=true", "training.share_prompts=true"])
+    plan = compiled(None, ["training.gradient_checkpointing=true", "training.share_prompts=false"])
+    assert plan.model.gradient_checkpointing
     # share_prompts auto (the default) turns itself off under checkpointing (training/precision.py).
-    assert load_config(None, ["training.gradient_checkpointing=true"]).training.share_prompts == "auto"
+    assert not compiled(None, ["training.gradient_checkpointing=true"]).scoring.share_prompts

@@ -14,6 +14,7 @@ from maxent_grpo.data.datasets import DEFAULT_INSTRUCTION, PromptSampler, load_p
 from maxent_grpo.data.prompts import FewShotExample, format_prompt
 from maxent_grpo.errors import ConfigError, DataError
 from maxent_grpo.training.config import load_config
+from tiny_runs import compiled
 
 
 def write_jsonl(path, rows):
@@ -188,9 +189,9 @@ def test_few_shot_config_is_validated():
     cfg = load_config(None, {"data.few_shot": [{"prompt": "1 + 1 =", "completion": "2"}]})
     assert cfg.data.few_shot == [FewShotExample("1 + 1 =", "2")]
     with pytest.raises(ConfigError, match=r"data\.few_shot\[0\]\.completion: required key is missing"):
-        load_config(None, {"data.few_shot": [{"prompt": "1 + 1 ="}]})
+        compiled(None, {"data.few_shot": [{"prompt": "1 + 1 ="}]})
     with pytest.raises(ConfigError, match=r"data\.few_shot\[0\]\.answer"):
-        load_config(None, {"data.few_shot": [{"prompt": "1 + 1 =", "answer": "2"}]})
+        compiled(None, {"data.few_shot": [{"prompt": "1 + 1 =", "answer": "2"}]})
 
 
 def test_format_prompt_without_chat_template_names_the_model(tiny_model_dir):

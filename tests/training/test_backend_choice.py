@@ -15,6 +15,7 @@ from maxent_grpo.rollout.settings import VllmConfig
 from maxent_grpo.rollout.vllm_server import shared_memory_sync_dir
 from maxent_grpo.training.config import ConfigError, load_config
 from maxent_grpo.training.metrics import read_metrics
+from tiny_runs import compiled
 from tiny_runs import tiny_overrides
 
 REWARDS = "[{name: boxed_accuracy}, {name: length, kwargs: {max_length: 100}}]"
@@ -33,7 +34,7 @@ REWARDS = "[{name: boxed_accuracy}, {name: length, kwargs: {max_length: 100}}]"
 ])
 def test_bad_backend_settings_name_their_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        load_config(None, [override])
+        compiled(None, [override])
 
 
 @pytest.mark.parametrize("backend", ["vllm", "vllm_server"])
@@ -42,7 +43,7 @@ def test_lora_with_a_vllm_backend_is_accepted_and_may_sample_in_its_own_dtype(ba
     cfg = load_config(None, [f"generation.backend={backend}", "model.lora.enabled=true", "generation.dtype=bfloat16"])
     assert cfg.model.lora.enabled and cfg.generation.dtype == "bfloat16"
     with pytest.raises(ConfigError, match="generation.dtype"):
-        load_config(None, ["generation.backend=hf", "model.lora.enabled=true", "generation.dtype=bfloat16"])
+        compiled(None, ["generation.backend=hf", "model.lora.enabled=true", "generation.dtype=bfloat16"])
 
 
 @pytest.mark.parametrize("installed, refused", [

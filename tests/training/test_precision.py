@@ -8,30 +8,43 @@ import pytest
 import torch
 
 from maxent_grpo.training.config import ConfigError, load_config
-from maxent_grpo.training.precision import bf16_is_fast, resolve_precision
+from maxent_grpo.training.plan import compile_run
+from maxent_grpo.training.precision import Machine, bf16_is_fast
+from tiny_runs import compiled
 
 
-def _cfg(**sets):
-    return load_config(None, [f"{k}={v}" for k, v in sets.items()])
+def _plan(fast: bool = False, cuda: bool = False, **sets):
+    return compiled(None, [f"{k}={v}" for k, v in sets.items()], fast_bf16=fast, cuda=cuda)
+
+
+def _precision(plan):
+    return plan.sampler.sample_dtype, plan.model.autocast_bf16
 
 
 def test_auto_resolves_to_bf16_only_on_fast_hardware():
-    cfg = _cfg(**{"generation.dtype": "auto", "training.autocast_bf16": "auto"})
-    fast, slow = resolve_precision(cfg, True), resolve_precision(cfg, False)
-    assert (fast.generation.dtype, fast.training.autocast_bf16) == ("bfloat16", True)
-    assert (slow.generation.dtype, slow.training.autocast_bf16) == (None, False)
-    assert cfg.generation.dtype == "auto"  # the input is not changed
+    sets = {"generation.dtype": "auto", "training.autocast_bf16": "auto"}
+    assert _precision(_plan(True, **sets)) == ("bfloat16", True)
+    assert _precision(_plan(False, **sets)) == (None, False)
+    assert _plan(False, **sets).scoring.autocast_bf16 is False
+
+
+def test_auto_is_resolved_by_the_compiler_and_the_config_stays_as_written():
+    cfg = load_config(None, ["generation.dtype=auto"])
+    plan = compile_run(cfg, Machine(fast_bf16=True, cuda=False))
+    assert plan.sampler.sample_dtype == "bfloat16" and cfg.generation.dtype == "auto"
+    assert plan.source["generation"]["dtype"] == "auto"  # what is saved: the config as written
+    assert any(note.startswith("precision auto (native bf16)") for note in plan.notes)
 
 
 def test_explicit_settings_are_kept_on_any_hardware():
-    cfg = _cfg(**{"generation.dtype": "bfloat16", "training.autocast_bf16": "true"})
     for fast in (True, False):
-        out = resolve_precision(cfg, fast)
-        assert (out.generation.dtype, out.training.autocast_bf16) == ("bfloat16", True)
-    cfg = _cfg(**{"generation.dtype": "null", "training.autocast_bf16": "false", "loss.rollout_correction": "none",
-                  "training.share_prompts": "true"})
-    assert resolve_precision(cfg, True) is cfg
-    assert resolve_precision(cfg, True, cuda=True) is cfg  # an explicit share_prompts: kept on CUDA too
+        plan = _plan(fast, **{"generation.dtype": "bfloat16", "training.autocast_bf16": "true"})
+        assert _precision(plan) == ("bfloat16", True)
+    sets = {"generation.dtype": "null", "training.autocast_bf16": "false", "loss.rollout_correction": "none",
+            "training.share_prompts": "true"}
+    for cuda in (False, True):  # an explicit share_prompts: kept on CUDA too
+        plan = _plan(True, cuda, **sets)
+        assert (*_precision(plan), plan.scoring.share_prompts, plan.notes) == (None, False, True, ())
 
 
 @pytest.mark.parametrize("sets, cuda, expected", [
@@ -42,13 +55,13 @@ def test_explicit_settings_are_kept_on_any_hardware():
     ({"training.share_prompts": "true"}, True, True),
 ])
 def test_share_prompts_auto_is_on_for_the_cpu_only(sets, cuda, expected):
-    out = resolve_precision(_cfg(**sets), False, cuda=cuda)
-    assert out.training.share_prompts is expected
+    plan = _plan(False, cuda, **sets)
+    assert plan.scoring.share_prompts is expected and plan.sampler.share_prompts is expected
 
 
 def test_share_prompts_true_with_gradient_checkpointing_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="training.gradient_checkpointing"):
-        _cfg(**{"training.gradient_checkpointing": "true", "training.share_prompts": "true"})
+        _plan(**{"training.gradient_checkpointing": "true", "training.share_prompts": "true"})
 
 
 @pytest.mark.parametrize("sets, fast, expected", [
@@ -63,24 +76,23 @@ def test_share_prompts_true_with_gradient_checkpointing_is_refused_in_one_line()
     ({"loss.rollout_correction": "none", "generation.backend": "vllm"}, False, "none"),
 ])
 def test_rollout_correction_auto_turns_on_when_the_sampler_is_not_the_trainer(sets, fast, expected):
-    cfg = resolve_precision(_cfg(**sets), fast)
-    assert cfg.loss.rollout_correction == expected
-    assert cfg.loss.rollout_correction_cap == 2.0  # ALGORITHMS.md §15's default C
+    loss = _plan(fast, **sets).method.loss
+    assert loss.rollout_correction == expected
+    assert loss.rollout_correction_cap == 2.0  # ALGORITHMS.md §15's default C
 
 
 def test_auto_gives_a_lora_policy_no_sampling_copy():
-    cfg = _cfg(**{"generation.dtype": "auto", "model.lora.enabled": "true"})
-    assert resolve_precision(cfg, True).generation.dtype is None
+    assert _plan(True, **{"generation.dtype": "auto", "model.lora.enabled": "true"}).sampler.sample_dtype is None
     # A vLLM engine holds its own copy of the merged weights: auto picks bf16 where it is native.
-    cfg = _cfg(**{"generation.dtype": "auto", "model.lora.enabled": "true", "generation.backend": "vllm"})
-    assert resolve_precision(cfg, True).generation.dtype == "bfloat16"
+    plan = _plan(True, **{"generation.dtype": "auto", "model.lora.enabled": "true", "generation.backend": "vllm"})
+    assert plan.sampler.sample_dtype == "bfloat16"
 
 
 def test_the_default_recipe_asks_for_auto_and_bad_values_are_named():
     cfg = load_config()
     assert (cfg.generation.dtype, cfg.training.autocast_bf16) == ("auto", "auto")
     with pytest.raises(ConfigError, match="training.autocast_bf16"):
-        _cfg(**{"training.autocast_bf16": "sometimes"})
+        _plan(**{"training.autocast_bf16": "sometimes"})
 
 
 def test_cpu_answer_matches_the_cpu_flags():
@@ -115,8 +127,8 @@ def test_bf16_compute_keeps_float32_master_weights_so_a_small_update_lands(tiny_
 
 def test_bf16_compute_without_autocast_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match="^training.autocast_bf16: false contradicts model.dtype: bfloat16"):
-        _cfg(**{"model.dtype": "bfloat16", "training.autocast_bf16": "false"})
-    assert resolve_precision(_cfg(**{"model.dtype": "bfloat16"}), False).training.autocast_bf16 is True
+        _plan(**{"model.dtype": "bfloat16", "training.autocast_bf16": "false"})
+    assert _plan(False, **{"model.dtype": "bfloat16"}).model.autocast_bf16 is True
 
 
 def test_a_lora_base_is_stored_in_the_compute_dtype_and_its_adapters_train_in_float32(tiny_model_dir):

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from maxent_grpo.training.config import load_config
 from maxent_grpo.training.pipeline import prepare_training_batch
 from maxent_grpo.training.setup import build_run
 from maxent_grpo.training.validation import validate
-from tiny_runs import tiny_overrides
+from tiny_runs import compiled, tiny_overrides
 
 
 class PhaseRecorder:
@@ -52,7 +51,7 @@ def test_a_step_is_one_phase_around_every_round_and_an_evaluation_is_another(tin
         "eval.num_prompts=3",
     ])
     overrides = [args[i + 1] for i in range(len(args)) if args[i] == "--set"]
-    run = build_run(load_config(None, [*overrides, f"logging.output_dir={tmp_path / 'run'}"]))
+    run = build_run(compiled(None, [*overrides, f"logging.output_dir={tmp_path / 'run'}"]))
     try:
         recorder = PhaseRecorder(run.ctx.backend)
         run.ctx.backend = recorder

@@ -17,6 +17,7 @@ import torch
 
 from maxent_grpo.training.checkpoint import verify_checkpoint
 from maxent_grpo.training.config import ConfigError, GenerationConfig, load_config
+from tiny_runs import compiled
 
 from ddp_step_worker import build_rows, micro_batches, step  # noqa: E402
 from fsdp2_step_worker import load_model  # noqa: E402
@@ -244,17 +245,17 @@ def test_a_failing_fsdp2_save_stops_every_rank_with_one_line_and_keeps_the_earli
 )
 def test_fsdp2_refuses_what_it_cannot_do_naming_the_key(override, key):
     with pytest.raises(ConfigError, match=rf"^{key}: .*training.strategy=fsdp2"):
-        load_config(None, ["training.strategy=fsdp2", override])
+        compiled(None, ["training.strategy=fsdp2", override])
     # model.dtype is the compute dtype: the sharded policy is still stored in float32, so a bf16
     # sampling copy is a separate copy under bf16 compute too.
     with pytest.raises(ConfigError, match=rf"^{key}: .*training.strategy=fsdp2"):
-        load_config(None, ["training.strategy=fsdp2", "model.dtype=bfloat16", override])
+        compiled(None, ["training.strategy=fsdp2", "model.dtype=bfloat16", override])
 
 
 def test_fsdp2_accepts_sampling_from_the_policy_and_unknown_strategies_are_refused():
     assert load_config(None, ["training.strategy=fsdp2", "generation.dtype=auto"]).training.strategy == "fsdp2"
     with pytest.raises(ConfigError, match="^training.strategy: 'fsdp' is not one of ddp, fsdp2"):
-        load_config(None, ["training.strategy=fsdp"])
+        compiled(None, ["training.strategy=fsdp"])
 
 
 @pytest.mark.skipif("backend" not in {f.name for f in dataclasses.fields(GenerationConfig)},

@@ -15,6 +15,7 @@ from maxent_grpo.cli import main
 from maxent_grpo.methods import METHODS
 from maxent_grpo.training.config import ConfigError, load_config, parse_override
 from maxent_grpo.training.metrics import read_metrics
+from tiny_runs import compiled
 from tiny_runs import tiny_overrides as tiny_run_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -172,10 +173,10 @@ def test_bad_config_one_line_error(sets, needles, tmp_path):
 
 @pytest.mark.parametrize("sets, message", [
     # The core's settings records hold these bounds; the config builds them before any model
-    # loads and names the key the user wrote (training/weighting_config.py).
+    # loads and names the key the user wrote (training/plan.py).
     ({"maxent.tau_lr": -1.0}, "maxent.tau_lr: must be a finite number >= 0"),
-    ({"maxent.tau_min": 2.0, "maxent.tau_max": 1.0}, "maxent.tau_min: (2.0) must be <= maxent.tau_max (1.0)"),
-    ({"maxent.tau_target_final": 1.0}, "maxent.tau_target_final: needs maxent.tau_target_entropy"),
+    ({"maxent.tau_min": 2.0, "maxent.tau_max": 1.0}, "maxent.tau_min: must be <= the maximum, got 2.0 > 1.0"),
+    ({"maxent.tau_target_final": 1.0}, "maxent.tau_target_final: needs a start value, the target entropy"),
     ({"maxent.q_epsilon": 1.0}, "maxent.q_epsilon: must be in [0, 1)"),
     ({"maxent.q_temperature": 0.0}, "maxent.q_temperature: must be a finite number > 0"),
     ({"maxent.kl_target": float("nan")}, "maxent.kl_target: must be finite"),
@@ -185,7 +186,7 @@ def test_bad_config_one_line_error(sets, needles, tmp_path):
 ])
 def test_maxent_bounds_are_the_core_records_and_name_the_key(sets, message):
     with pytest.raises(ConfigError) as err:
-        load_config(None, sets)
+        compiled(None, sets)
     assert str(err.value).startswith(message), str(err.value)
 
 

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from maxent_grpo.core.bounds import require
 
 __all__ = [
     "TAU_ENTROPY_EMA_DECAY",
@@ -70,22 +71,17 @@ class TauSchedule:
     warmup_steps: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("target_entropy", "target_final"):
-            value = getattr(self, name)
-            if value is not None:
-                _finite(f"tau_schedule.{name}", value)
-        if self.target_final is not None and self.target_entropy is None:
-            raise ValueError("tau_schedule.target_final needs tau_schedule.target_entropy (the start value)")
-        if self.horizon < 0:
-            raise ValueError(f"tau_schedule.horizon must be >= 0, got {self.horizon}")
-        if not (math.isfinite(self.lr) and self.lr >= 0):
-            raise ValueError(f"tau_schedule.lr must be a finite number >= 0, got {self.lr}")
-        _finite("tau_schedule.min", self.min)
-        _finite("tau_schedule.max", self.max)
-        if self.min > 0 and self.max > 0 and self.min > self.max:
-            raise ValueError(f"tau_schedule.min ({self.min}) must be <= tau_schedule.max ({self.max})")
-        if self.warmup_steps < 0:
-            raise ValueError(f"tau_schedule.warmup_steps must be >= 0, got {self.warmup_steps}")
+        for name, value in (("target_entropy", self.target_entropy), ("target_final", self.target_final)):
+            require(value is None or math.isfinite(value), f"tau_schedule.{name}", f"must be finite, got {value}")
+        require(self.target_final is None or self.target_entropy is not None, "tau_schedule.target_final",
+                "needs a start value, the target entropy")
+        require(self.horizon >= 0, "tau_schedule.horizon", f"must be >= 0, got {self.horizon}")
+        require(math.isfinite(self.lr) and self.lr >= 0, "tau_schedule.lr", f"must be a finite number >= 0, got {self.lr}")
+        require(math.isfinite(self.min), "tau_schedule.min", f"must be finite, got {self.min}")
+        require(math.isfinite(self.max), "tau_schedule.max", f"must be finite, got {self.max}")
+        require(self.min <= 0 or self.max <= 0 or self.min <= self.max, "tau_schedule.min",
+                f"must be <= the maximum, got {self.min} > {self.max}")
+        require(self.warmup_steps >= 0, "tau_schedule.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
 
     @property
     def enabled(self) -> bool:
@@ -101,8 +97,8 @@ class KlControllerSettings:
     step_size: float = 0.0
 
     def __post_init__(self) -> None:
-        _finite("kl_controller.target", self.target)
-        _finite("kl_controller.step_size", self.step_size)
+        require(math.isfinite(self.target), "kl_controller.target", f"must be finite, got {self.target}")
+        require(math.isfinite(self.step_size), "kl_controller.step_size", f"must be finite, got {self.step_size}")
 
     @property
     def enabled(self) -> bool:
@@ -124,13 +120,11 @@ class ControllerMetaSettings:
     grad_clip: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("lr_tau", "lr_beta"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"controller_meta.{name} must be a finite number >= 0, got {value}")
-        if self.every < 1:
-            raise ValueError(f"controller_meta.every must be >= 1, got {self.every}")
-        _finite("controller_meta.grad_clip", self.grad_clip)
+        for name, value in (("lr_tau", self.lr_tau), ("lr_beta", self.lr_beta)):
+            require(math.isfinite(value) and value >= 0, f"controller_meta.{name}",
+                    f"must be a finite number >= 0, got {value}")
+        require(self.every >= 1, "controller_meta.every", f"must be >= 1, got {self.every}")
+        require(math.isfinite(self.grad_clip), "controller_meta.grad_clip", f"must be finite, got {self.grad_clip}")
 
     @property
     def enabled(self) -> bool:

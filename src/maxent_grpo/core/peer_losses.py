@@ -9,6 +9,7 @@ module, so the losses are registered wherever a step can run.
 from __future__ import annotations
 
 import math
+from typing import Literal
 from dataclasses import dataclass
 
 import torch
@@ -292,10 +293,10 @@ class DppoParams:
     truncation (prime-rl). verl's effective default is 3.0 (``clip_ratio_c``).
     """
 
-    divergence: str = "tv"
+    divergence: Literal[DPPO_DIVERGENCES] = "tv"
     delta_low: float = 0.15
     delta_high: float = 0.15
-    anchor: str = "old"
+    anchor: Literal[DPPO_ANCHORS] = "old"
     ratio_cap: float | None = None
 
     def __post_init__(self) -> None:

@@ -65,6 +65,15 @@ def _sequence_log_ratio(d: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (d * mask).sum(-1)
 
 
+def correction_parts(mode: str) -> tuple[str, str]:
+    """``(level, kind)`` of a correction mode: ``token`` or ``sequence``, ``truncate`` or ``mask``
+    (``("token", "none")`` for ``none``); the one place the compound name is read."""
+    if mode == "none":
+        return "token", "none"
+    level, kind = mode.split("_")
+    return level, kind
+
+
 def check_rollout_correction(mode: str, cap: float) -> None:
     """A known ``mode``, and a cap ``C >= 1`` (so a sampler equal to the trainer, ratio 1, keeps weight 1)."""
     require(mode in ROLLOUT_CORRECTIONS, "rollout_correction",
@@ -89,7 +98,7 @@ def rollout_correction_weights(
         return torch.ones_like(old_logp)
     m = mask.to(old_logp.dtype)
     d = (old_logp.detach() - behaviour_logp.to(old_logp.dtype)) * m
-    level, kind = mode.split("_")
+    level, kind = correction_parts(mode)
     log_ratio = d if level == "token" else _sequence_log_ratio(d, m)[:, None].expand_as(d)
     # Compare in log space: exp of a long sequence's log-ratio can overflow to inf.
     over = log_ratio > torch.log(torch.tensor(cap, dtype=log_ratio.dtype, device=log_ratio.device))

@@ -39,6 +39,7 @@ from maxent_grpo.core.losses import (
 )
 from maxent_grpo.core.replay import ReplayBatch, replay_backward
 from maxent_grpo.core.rollout_correction import (
+    correction_parts,
     MismatchSums,
     check_rollout_correction,
     check_seq_logprob_error_threshold,
@@ -296,7 +297,7 @@ def grpo_step(
     sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=device)
     loss_metrics: dict[str, list] = {}
     mismatch: list[MismatchSums] = []
-    ratio_level = "sequence" if spec.rollout_correction.startswith("sequence") else "token"
+    ratio_level = correction_parts(spec.rollout_correction)[0]
 
     threshold = _step_entropy_threshold(model, micro_batches, spec.top_entropy_quantile, scoring)
     optimizer.zero_grad()

@@ -8,28 +8,23 @@ method, its ``dppo:`` settings and its preset (token-level mean, as verl and pri
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Literal
 
 from maxent_grpo.core.peer_losses import DppoParams
-from maxent_grpo.methods.registry import Method, PlanInputs, register
+from maxent_grpo.methods.registry import Method, PlanInputs, register, section_of
 
 
-@dataclass
-class DppoConfig:
-    divergence: Literal["tv", "binary_kl"] = field(default="tv", metadata={
-        "help": "trust region: tv (probability difference) or binary_kl (use thresholds near 0.05)"})
-    delta_low: float = field(default=0.15, metadata={"help": "DPPO threshold for tokens with A <= 0"})
-    delta_high: float = field(default=0.15, metadata={"help": "DPPO threshold for tokens with A > 0"})
-    anchor: Literal["old", "behaviour"] = field(default="old", metadata={
-        "help": "probabilities the move is measured from: old (the trainer's) or behaviour (the sampler's)"})
-    ratio_cap: float | None = field(default=None, metadata={
-        "help": "cap C on the detached ratio weight min(r, C) (null: loss.delta, else none)"})
+# The dppo: section is DppoParams's fields and defaults (core/peer_losses.py), with help on each.
+DppoConfig = section_of(DppoParams, "DppoConfig", {
+    "divergence": "trust region: tv (probability difference) or binary_kl (use thresholds near 0.05)",
+    "delta_low": "DPPO threshold for tokens with A <= 0",
+    "delta_high": "DPPO threshold for tokens with A > 0",
+    "anchor": "probabilities the move is measured from: old (the trainer's) or behaviour (the sampler's)",
+    "ratio_cap": "cap C on the detached ratio weight min(r, C) (null: loss.delta, else none)",
+}, __name__)
 
 
 def _loss(inputs: PlanInputs):
-    s: DppoConfig = inputs.settings
-    params = DppoParams(s.divergence, s.delta_low, s.delta_high, s.anchor, s.ratio_cap)
+    params = DppoParams(**dataclasses.asdict(inputs.settings))
     return dataclasses.replace(inputs.loss, policy_loss="dppo", policy_params=params)
 
 

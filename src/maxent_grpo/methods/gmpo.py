@@ -8,21 +8,21 @@ its ``gmpo:`` settings (the wider 0.4 clip of the paper, not PPO's 0.2) and its 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 
 from maxent_grpo.core.peer_losses import GmpoParams
-from maxent_grpo.methods.registry import Method, PlanInputs, register
+from maxent_grpo.methods.registry import Method, PlanInputs, register, section_of
 
 
-@dataclass
-class GmpoConfig:
-    eps_low: float = field(default=0.4, metadata={"help": "GMPO log-ratio clip below (-eps_low), for A < 0"})
-    eps_high: float = field(default=0.4, metadata={"help": "GMPO log-ratio clip above (eps_high), for A > 0"})
+# The gmpo: section is GmpoParams's fields and defaults (core/peer_losses.py), with help on each.
+GmpoConfig = section_of(GmpoParams, "GmpoConfig", {
+    "eps_low": "GMPO log-ratio clip below (-eps_low), for A < 0",
+    "eps_high": "GMPO log-ratio clip above (eps_high), for A > 0",
+}, __name__)
 
 
 def _loss(inputs: PlanInputs):
-    s: GmpoConfig = inputs.settings
-    return dataclasses.replace(inputs.loss, policy_loss="gmpo", policy_params=GmpoParams(s.eps_low, s.eps_high))
+    params = GmpoParams(**dataclasses.asdict(inputs.settings))
+    return dataclasses.replace(inputs.loss, policy_loss="gmpo", policy_params=params)
 
 
 register(Method(

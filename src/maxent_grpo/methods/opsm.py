@@ -8,21 +8,20 @@ log-ratio to the sampler (the trainer's old policy without one) exceeds ``delta`
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 
 from maxent_grpo.core.peer_losses import OpsmParams
-from maxent_grpo.methods.registry import Method, PlanInputs, register
+from maxent_grpo.methods.registry import Method, PlanInputs, register, section_of
 
 
-@dataclass
-class OpsmConfig:
-    delta: float = field(default=1e-4, metadata={
-        "help": "OPSM threshold on a sequence's mean log-ratio to the sampler (slime 1e-4; TRL suggests 0.5)"})
+# The opsm: section is OpsmParams's fields and defaults (core/peer_losses.py), with help on each.
+OpsmConfig = section_of(OpsmParams, "OpsmConfig", {
+    "delta": "OPSM threshold on a sequence's mean log-ratio to the sampler (slime 1e-4; TRL suggests 0.5)",
+}, __name__)
 
 
 def _loss(inputs: PlanInputs):
-    s: OpsmConfig = inputs.settings
-    return dataclasses.replace(inputs.loss, policy_loss="opsm", policy_params=OpsmParams(s.delta))
+    params = OpsmParams(**dataclasses.asdict(inputs.settings))
+    return dataclasses.replace(inputs.loss, policy_loss="opsm", policy_params=params)
 
 
 register(Method(

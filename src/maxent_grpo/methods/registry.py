@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,6 +94,12 @@ class MethodPlan:
     targets: Callable[[TargetInputs], MethodTargets]
     reward_scaling: Callable[[RewardScalingInputs], SeedGrpoInputs] | None = None
 
+    @property
+    def logs_controllers(self) -> bool:
+        """Whether the run's metrics carry the live tau and beta: the MaxEnt family's weighting uses
+        them, and any method's KL term uses beta."""
+        return self.family == "maxent" or self.loss.beta > 0
+
     def identity(self) -> dict:
         """What the run trains with, as written to ``run_info.json``."""
         return {
@@ -167,6 +174,24 @@ def register(method: Method) -> Method:
         raise ValueError(f"method {method.name!r}: section {method.section!r} is {clash[0]!r}'s, with other settings")
     METHODS[method.name] = method
     return method
+
+
+def section_of(params: type, name: str, help: Mapping[str, str], module: str) -> type:
+    """A method's settings section made from its loss's params record: the same fields, types and
+    defaults (written once, on the record in ``core/``, beside the bounds it checks), each with its
+    help text for ``--help`` (written once, here). ``params(**dataclasses.asdict(section))`` is the
+    record the loss takes."""
+    names = [f.name for f in dataclasses.fields(params)]
+    if set(help) != set(names):
+        raise ValueError(f"{name}: help must cover exactly the fields of {params.__name__}: {names}")
+    hints = typing.get_type_hints(params)
+    section = dataclasses.make_dataclass(name, [
+        (f.name, hints[f.name], field(default=f.default, metadata={"help": help[f.name]}))
+        for f in dataclasses.fields(params)
+    ])
+    section.__module__ = module
+    section.__doc__ = f"The method's settings section: :class:`{params.__name__}`'s fields, with help."
+    return section
 
 
 def method_sections() -> dict[str, type]:

@@ -8,22 +8,21 @@ aggregation, as the paper, verl and TRL).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 
 from maxent_grpo.core.peer_losses import SapoParams
-from maxent_grpo.methods.registry import Method, PlanInputs, register
+from maxent_grpo.methods.registry import Method, PlanInputs, register, section_of
 
 
-@dataclass
-class SapoConfig:
-    tau_pos: float = field(default=1.0, metadata={"help": "SAPO gate temperature for tokens with A > 0"})
-    tau_neg: float = field(default=1.05, metadata={
-        "help": "SAPO gate temperature for tokens with A <= 0 (the paper keeps it above tau_pos)"})
+# The sapo: section is SapoParams's fields and defaults (core/peer_losses.py), with help on each.
+SapoConfig = section_of(SapoParams, "SapoConfig", {
+    "tau_pos": "SAPO gate temperature for tokens with A > 0",
+    "tau_neg": "SAPO gate temperature for tokens with A <= 0 (the paper keeps it above tau_pos)",
+}, __name__)
 
 
 def _loss(inputs: PlanInputs):
-    s: SapoConfig = inputs.settings
-    return dataclasses.replace(inputs.loss, policy_loss="sapo", policy_params=SapoParams(s.tau_pos, s.tau_neg))
+    params = SapoParams(**dataclasses.asdict(inputs.settings))
+    return dataclasses.replace(inputs.loss, policy_loss="sapo", policy_params=params)
 
 
 register(Method(

@@ -3,7 +3,8 @@
 Training (``training/setup.py``) and evaluation (``eval_command.py``) both build
 their sampler here, so a new backend is one entry: what it needs before any
 model loads (``check``), how it is built (``build``), and the facts the config
-checks and the precision choices read (``owns_weights``, ``supports_lora``).
+checks and the precision choices read (``owns_weights``). Every backend samples LoRA
+policies (vLLM from the merged weights) and continues an episode from its token ids.
 
 ``owns_weights``: the backend samples from its own copy of the weights (a vLLM
 engine or server), refreshed by ``sync_weights`` after each optimizer step, so
@@ -60,9 +61,6 @@ class Backend:
     check: Callable[[VllmConfig, str], None]
     build: Callable[[BackendInputs], GenerationBackend]
     owns_weights: bool
-    supports_lora: bool
-    # Has ``generate_ids``: a multi-turn episode's next turn is sampled from its exact token ids (envs/).
-    continues_from_ids: bool = False
     # Sizes its context (a colocated engine's KV cache) from the longest prompt when not told (BackendInputs).
     plans_context: bool = False
     # Samples in another process (a server): with rollout.max_staleness >= 1 it samples the next
@@ -192,11 +190,9 @@ def _build_vllm_server(i: BackendInputs) -> GenerationBackend:
 
 BACKENDS: dict[str, Backend] = {
     b.name: b for b in (
-        Backend("hf", _check_hf, _build_hf, owns_weights=False, supports_lora=True, continues_from_ids=True),
+        Backend("hf", _check_hf, _build_hf, owns_weights=False),
         # LoRA: the push sends the merged weights (rollout/vllm_weights.py).
-        Backend("vllm", _check_vllm, _build_vllm, owns_weights=True, supports_lora=True, continues_from_ids=True,
-                plans_context=True),
-        Backend("vllm_server", _check_vllm_server, _build_vllm_server, owns_weights=True, supports_lora=True,
-                continues_from_ids=True, samples_beside=True),
+        Backend("vllm", _check_vllm, _build_vllm, owns_weights=True, plans_context=True),
+        Backend("vllm_server", _check_vllm_server, _build_vllm_server, owns_weights=True, samples_beside=True),
     )
 }

@@ -18,19 +18,13 @@ import yaml
 
 from maxent_grpo.core.advantages import advantage_settings_problem
 from maxent_grpo.core.bounds import SpecError
-from maxent_grpo.envs import ENVIRONMENTS
 from maxent_grpo.envs.settings import episode_limits
 from maxent_grpo.errors import ConfigError
 from maxent_grpo.methods import METHODS, get_method
-from maxent_grpo.models import master_dtype
 from maxent_grpo.rewards.user_code import resolve_reference
-from maxent_grpo.rollout.backends import BACKENDS
 from maxent_grpo.rollout.open_plane import check_data_plane
 from maxent_grpo.run_files import write_text_atomic
-from maxent_grpo.training.plan import compile_method
-from maxent_grpo.training.strategy import STRATEGIES, Strategy
 from maxent_grpo.training.trackers import TRACKER_NAMES
-from maxent_grpo.training.weighting_config import weighting_from_config
 # The sections live in config_schema.py; imported here so that ``training.config``
 # stays the one import for the whole configuration.
 from maxent_grpo.training.config_schema import (
@@ -233,10 +227,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict[str,
     for key, value in get_method(method).preset.items():
         _set_dotted(preset, key, value)
     cfg = _build(TrainConfig, _merge(preset, user), "")
-    t, g = cfg.training, cfg.generation
-    if t.batch_size is not None and g.num_generations > 0:
-        # training.batch_size counts completions; the run draws prompts.
-        cfg.training.prompts_per_step = t.batch_size // g.num_generations
     validate(cfg)
     config_dir = Path(path).resolve().parent if path is not None else None
     for entry in cfg.rewards:
@@ -265,7 +255,8 @@ def _check(ok: bool, key: str, message: str) -> None:
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Range and consistency checks; each failure names its key."""
+    """Each key's own checks (a range, a known name, a package that must be installed); each failure
+    names its key. The rules between sections are ``compile_run``'s (training/config_rules.py)."""
     g, t, lo = cfg.generation, cfg.training, cfg.loss
     _check(g.num_generations >= 2, "generation.num_generations", f"must be >= 2 (a group needs two completions), got {g.num_generations}")
     _check(g.max_new_tokens >= 1, "generation.max_new_tokens", f"must be >= 1, got {g.max_new_tokens}")
@@ -275,36 +266,16 @@ def validate(cfg: TrainConfig) -> None:
     _check(g.max_retry_rounds >= 0, "generation.max_retry_rounds", "must be >= 0")
     v = g.vllm
     _check(0 < v.gpu_memory_utilization <= 1, "generation.vllm.gpu_memory_utilization", "must be in (0, 1]")
-    _check(v.max_model_len is None or v.max_model_len > g.max_new_tokens, "generation.vllm.max_model_len",
-           f"must exceed generation.max_new_tokens={g.max_new_tokens}")
     for key, value in (("max_num_seqs", v.max_num_seqs), ("max_num_batched_tokens", v.max_num_batched_tokens)):
         _check(value is None or value >= 1, f"generation.vllm.{key}", f"must be >= 1 or null, got {value}")
     _check(v.request_timeout_s > 0, "generation.vllm.request_timeout_s", "must be > 0")
     _check(v.server_url.startswith(("http://", "https://")), "generation.vllm.server_url",
            f"must start with http:// or https://, got {v.server_url!r}")
-    _check(BACKENDS[g.backend].supports_lora or not cfg.model.lora.enabled, "generation.backend",
-           f"{g.backend} cannot sample from LoRA adapters; use hf with model.lora.enabled")
     _check(t.max_steps >= 1, "training.max_steps", f"must be >= 1, got {t.max_steps}")
-    _check(not (t.gradient_checkpointing and t.share_prompts is True), "training.gradient_checkpointing",
-           "needs training.share_prompts: false (a shared prompt's KV cache cannot be recomputed in the backward)")
     _check(t.dist_timeout_minutes > 0, "training.dist_timeout_minutes", f"must be > 0, got {t.dist_timeout_minutes}")
-    if t.batch_size is not None:
-        _check(
-            t.batch_size > 0 and t.batch_size % g.num_generations == 0,
-            "training.batch_size",
-            f"{t.batch_size} is not a multiple of generation.num_generations={g.num_generations}",
-        )
-        _check(t.prompts_per_step == t.batch_size // g.num_generations, "training.prompts_per_step",
-               f"{t.prompts_per_step} contradicts training.batch_size={t.batch_size} "
-               f"(= {t.batch_size // g.num_generations} prompts x {g.num_generations} completions)")
+    _check(t.batch_size is None or t.batch_size > 0, "training.batch_size", f"must be > 0 or null, got {t.batch_size}")
     _check(t.prompts_per_step >= 1, "training.prompts_per_step", f"must be >= 1, got {t.prompts_per_step}")
-    total = t.prompts_per_step * g.num_generations
     _check(t.micro_batch_size >= 1, "training.micro_batch_size", "must be >= 1")
-    _check(
-        total % t.micro_batch_size == 0,
-        "training.micro_batch_size",
-        f"{t.micro_batch_size} does not divide the {total} completions of a step",
-    )
     _check(cfg.method in METHODS, "method", f"unknown method {cfg.method!r}; methods: {', '.join(sorted(METHODS))}")
     _check(t.learning_rate >= 0, "training.learning_rate", "must be >= 0")
     _check(t.num_iterations >= 1, "training.num_iterations", "must be >= 1")
@@ -312,22 +283,11 @@ def validate(cfg: TrainConfig) -> None:
     _check(lo.max_gen_batches >= 1, "loss.max_gen_batches", "must be >= 1")
     problem = advantage_settings_problem(lo.advantage_estimator, lo.scale_rewards)
     _check(problem is None, "loss.scale_rewards", (problem or "").removeprefix("scale_rewards "))
-    _check(lo.advantage_estimator != "maxrl" or lo.policy_entropy_bonus_coef == 0, "loss.policy_entropy_bonus_coef",
-           f"must be 0 with loss.advantage_estimator maxrl (the bonus makes rewards non-binary), "
-           f"got {lo.policy_entropy_bonus_coef}")
     r = cfg.rollout
     _check(r.max_staleness >= 0, "rollout.max_staleness", f"must be >= 0 (0: synchronous), got {r.max_staleness}")
     _check(r.wait_timeout_s > 0, "rollout.wait_timeout_s", f"must be > 0, got {r.wait_timeout_s}")
     check_data_plane(r.data_plane)  # its package, before any model loads
-    # Stale samples are trained with the decoupled objective (ALGORITHMS.md §15): clipped against the
-    # trainer's log-probs at the step's start, weighted by the ratio to the sampler's.
-    _check(r.max_staleness == 0 or lo.rollout_correction != "none", "loss.rollout_correction",
-           f"none leaves samples up to rollout.max_staleness={r.max_staleness} steps old uncorrected; use auto "
-           "(token_truncate) or another correction")
     _check_environment(cfg)
-    weighting_from_config(cfg)  # loss.beta, maxent.*: the bounds of the records the run builds
-    # The loss and the method: their records check their own bounds (training/plan.py names the key).
-    compile_method(cfg)
     _check(cfg.checkpoint.save_steps >= 0, "checkpoint.save_steps", "must be >= 0")
     _check(cfg.checkpoint.save_minutes >= 0, "checkpoint.save_minutes", "must be >= 0")
     _check(t.max_consecutive_skips >= 1, "training.max_consecutive_skips", f"must be >= 1, got {t.max_consecutive_skips}")
@@ -337,32 +297,13 @@ def validate(cfg: TrainConfig) -> None:
         _check(bool(r.name), f"rewards[{i}].name", "must not be empty")
         _check(r.timeout_s is None or r.timeout_s > 0, f"rewards[{i}].timeout_s", f"must be > 0, got {r.timeout_s}")
     _check(cfg.eval.k >= 1, "eval.k", "must be >= 1")
-    _check(
-        not (cfg.model.dtype == "bfloat16" and t.autocast_bf16 is False),
-        "training.autocast_bf16",
-        "false contradicts model.dtype: bfloat16 (bf16 compute by autocast over float32 master weights); "
-        "for float32 compute set model.dtype: float32",
-    )
-    # A vLLM engine holds its own (merged) copy in any dtype; HF would need a second peft model.
-    _check(
-        g.dtype in (None, "auto") or not cfg.model.lora.enabled or BACKENDS[g.backend].owns_weights,
-        "generation.dtype",
-        "a separate generation copy is not supported with model.lora.enabled and generation.backend=hf; "
-        "set it to null",
-    )
-    _check_strategy(cfg, STRATEGIES[t.strategy])
-    _check(
-        cfg.eval.every_steps == 0 or cfg.data.eval_size > 0,
-        "eval.every_steps",
-        "in-loop validation needs a held-out split: set data.eval_size > 0",
-    )
     known = {*TRACKER_NAMES, "none", "all"}
     for i, name in enumerate(cfg.logging.report_to):
         _check(name in known, f"logging.report_to[{i}]", f"unknown tracker {name!r}{_suggest(name, known)}")
 
 
 def _check_environment(cfg: TrainConfig) -> None:
-    """Multi-turn episodes: the limits' own bounds, a known environment, a sampler that continues from token ids."""
+    """Multi-turn episodes: the limits' own bounds, and references that name what to import."""
     e = cfg.environment
     try:
         episode_limits(e, cfg.generation.max_new_tokens)
@@ -370,50 +311,14 @@ def _check_environment(cfg: TrainConfig) -> None:
         raise ConfigError(f"environment.{err.setting}: {err.problem}") from None
     _check(e.tool_timeout_s is None or e.tool_timeout_s > 0, "environment.tool_timeout_s",
            f"must be > 0 or null, got {e.tool_timeout_s!r}")
-    if not e.enabled:
-        return
-    known = {*ENVIRONMENTS, *e.classes, *(["tools"] if e.tools else [])}
-    if e.name is not None:
-        _check(e.name in known, "environment.name",
-               f"no environment {e.name!r}{_suggest(e.name, known)}; registered: {', '.join(sorted(known))}")
     for i, tool in enumerate(e.tools):
         _check(":" in tool, f"environment.tools[{i}]", f"must look like 'module:function' or 'file.py:function', got {tool!r}")
     for name, ref in e.classes.items():
-        _check(name not in ENVIRONMENTS and name != "tools", f"environment.classes.{name}",
-               "the name is taken by a registered environment; choose another")
         _check(":" in ref, f"environment.classes.{name}", f"must look like 'module:Class' or 'file.py:Class', got {ref!r}")
-    backend = BACKENDS[cfg.generation.backend]
-    _check(backend.continues_from_ids, "generation.backend",
-           f"{backend.name} cannot continue an episode from its token ids; use hf, vllm or vllm_server")
-    # HF generate on a sharded policy is a collective: every rank would have to run as many turns.
-    _check(backend.owns_weights or not STRATEGIES[cfg.training.strategy].collective_forward, "training.strategy",
-           f"multi-turn episodes sampled by {backend.name} are not supported with {cfg.training.strategy} (ranks "
-           "would run different numbers of generate calls); use ddp, or generation.backend vllm")
 
 
-def _check_strategy(cfg: TrainConfig, strategy: type[Strategy]) -> None:
-    """What the strategy cannot do (docs/SCALING.md). Under a collective forward (FSDP2) every
-    rank must run the same number of forwards when the policy samples with HF generate."""
-    why = f"with training.strategy={strategy.name}"
-    _check(strategy.supports_lora or not cfg.model.lora.enabled, "model.lora.enabled",
-           f"LoRA is not supported {why}; use training.strategy=ddp")
-    if not strategy.collective_forward or BACKENDS[cfg.generation.backend].owns_weights:
-        return  # a vLLM engine holds its own weights and samples without collectives
-    _check(
-        # The policy is stored in its master dtype (float32 under bf16 compute): a copy in any other is separate.
-        cfg.generation.dtype in (None, "auto", master_dtype(cfg.model.dtype, cfg.model.lora.enabled)),
-        "generation.dtype",
-        f"a separate generation copy (a full model on every rank) is not supported {why}; set it to null",
-    )
-    _check(
-        not cfg.loss.dynamic_sampling,
-        "loss.dynamic_sampling",
-        f"is not supported {why} (ranks would run different numbers of generate calls); set it to false",
-    )
-
-
-def save_config(cfg: TrainConfig, path: str | Path, header: list[str] | None = None) -> None:
-    """Write the resolved config as YAML (atomically: a reader never sees half a file),
-    below ``header``'s comment lines (the run's resume history)."""
-    text = "".join(line + "\n" for line in header or []) + yaml.safe_dump(to_dict(cfg), sort_keys=False)
+def save_config(source: dict, path: str | Path, header: list[str] | None = None) -> None:
+    """Write a config (as :func:`to_dict` gives it) as YAML (atomically: a reader never sees half a
+    file), below ``header``'s comment lines (the run's resume history)."""
+    text = "".join(line + "\n" for line in header or []) + yaml.safe_dump(source, sort_keys=False)
     write_text_atomic(path, text)

@@ -19,7 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Literal
 
-from maxent_grpo.core.advantages import ADVANTAGE_ESTIMATORS
+from maxent_grpo.core.advantages import ADVANTAGE_ESTIMATORS, SCALE_REWARDS
+from maxent_grpo.core.losses import IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, LOSS_AGGREGATIONS
+from maxent_grpo.core.rollout_correction import ROLLOUT_CORRECTIONS
 from maxent_grpo.data.prompts import FewShotExample
 from maxent_grpo.envs.settings import EnvironmentConfig
 from maxent_grpo.methods import method_sections
@@ -107,18 +109,18 @@ class GenerationConfig:
 
 @dataclass
 class LossSection:
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    loss_type: Literal[tuple(LOSS_AGGREGATIONS)] = "dapo"  # core/losses.py
     epsilon: float = 0.2
     epsilon_high: float | None = None
     delta: float | None = None
     dual_clip: float | None = None
-    importance_sampling_level: Literal["token", "sequence"] = "token"
+    importance_sampling_level: Literal[IMPORTANCE_SAMPLING_LEVELS] = "token"
     beta: float = 0.0
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: Literal[tuple(KL_ESTIMATORS)] = "k3"
     top_entropy_quantile: float = 1.0
     # The names core/advantages.py registers (grpo, rloo, maxrl, reinforce_pp, reinforce_pp_baseline).
     advantage_estimator: Literal[tuple(ADVANTAGE_ESTIMATORS)] = "grpo"
-    scale_rewards: Literal["group", "batch", "none"] = "group"
+    scale_rewards: Literal[SCALE_REWARDS] = "group"
     mask_truncated_completions: bool = False
     zero_truncated_completion_rewards: bool = False
     entropy_coef: float = 0.0
@@ -128,9 +130,7 @@ class LossSection:
     # Importance weight between the sampler and the trainer on the policy term (ALGORITHMS.md §9,
     # §15). auto: token_truncate when the sampler is not the trainer (a vLLM engine or server, a
     # sampling copy in another dtype), else none (training/precision.py resolves it at start).
-    rollout_correction: Literal[
-        "auto", "none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
-    ] = "auto"
+    rollout_correction: Literal[("auto", *ROLLOUT_CORRECTIONS)] = "auto"
     rollout_correction_cap: float = 2.0  # verl's threshold (ALGORITHMS.md §15)
     # NeMo-RL's option: a sequence whose mean_t exp(|logp_trainer - logp_sampler|) exceeds this
     # is left out of the policy term (null: off; values are > 1).

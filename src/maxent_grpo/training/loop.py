@@ -19,13 +19,12 @@ from maxent_grpo.core.step import OptimizerUpdate, grpo_step
 from maxent_grpo.errors import UserError
 from maxent_grpo.kill_points import kill_point
 from maxent_grpo.rewards.maxent import controller_state_dict, update_controllers
-from maxent_grpo.training.config import TrainConfig
 from maxent_grpo.training.checkpoint import find_latest_checkpoint
 from maxent_grpo.training.distributed import process_group
 from maxent_grpo.training.interrupt import RunInterrupted, StopSignals
 from maxent_grpo.training.metrics import MetricsLog, log_training_step, read_metrics, summarize_weight_stats
 from maxent_grpo.training.pipeline import finish_batch
-from maxent_grpo.training.plan import with_beta
+from maxent_grpo.training.plan import RunPlan, with_beta
 from maxent_grpo.training.setup import Run, build_run
 from maxent_grpo.training.validation import validate
 
@@ -47,17 +46,17 @@ class RunSummary:
 
 
 def train(
-    cfg: TrainConfig, *, resume: str | bool | None = None, overwrite: bool = False, allow_config_change: bool = False,
+    plan: RunPlan, *, resume: str | bool | None = None, overwrite: bool = False, allow_config_change: bool = False,
 ) -> RunSummary:
-    """Train according to ``cfg``. Raises :class:`RunInterrupted` on SIGINT/SIGTERM (after
+    """Train according to ``plan`` (``compile_run``'s). Raises :class:`RunInterrupted` on SIGINT/SIGTERM (after
     saving), :class:`TrainingError` when batches keep failing (after saving)."""
-    with process_group(cfg.training.dist_timeout_minutes):
+    with process_group(plan.dist_timeout_minutes):
         # The run lives in the call below and is gone when the group is left (process_group).
-        return _build_and_train(cfg, resume, overwrite, allow_config_change)
+        return _build_and_train(plan, resume, overwrite, allow_config_change)
 
 
-def _build_and_train(cfg: TrainConfig, resume, overwrite: bool, allow_config_change: bool) -> RunSummary:
-    run = build_run(cfg, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change)
+def _build_and_train(plan: RunPlan, resume, overwrite: bool, allow_config_change: bool) -> RunSummary:
+    run = build_run(plan, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change)
     stop = StopSignals.install()
     try:
         return _train(run, stop)
@@ -67,18 +66,18 @@ def _build_and_train(cfg: TrainConfig, resume, overwrite: bool, allow_config_cha
 
 
 def _train(run: Run, stop: StopSignals) -> RunSummary:
-    cfg, ctx = run.cfg, run.ctx
+    ctx, schedule = run.ctx, run.plan.schedule
     # Only the main process owns metrics.jsonl: two processes truncating it on resume would race.
     metrics_log = (
         MetricsLog(run.output_dir / "metrics.jsonl", resume_after_step=run.start_step if run.resumed else None)
         if ctx.dist.is_main else None
     )
     bar = tqdm(
-        total=cfg.training.max_steps, initial=run.start_step, desc=f"{cfg.method}", unit="step",
-        disable=not (cfg.logging.progress_bar and ctx.dist.is_main), dynamic_ncols=True,
+        total=schedule.max_steps, initial=run.start_step, desc=run.plan.method.name, unit="step",
+        disable=not (run.plan.logging.progress_bar and ctx.dist.is_main), dynamic_ncols=True,
     )
     step, consecutive_skips, last_save = run.start_step, 0, time.monotonic()
-    while step < cfg.training.max_steps:
+    while step < schedule.max_steps:
         t_start, cpu_start = time.perf_counter(), time.process_time()
         sampler_before = run.sampler.sampler.state_dict()
         try:
@@ -91,7 +90,7 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
             if prepared is not None and not ctx.dist.any_rank(prepared.has_signal):
                 _count_no_signal(ctx)
         except StopIteration:
-            log.info("data exhausted after %d epochs at step %d", cfg.data.num_epochs, step)
+            log.info("data exhausted after %d epochs at step %d", schedule.num_epochs, step)
             break
         except KeyboardInterrupt:
             with stop.protected():
@@ -104,7 +103,7 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
                 if lost is not None:
                     raise _sampler_lost(run, step, lost)
                 consecutive_skips += 1
-                if consecutive_skips >= cfg.training.max_consecutive_skips:
+                if consecutive_skips >= schedule.max_consecutive_skips:
                     raise _too_many_skips(run, step, consecutive_skips)
             else:
                 consecutive_skips = 0
@@ -113,19 +112,19 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
                 bar.set_postfix(_postfix(run.last_metrics), refresh=False)
             if _stop_requested(run, stop):
                 raise _interrupted(run, step)
-            if prepared is not None and step < cfg.training.max_steps and _save_due(run, step, last_save):
+            if prepared is not None and step < schedule.max_steps and _save_due(run, step, last_save):
                 run.save(step)
                 last_save = time.monotonic()
     bar.close()
     with stop.protected():
-        final = run.save(step) if cfg.checkpoint.save_final else None
+        final = run.save(step) if schedule.save_final else None
     history = read_metrics(run.output_dir / "metrics.jsonl") if ctx.dist.is_main else []
     return RunSummary(run.output_dir, step, final, history)
 
 
 def _update_and_log(run: Run, prepared, record, step: int, t_start: float, cpu_start: float, metrics_log) -> int:
     """The optimizer step on ``prepared``, the controllers, and the step's metrics; return the new step."""
-    cfg, ctx = run.cfg, run.ctx
+    ctx, plan = run.ctx, run.plan
     timings = dict(prepared.timings)
     t_policy = time.perf_counter()
     result = _policy_update(run, prepared, step + 1, timings)
@@ -142,15 +141,15 @@ def _update_and_log(run: Run, prepared, record, step: int, t_start: float, cpu_s
     timings["time/total"] = time.perf_counter() - t_start
     timings["step_cpu_time"] = time.process_time() - cpu_start
     extra = {f"skipped/{k}": float(v) for k, v in ctx.skips.items()}
-    if lost is None and run.eval_rows and cfg.eval.every_steps and step % cfg.eval.every_steps == 0:
+    if lost is None and run.eval_rows and plan.schedule.eval_due(step):
         t_eval = time.perf_counter()
         extra.update(validate(run, step))
         extra["time/eval"] = time.perf_counter() - t_eval
     run.last_metrics = log_training_step(
         prepared, result, step=step, dist=ctx.dist, metrics_log=metrics_log, trackers=run.trackers,
-        output_dir=run.output_dir, extra=extra, completion_table=_log_completions(cfg, step),
+        output_dir=run.output_dir, extra=extra, completion_table=plan.logging.completions_due(step),
         learning_rate=run.lr_scheduler.get_last_lr()[0], timings=timings, controller=_controller_metrics(run),
-        max_completion_length=run.ctx.plan.method.loss.max_completion_length, weight_view=view,
+        max_completion_length=plan.method.loss.max_completion_length, weight_view=view,
     )
     if lost is not None:  # the step is trained and logged: keep it, then stop
         raise _sampler_lost(run, step, lost)
@@ -222,10 +221,6 @@ def _count_no_signal(ctx) -> None:
                     "skipped/no_signal in metrics.jsonl)", n)
 
 
-def _log_completions(cfg: TrainConfig, step: int) -> bool:
-    return bool(cfg.logging.log_completions_every) and step % cfg.logging.log_completions_every == 0
-
-
 def _stop_requested(run: Run, stop: StopSignals) -> bool:
     # Every rank must stop after the same step: one that got the signal later would otherwise
     # go on to the next step's collectives alone.
@@ -233,9 +228,7 @@ def _stop_requested(run: Run, stop: StopSignals) -> bool:
 
 
 def _save_due(run: Run, step: int, last_save: float) -> bool:
-    c = run.cfg.checkpoint
-    due = bool(c.save_steps) and step % c.save_steps == 0
-    due = due or (c.save_minutes > 0 and time.monotonic() - last_save >= 60 * c.save_minutes)
+    due = run.plan.schedule.save_due(step, (time.monotonic() - last_save) / 60)
     return run.ctx.dist.any_rank(due)  # clocks differ between processes; one decides for all
 
 
@@ -260,7 +253,7 @@ def _too_many_skips(run: Run, step: int, count: int) -> TrainingError:
     path = run.save(step) if step > run.start_step else find_latest_checkpoint(run.output_dir)
     where = f"checkpoint {path}" if path is not None else "no checkpoint (no step had finished)"
     return TrainingError(
-        f"{count} batches in a row failed (training.max_consecutive_skips={run.cfg.training.max_consecutive_skips}) "
+        f"{count} batches in a row failed (training.max_consecutive_skips={run.plan.schedule.max_consecutive_skips}) "
         f"at step {step}; last error: {run.ctx.last_error}; {where}"
     )
 
@@ -272,7 +265,7 @@ def _old_logps(run: Run, prepared) -> torch.Tensor:
 
 
 def _controller_metrics(run: Run) -> dict[str, float]:
-    if run.ctx.plan.method.family != "maxent" and run.ctx.plan.method.loss.beta == 0:
+    if not run.plan.method.logs_controllers:
         return {}
     state = controller_state_dict(run.ctx.weighting)
     return {"tau": float(state["tau"]), "beta": float(state["beta"])}

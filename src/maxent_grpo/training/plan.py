@@ -1,31 +1,51 @@
-"""``compile_run(cfg) -> RunPlan``: the configuration, compiled once into the typed records the run uses.
+"""``compile_run(cfg, machine) -> RunPlan``: the configuration, compiled once into the typed records the run uses.
 
-The CLI and ``load_config`` read YAML into :class:`TrainConfig`; ``compile_run``
-turns it, after presets and coercion, into plain records: the method's plan (its
-:class:`LossSpec` and hooks), how the model is scored, and how a batch is
-prepared. The loop and the pipeline read these, never the config's loss, method
-or generation sections. Each bound lives in the record that holds the value
-(``ClipSettings``, ``LossSpec``, a loss's params); a violation is re-raised here
-as one :class:`ConfigError` naming the dotted key the user wrote.
+The CLI reads YAML into :class:`TrainConfig` (``training/config.py``: presets, coercion, each
+key's own checks); ``compile_run`` is the only reader of it after that. It resolves every
+``auto`` against the :class:`Machine` (a pure step, ``training/precision.py``), checks the rules
+between sections (``training/config_rules.py``), and builds one record per component, each
+defined beside the code that consumes it: the method's plan (its :class:`LossSpec` and hooks),
+scoring, the batch, the data, the model, the sampler, the optimizer, the rollout queue, the
+loop's schedule, logging, in-loop evaluation and the MaxEnt weighting. Each bound lives in the
+record that holds the value (``ClipSettings``, ``LossSpec``, a loss's params); a violation is
+re-raised here as one :class:`ConfigError` naming the dotted key the user wrote. The run keeps
+the configuration only as data (``RunPlan.source``): saved with the run, its checkpoints and
+trackers, and compared on resume.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
-from maxent_grpo.core.logprobs import Scoring
 from maxent_grpo.core.bounds import SpecError
+from maxent_grpo.core.logprobs import Scoring
 from maxent_grpo.core.losses import ClipSettings
+from maxent_grpo.core.rollout_correction import correction_parts
 from maxent_grpo.core.step import LossSpec
 from maxent_grpo.data.prompts import FewShotExample
 from maxent_grpo.envs.episodes import EpisodeLimits
 from maxent_grpo.envs.settings import episode_limits
 from maxent_grpo.errors import ConfigError
 from maxent_grpo.methods import MethodPlan, PlanInputs, get_method
-from maxent_grpo.rewards.maxent import RewardStatsSettings
+from maxent_grpo.models import master_dtype
+from maxent_grpo.rewards.maxent import (
+    ControllerMetaSettings, KlControllerSettings, QDistributionSettings, RewardStatsSettings, TauSchedule,
+    WeightingSettings, WeightNormalizationSettings,
+)
 from maxent_grpo.rollout.backend import SamplingParams
-from maxent_grpo.training.config_schema import TrainConfig
+from maxent_grpo.rollout.backends import BACKENDS
+from maxent_grpo.rollout.settings import RolloutConfig
+from maxent_grpo.training.config_rules import check_run, prompts_per_step
+from maxent_grpo.training.config_schema import RewardEntry, TrainConfig
+from maxent_grpo.training.data import DataPlan
+from maxent_grpo.training.policy import LoraPlan, ModelPlan, OptimizerPlan
+from maxent_grpo.training.precision import Machine, Precision, resolve_precision
+from maxent_grpo.training.sampler import SamplerPlan
+from maxent_grpo.training.schedule import LoggingPlan, Schedule
+from maxent_grpo.training.strategy import STRATEGIES
+from maxent_grpo.training.validation import EvalPlan
 
 
 @dataclass(frozen=True)
@@ -52,7 +72,9 @@ class RunPlan:
     """Everything below the CLI needs from the configuration, in typed records.
 
     ``method.loss`` is the step's :class:`LossSpec` (its ``beta`` is the configured one; the KL
-    controller's live value replaces it each step when ``method.kl_in_token_loss``).
+    controller's live value replaces it each step when ``method.kl_in_token_loss``). ``weighting``
+    holds the MaxEnt settings at the start of the run (the run keeps a live copy). ``source`` is the
+    configuration as data, ``notes`` what each ``auto`` became.
     """
 
     method: MethodPlan
@@ -61,6 +83,28 @@ class RunPlan:
     micro_batch_size: int
     num_iterations: int
     max_grad_norm: float | None
+    data: DataPlan
+    model: ModelPlan
+    sampler: SamplerPlan
+    optimizer: OptimizerPlan
+    rollout: RolloutConfig
+    schedule: Schedule
+    logging: LoggingPlan
+    eval: EvalPlan
+    weighting: WeightingSettings
+    rewards: tuple[RewardEntry, ...]
+    strategy: str  # a name training/strategy.py registers
+    dist_timeout_minutes: float
+    seed: int
+    source: dict[str, Any]
+    notes: tuple[str, ...]
+
+    def global_batch(self, processes: int) -> str:
+        """One line for the start of a run: what one optimizer step trains on."""
+        p, g = self.batch.prompts_per_step, self.batch.num_generations
+        return (f"global batch: {p} prompts x {processes} process(es) x {g} completions = {p * processes * g} "
+                f"completions per optimizer step (micro-batches of {self.micro_batch_size}, "
+                f"{self.num_iterations} pass(es))")
 
 
 # The LossSpec / ClipSettings field each loss key of the config sets (the rest are loss.<field>).
@@ -69,6 +113,7 @@ _KEYS = {
     "listwise_clip_coef": "maxent.listwise_clip_coef",
     "max_completion_length": "generation.max_new_tokens",
 }
+_SPEC_FIELDS = {f.name for f in dataclasses.fields(LossSpec)}
 
 
 def completion_budget(cfg: TrainConfig) -> int:
@@ -77,10 +122,7 @@ def completion_budget(cfg: TrainConfig) -> int:
     return cfg.generation.max_new_tokens if limits is None else limits.max_model_tokens
 
 
-_SPEC_FIELDS = {f.name for f in dataclasses.fields(LossSpec)}
-
-
-def _base_loss(cfg: TrainConfig) -> LossSpec:
+def _base_loss(cfg: TrainConfig, rollout_correction: str) -> LossSpec:
     lo = cfg.loss
     try:
         clip = ClipSettings(
@@ -90,10 +132,7 @@ def _base_loss(cfg: TrainConfig) -> LossSpec:
         return LossSpec(
             loss_type=lo.loss_type, clip=clip, beta=lo.beta, kl_estimator=lo.kl_estimator,
             entropy_coef=lo.entropy_coef, top_entropy_quantile=lo.top_entropy_quantile,
-            # "auto" is resolved by training/precision.py before the run compiles; a config
-            # checked before that (load_config) has its bounds checked as if it were off.
-            rollout_correction="none" if lo.rollout_correction == "auto" else lo.rollout_correction,
-            rollout_correction_cap=lo.rollout_correction_cap,
+            rollout_correction=rollout_correction, rollout_correction_cap=lo.rollout_correction_cap,
             seq_logprob_error_threshold=lo.seq_logprob_error_threshold,
             max_completion_length=completion_budget(cfg),
         )
@@ -101,21 +140,15 @@ def _base_loss(cfg: TrainConfig) -> LossSpec:
         raise ConfigError(f"{_KEYS.get(err.setting, 'loss.' + err.setting)}: {err.problem}") from None
 
 
-def plan_inputs(cfg: TrainConfig) -> PlanInputs:
-    """The plain values the configured method plans from."""
+def _compile_method(cfg: TrainConfig, rollout_correction: str) -> MethodPlan:
+    """The configured method's plan; its checks and its loss's bounds raise one ConfigError naming the key."""
     method = get_method(cfg.method)
-    return PlanInputs(
-        loss=_base_loss(cfg),
+    inputs = PlanInputs(
+        loss=_base_loss(cfg, rollout_correction),
         settings=getattr(cfg, method.section) if method.section is not None else None,
         maxent=cfg.maxent, num_generations=cfg.generation.num_generations,
         micro_batch_size=cfg.training.micro_batch_size, max_new_tokens=completion_budget(cfg),
     )
-
-
-def compile_method(cfg: TrainConfig) -> MethodPlan:
-    """The configured method's plan; its checks and its loss's bounds raise one ConfigError naming the key."""
-    method = get_method(cfg.method)
-    inputs = plan_inputs(cfg)
     for key, problem in method.check(inputs):
         raise ConfigError(f"{key}: {problem}")
     try:
@@ -130,37 +163,128 @@ def compile_method(cfg: TrainConfig) -> MethodPlan:
         raise ConfigError(f"{key}: {err.problem}") from None
 
 
-def compile_run(cfg: TrainConfig) -> RunPlan:
-    """Compile ``cfg`` (presets applied, values coerced: ``load_config``'s result) into a :class:`RunPlan`."""
-    g, t, lo = cfg.generation, cfg.training, cfg.loss
+# The setting each MaxEnt record names in its SpecError -> the config key it comes from.
+_WEIGHTING_KEYS = {
+    "tau": "maxent.tau",
+    "beta": "loss.beta",
+    "scale_rewards": "loss.scale_rewards",
+    "q_distribution.temperature": "maxent.q_temperature",
+    "q_distribution.epsilon": "maxent.q_epsilon",
+    **{f"tau_schedule.{f}": f"maxent.tau_{k}" for f, k in (
+        ("target_entropy", "target_entropy"), ("target_final", "target_final"), ("horizon", "target_horizon"),
+        ("lr", "lr"), ("min", "min"), ("max", "max"), ("warmup_steps", "warmup_steps"))},
+    **{f"kl_controller.{f}": f"maxent.kl_{f}" for f in ("target", "horizon", "step_size")},
+    **{f"controller_meta.{f}": f"maxent.meta_{f}" for f in ("lr_tau", "lr_beta", "every", "grad_clip")},
+}
+
+
+def _weighting(cfg: TrainConfig) -> WeightingSettings:
+    """The run's MaxEnt weighting and controller settings; each record checks its own bounds."""
+    m = cfg.maxent
+    try:
+        return WeightingSettings(
+            tau=m.tau, beta=cfg.loss.beta, scale_rewards=cfg.loss.scale_rewards,
+            normalization=WeightNormalizationSettings(len_norm_ref=m.length_normalize_ref),
+            q_distribution=QDistributionSettings(temperature=m.q_temperature, epsilon=m.q_epsilon),
+            tau_schedule=TauSchedule(
+                target_entropy=m.tau_target_entropy, target_final=m.tau_target_final, horizon=m.tau_target_horizon,
+                lr=m.tau_lr, min=m.tau_min, max=m.tau_max, warmup_steps=m.tau_warmup_steps,
+            ),
+            kl_controller=KlControllerSettings(target=m.kl_target, horizon=m.kl_horizon, step_size=m.kl_step_size),
+            controller_meta=ControllerMetaSettings(lr_tau=m.meta_lr_tau, lr_beta=m.meta_lr_beta, every=m.meta_every,
+                                                   grad_clip=m.meta_grad_clip),
+        )
+    except SpecError as err:
+        raise ConfigError(f"{_WEIGHTING_KEYS[err.setting]}: {err.problem}") from None
+
+
+def _precision(cfg: TrainConfig, machine: Machine, master: str) -> Precision:
+    g, t = cfg.generation, cfg.training
+    backend = BACKENDS[g.backend]
+    return resolve_precision(
+        machine=machine, compute_dtype=cfg.model.dtype, master=master, sample_dtype=g.dtype,
+        autocast_bf16=t.autocast_bf16, share_prompts=t.share_prompts, rollout_correction=cfg.loss.rollout_correction,
+        gradient_checkpointing=t.gradient_checkpointing, engine_owns_weights=backend.owns_weights,
+        max_staleness=cfg.rollout.max_staleness,
+        # A LoRA policy or an FSDP2 policy sampled by HF generate samples from itself: no copy to make.
+        samples_itself=not backend.owns_weights and (
+            cfg.model.lora.enabled or STRATEGIES[t.strategy].collective_forward),
+    )
+
+
+def compile_run(cfg: TrainConfig, machine: Machine) -> RunPlan:
+    """Compile ``cfg`` (``load_config``'s result: presets applied, every key checked) for ``machine``."""
+    g, t, lo, d, m = cfg.generation, cfg.training, cfg.loss, cfg.data, cfg.model
+    master = master_dtype(m.dtype, m.lora.enabled)
+    check_run(cfg, machine, master)
+    weighting = _weighting(cfg)  # loss.beta and maxent.*: before the method's own loss bounds
+    precision = _precision(cfg, machine, master)
+    episodes = episode_limits(cfg.environment, g.max_new_tokens)
+    sampling = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
+                              top_k=g.top_k, stop=tuple(g.stop))
     batch = BatchPlan(
-        num_generations=g.num_generations,
-        prompts_per_step=t.prompts_per_step,
-        system_prompt=cfg.data.system_prompt,
-        few_shot=tuple(cfg.data.few_shot),
-        sampling=SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-                                top_k=g.top_k, stop=tuple(g.stop)),
-        max_retry_rounds=g.max_retry_rounds,
-        dynamic_sampling=lo.dynamic_sampling,
-        max_gen_batches=lo.max_gen_batches,
+        num_generations=g.num_generations, prompts_per_step=prompts_per_step(cfg), system_prompt=d.system_prompt,
+        few_shot=tuple(d.few_shot), sampling=sampling, max_retry_rounds=g.max_retry_rounds,
+        dynamic_sampling=lo.dynamic_sampling, max_gen_batches=lo.max_gen_batches,
         mask_truncated_completions=lo.mask_truncated_completions,
         zero_truncated_completion_rewards=lo.zero_truncated_completion_rewards,
         reward_stats=RewardStatsSettings(
             q_temperature=cfg.maxent.q_temperature, q_epsilon=cfg.maxent.q_epsilon,
             scale_rewards=lo.scale_rewards, advantage_estimator=lo.advantage_estimator,
         ),
-        policy_entropy_bonus_coef=lo.policy_entropy_bonus_coef,
-        episodes=episode_limits(cfg.environment, g.max_new_tokens),
+        policy_entropy_bonus_coef=lo.policy_entropy_bonus_coef, episodes=episodes,
     )
+    lora = m.lora
     return RunPlan(
-        method=compile_method(cfg),
-        # autocast_bf16 and share_prompts are resolved from "auto" by training/precision.py before the run compiles.
-        scoring=Scoring(temperature=g.temperature, share_prompts=t.share_prompts is True,
-                        autocast_bf16=t.autocast_bf16 is True, rows_per_pass=t.micro_batch_size),
+        method=_compile_method(cfg, precision.rollout_correction),
+        scoring=Scoring(temperature=g.temperature, share_prompts=precision.share_prompts,
+                        autocast_bf16=precision.autocast_bf16, rows_per_pass=t.micro_batch_size),
         batch=batch,
         micro_batch_size=t.micro_batch_size,
         num_iterations=t.num_iterations,
         max_grad_norm=t.max_grad_norm,
+        data=DataPlan(
+            source=d.source, split=d.split, size=d.size, seed=t.seed, task_kwargs=dict(d.task_kwargs),
+            instruction=d.instruction, prompt_column=d.prompt_column, answer_column=d.answer_column,
+            system_prompt=d.system_prompt, few_shot=tuple(d.few_shot), eval_size=d.eval_size,
+            num_epochs=d.num_epochs, shuffle=d.shuffle, environment=cfg.environment, episodes=episodes,
+        ),
+        model=ModelPlan(
+            name_or_path=m.name_or_path, dtype=m.dtype, master_dtype=master,
+            lora=LoraPlan(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
+                          target_modules=tuple(lora.target_modules)) if lora.enabled else None,
+            gradient_checkpointing=t.gradient_checkpointing, autocast_bf16=precision.autocast_bf16,
+        ),
+        sampler=SamplerPlan(
+            backend=g.backend, sample_dtype=precision.sample_dtype, batch_size=g.batch_size,
+            share_prompts=precision.share_prompts, vllm=g.vllm,
+            size_from_prompts=BACKENDS[g.backend].plans_context and g.vllm.max_model_len is None and episodes is None,
+            params=sampling, system_prompt=d.system_prompt, few_shot=tuple(d.few_shot),
+        ),
+        optimizer=OptimizerPlan(
+            learning_rate=t.learning_rate, lr_scheduler=t.lr_scheduler, warmup_steps=t.warmup_steps,
+            weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2),
+            total_updates=t.max_steps * t.num_iterations,
+        ),
+        rollout=cfg.rollout,
+        schedule=Schedule(
+            max_steps=t.max_steps, max_consecutive_skips=t.max_consecutive_skips,
+            save_steps=cfg.checkpoint.save_steps, save_minutes=cfg.checkpoint.save_minutes,
+            keep_last=cfg.checkpoint.keep_last, save_final=cfg.checkpoint.save_final,
+            eval_every_steps=cfg.eval.every_steps, num_epochs=d.num_epochs,
+        ),
+        logging=LoggingPlan(
+            output_dir=cfg.logging.output_dir, report_to=tuple(cfg.logging.report_to),
+            log_completions_every=cfg.logging.log_completions_every, progress_bar=cfg.logging.progress_bar,
+        ),
+        eval=EvalPlan(num_prompts=cfg.eval.num_prompts, k=cfg.eval.k, seed=t.seed),
+        weighting=weighting,
+        rewards=tuple(cfg.rewards),
+        strategy=t.strategy,
+        dist_timeout_minutes=t.dist_timeout_minutes,
+        seed=t.seed,
+        source=dataclasses.asdict(cfg),
+        notes=precision.notes,
     )
 
 
@@ -174,6 +298,6 @@ def describe_rollout_correction(loss: LossSpec) -> str:
     """One line for the start of a run: which sampler -> trainer weight the policy term gets."""
     if loss.rollout_correction == "none":
         return "none (the policy term uses no sampler -> trainer importance weight)"
-    action = "truncated at" if loss.rollout_correction.endswith("truncate") else "masked above"
-    level = loss.rollout_correction.split("_")[0]
+    level, kind = correction_parts(loss.rollout_correction)
+    action = "truncated at" if kind == "truncate" else "masked above"
     return f"{loss.rollout_correction}: {level}-level ratio trainer/sampler {action} C={loss.rollout_correction_cap:g}"

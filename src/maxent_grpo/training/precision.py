@@ -1,4 +1,4 @@
-"""Precision: the dtype the trained weights live in, and ``auto`` resolved against the device.
+"""Precision: the dtype the trained weights live in, and ``auto`` resolved against the machine.
 
 ``model.dtype`` is the compute dtype. The weights that are trained are kept and
 updated in float32 (fp32 master weights, as TRL, verl, NeMo-RL and prime-rl do):
@@ -15,21 +15,19 @@ bfloat16 sampling (``generation.dtype``) and bf16 autocast
 natively: CUDA devices that support it, and CPUs with AVX-512 BF16 or AMX.
 Elsewhere (an AVX2-only CPU, for one) PyTorch falls back to a reference bf16
 matmul that is many times slower than float32, so ``auto`` means float32 there.
+
+Every function here is pure: ``training/plan.py`` calls them while it compiles the run, with the
+:class:`Machine` the run is on, and keeps the lines that say what each ``auto`` became.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
+import os
+from dataclasses import dataclass
 
 import torch
 
-from maxent_grpo.models import master_dtype
-from maxent_grpo.rollout.backends import BACKENDS
-from maxent_grpo.training.config import TrainConfig
-from maxent_grpo.training.strategy import STRATEGIES
-
-log = logging.getLogger(__name__)
+from maxent_grpo.training.distributed import Dist
 
 
 def bf16_is_fast(device: torch.device) -> bool:
@@ -41,46 +39,84 @@ def bf16_is_fast(device: torch.device) -> bool:
     return False
 
 
-def resolve_precision(cfg: TrainConfig, fast_bf16: bool, *, cuda: bool = False) -> TrainConfig:
-    """``cfg`` with every ``auto`` that depends on the device replaced: the sampling copy's dtype
-    (bf16 when ``fast_bf16``, else none), bf16 autocast (whenever ``model.dtype`` is bfloat16, the
-    compute dtype), the rollout correction that follows from them (:func:`sampler_is_trainer`), and
-    shared prompts (on the CPU only, ``cuda`` False, and never with activation checkpointing)."""
-    g, t, lo = cfg.generation, cfg.training, cfg.loss
-    if t.share_prompts == "auto":
+@dataclass(frozen=True)
+class Machine:
+    """What the ``auto`` settings and the process-count rule are resolved against.
+
+    ``processes``: the processes that train together (torchrun's WORLD_SIZE); None for a
+    command that trains nothing (``maxent-grpo eval``), which no process-count rule concerns.
+    """
+
+    fast_bf16: bool
+    cuda: bool
+    processes: int | None = 1
+
+    @classmethod
+    def here(cls, *, training: bool = True) -> "Machine":
+        """This process's machine: the device a run trains on (the GPU when torch has one)."""
+        device = Dist().device
+        return cls(fast_bf16=bf16_is_fast(device), cuda=device.type == "cuda",
+                   processes=int(os.environ.get("WORLD_SIZE", "1")) if training else None)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Every setting that ``auto`` leaves to the machine, resolved; ``notes`` say what each became."""
+
+    sample_dtype: str | None  # the sampling copy's dtype; None: the policy samples itself
+    autocast_bf16: bool
+    share_prompts: bool
+    rollout_correction: str
+    notes: tuple[str, ...]
+
+
+def resolve_precision(
+    *, machine: Machine, compute_dtype: str, master: str, sample_dtype: str | None, autocast_bf16: bool | str,
+    share_prompts: bool | str, rollout_correction: str, gradient_checkpointing: bool, samples_itself: bool,
+    engine_owns_weights: bool, max_staleness: int,
+) -> Precision:
+    """The device-dependent ``auto`` settings: the sampling copy's dtype (bf16 when the machine multiplies
+    it natively and the policy is not its own sampler), bf16 autocast (also whenever ``compute_dtype`` is
+    bfloat16), the rollout correction that follows from them (:func:`sampler_is_trainer`), and shared
+    prompts (on the CPU only, and never with activation checkpointing).
+
+    ``samples_itself``: a LoRA or sharded policy sampled by HF generate (no copy to make).
+    """
+    notes = []
+    share = share_prompts
+    if share_prompts == "auto":
         # On an H100 the shared prompt's KV-cache forward and backward took 1.75x one plain forward
         # over every row (benchmarks/update_profile.py, 0.5B, 8 x 168-token prompts x 8 completions).
-        share = not cuda and not t.gradient_checkpointing
-        log.info("share_prompts auto: %s (%s)", share, "CUDA" if cuda else
-                 "activation checkpointing" if t.gradient_checkpointing else "the CPU")
-        t = dataclasses.replace(t, share_prompts=share)
-        cfg = dataclasses.replace(cfg, training=t)
-    # A LoRA policy or an FSDP2 policy sampled by HF generate samples from itself
-    # (config.validate): no copy to make. A vLLM engine always holds its own weights.
-    own = not BACKENDS[g.backend].owns_weights and (cfg.model.lora.enabled or STRATEGIES[t.strategy].collective_forward)
-    auto_dtype = "bfloat16" if fast_bf16 and not own else None
-    dtype = auto_dtype if g.dtype == "auto" else g.dtype
-    autocast = (fast_bf16 or cfg.model.dtype == "bfloat16") if t.autocast_bf16 == "auto" else t.autocast_bf16
-    if (dtype, autocast) != (g.dtype, t.autocast_bf16):
-        log.info("precision auto (%s bf16): generation.dtype=%s, training.autocast_bf16=%s",
-                 "native" if fast_bf16 else "no native", dtype, autocast)
-        cfg = dataclasses.replace(cfg, generation=dataclasses.replace(g, dtype=dtype),
-                                  training=dataclasses.replace(t, autocast_bf16=autocast))
-    if lo.rollout_correction == "auto":
-        own_sampler = sampler_is_trainer(cfg)
+        share = not machine.cuda and not gradient_checkpointing
+        notes.append(f"share_prompts auto: {share} (" + (
+            "CUDA" if machine.cuda else "activation checkpointing" if gradient_checkpointing else "the CPU") + ")")
+    dtype = sample_dtype
+    if sample_dtype == "auto":
+        dtype = "bfloat16" if machine.fast_bf16 and not samples_itself else None
+    autocast = autocast_bf16
+    if autocast_bf16 == "auto":
+        autocast = machine.fast_bf16 or compute_dtype == "bfloat16"
+    if "auto" in (sample_dtype, autocast_bf16):
+        notes.append(f"precision auto ({'native' if machine.fast_bf16 else 'no native'} bf16): "
+                     f"generation.dtype={dtype}, training.autocast_bf16={autocast}")
+    correction = rollout_correction
+    if rollout_correction == "auto":
+        own = sampler_is_trainer(engine_owns_weights=engine_owns_weights, max_staleness=max_staleness,
+                                 sample_dtype=dtype, master=master)
         # ALGORITHMS.md §15's default: token-level truncated importance sampling (TIS).
-        correction = "none" if own_sampler else "token_truncate"
-        log.info("rollout correction auto: %s (%s)", correction, "the policy samples its own rollouts"
-                 if own_sampler else "the sampler is not the trained weights: its own copy, or earlier weights")
-        cfg = dataclasses.replace(cfg, loss=dataclasses.replace(lo, rollout_correction=correction))
-    return cfg
+        correction = "none" if own else "token_truncate"
+        notes.append(f"rollout correction auto: {correction} (" + (
+            "the policy samples its own rollouts" if own
+            else "the sampler is not the trained weights: its own copy, or earlier weights") + ")")
+    return Precision(sample_dtype=dtype, autocast_bf16=autocast is True, share_prompts=share is True,
+                     rollout_correction=correction, notes=tuple(notes))
 
 
-def sampler_is_trainer(cfg: TrainConfig) -> bool:
-    """Whether the rollouts come from the trained weights themselves: no engine with its own
-    weights (vLLM), no sampling copy in another dtype (``generation.dtype``, resolved), no
-    earlier version of them (``rollout.max_staleness``)."""
-    g = cfg.generation
-    if BACKENDS[g.backend].owns_weights or cfg.rollout.max_staleness > 0:
+def sampler_is_trainer(*, engine_owns_weights: bool, max_staleness: int, sample_dtype: str | None,
+                       master: str) -> bool:
+    """Whether the rollouts come from the trained weights themselves: no engine with its own weights
+    (vLLM), no sampling copy in another dtype (``sample_dtype``, resolved), no earlier version of them
+    (``max_staleness``)."""
+    if engine_owns_weights or max_staleness > 0:
         return False
-    return g.dtype is None or g.dtype == master_dtype(cfg.model.dtype, cfg.model.lora.enabled)
+    return sample_dtype is None or sample_dtype == master

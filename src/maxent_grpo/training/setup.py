@@ -2,49 +2,39 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
-from transformers import get_scheduler
 
 from maxent_grpo.core.step import Comm
 from maxent_grpo.envs import ENVIRONMENT_COLUMN
-from maxent_grpo.envs.episodes import EpisodePlay
-from maxent_grpo.envs.settings import row_environments
-from maxent_grpo.data.datasets import PromptSampler, load_prompt_dataset, split_train_eval
-from maxent_grpo.data.prompts import longest_prompt_tokens
-from maxent_grpo.models import (
-    apply_lora, enable_activation_checkpointing, fill_pad_token, load_tokenizer, master_dtype, parse_dtype,
-    reference_context, resolve_model_path,
-)
+from maxent_grpo.data.datasets import PromptSampler
+from maxent_grpo.models import resolve_model_path
 from maxent_grpo.rewards.maxent import controller_state_dict, restore_controller_state
 from maxent_grpo.rewards.registry import build_reward_spec
-from maxent_grpo.rollout.backends import BACKENDS, BackendInputs
+from maxent_grpo.rollout.backends import BACKENDS
 from maxent_grpo.rollout.data_plane import RolloutRecord
 from maxent_grpo.rollout.open_plane import open_data_plane
 from maxent_grpo.run_files import write_text_atomic
 from maxent_grpo.training.checkpoint import CheckpointError, find_latest_checkpoint, read_trainer_state
-from maxent_grpo.training.config import ConfigError, TrainConfig, TrainingConfig, save_config, to_dict
+from maxent_grpo.training.config import save_config
+from maxent_grpo.training.data import load_rows, row_episodes
 from maxent_grpo.training.distributed import Dist, log_device
 from maxent_grpo.training.pipeline import PipelineContext
+from maxent_grpo.training.plan import RunPlan, describe_rollout_correction
+from maxent_grpo.training.policy import build_optimizer, load_policy, reference_scorer
 from maxent_grpo.training.rollout_queue import RolloutQueue
-from maxent_grpo.training.seeding import seed_everything
-from maxent_grpo.training.plan import RunPlan, compile_run, describe_rollout_correction
-from maxent_grpo.training.precision import bf16_is_fast, resolve_precision
 from maxent_grpo.training.run_dir import (
     RunDirError, RunLock, claim_output_dir, config_history, history_line, resume_changes,
 )
+from maxent_grpo.training.sampler import build_sampler, describe_sampling
+from maxent_grpo.training.seeding import seed_everything
 from maxent_grpo.training.strategy import STRATEGIES, Strategy
 from maxent_grpo.training.trackers import make_trackers, require_trackers
-from maxent_grpo.training.weighting_config import weighting_from_config
-
-if TYPE_CHECKING:  # datasets is imported by the loaders that need it (the GPU machine has none)
-    from datasets import Dataset
 
 log = logging.getLogger("maxent_grpo")
 
@@ -62,7 +52,8 @@ class ShardedSampler:
 
 @dataclass
 class Run:
-    cfg: TrainConfig
+    """A run, built from its plan (``ctx.plan``; its configuration as data is ``plan.source``)."""
+
     output_dir: Path
     ctx: PipelineContext
     train_model: torch.nn.Module  # DDP-wrapped with several processes (FSDP2: the sharded model itself)
@@ -79,6 +70,10 @@ class Run:
     lock: RunLock | None = None  # held by the main process until finish()
     last_metrics: dict = field(default_factory=dict)  # the latest step's, for the progress bar
 
+    @property
+    def plan(self) -> RunPlan:
+        return self.ctx.plan
+
     def trainer_state(self, step: int, sampler_state: dict | None = None) -> dict:
         return {
             "step": step,
@@ -86,7 +81,7 @@ class Run:
             "sampler": self.sampler.sampler.state_dict() if sampler_state is None else sampler_state,
             "controller": controller_state_dict(self.ctx.weighting),
             "skips": dict(self.ctx.skips),
-            "config": to_dict(self.cfg),
+            "config": self.plan.source,
             # Each rank's batches sampled and not yet trained on (rollout.max_staleness >= 1): a resumed
             # run restores them rather than sampling them again from weights it no longer has.
             "rollouts_in_flight": self.ctx.dist.gather_objects([[r.to_state() for r in self.rollouts.in_flight(step)]]),
@@ -99,7 +94,7 @@ class Run:
         return self.strategy.save(
             self.output_dir, step, model=self.ctx.model, tokenizer=self.ctx.tokenizer, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, trainer_state=self.trainer_state(step, sampler_state),
-            keep_last=self.cfg.checkpoint.keep_last,
+            keep_last=self.plan.schedule.keep_last,
         )
 
     def finish(self) -> None:
@@ -109,188 +104,86 @@ class Run:
             self.lock.release()
 
 
-def _reference_scorer(cfg: TrainConfig, plan: RunPlan, model, name_or_path: str, strategy: Strategy):
-    scoring = plan.scoring
-    if cfg.model.lora.enabled:
-        def score(ids, mask, plen):
-            with reference_context(model):
-                return scoring.score_rows(model, ids, mask, plen)[0]
-        return score
-    ref = strategy.load_reference(name_or_path, dtype=cfg.model.dtype)
-
-    def score(ids, mask, plen):
-        return scoring.score_rows(ref, ids, mask, plen)[0]
-    return score
-
-
-def _generation_backend(cfg: TrainConfig, model, tokenizer, model_path: str, output_dir: Path, dist: Dist,
-                        strategy: Strategy, prompts: Callable[[], list]):
-    g = cfg.generation
-    # Only a colocated engine with no vllm.max_model_len plans its KV cache from the data's prompts; an
-    # episode's context grows past its prompt (tool descriptions, turns): the engine keeps the model's length.
-    sized = BACKENDS[g.backend].plans_context and g.vllm.max_model_len is None and not cfg.environment.enabled
-    return BACKENDS[g.backend].build(BackendInputs(
-        model=model, tokenizer=tokenizer, model_path=model_path,
-        sample_dtype=None if g.dtype is None else parse_dtype(g.dtype), batch_size=g.batch_size,
-        share_prompts=cfg.training.share_prompts, vllm=g.vllm, seed=cfg.training.seed,
-        world_size=dist.world_size, is_main=dist.is_main, any_rank=dist.any_rank,
-        # Sharded: every forward gathers weights with the other ranks, so every rank
-        # runs generate to the longest row of any rank.
-        synced_gpus=strategy.collective_forward, default_sync_dir=output_dir / "vllm_weights",
-        max_prompt_tokens=longest_prompt_tokens(
-            tokenizer, prompts(), system_prompt=cfg.data.system_prompt, few_shot=cfg.data.few_shot,
-        ) if sized else None,
-        max_new_tokens=g.max_new_tokens,
-    ))
-
-
 def build_run(
-    cfg: TrainConfig, *, resume: str | bool | None = None, overwrite: bool = False, allow_config_change: bool = False,
+    plan: RunPlan, *, resume: str | bool | None = None, overwrite: bool = False, allow_config_change: bool = False,
 ) -> Run:
     """Everything a run needs, checked in the order of their cost: the tracker packages, the output
     folder, the resume checkpoint's config, data, rewards, the generation backend, then the model."""
     # Every process checks (the main one starts them): all ranks refuse together, none waits for the others.
-    require_trackers(cfg.logging.report_to)
-    dist = Dist.init(cfg.training.dist_timeout_minutes)
+    require_trackers(list(plan.logging.report_to))
+    dist = Dist.init(plan.dist_timeout_minutes)
     log_device(dist)
-    strategy = STRATEGIES[cfg.training.strategy](dist)
-    if dist.world_size < strategy.min_processes:
-        raise ConfigError(f"training.strategy: {strategy.name} needs several processes (torchrun --nproc_per_node N, "
-                          f"N >= {strategy.min_processes}); with one process use ddp")
-    cfg = resolve_precision(cfg, bf16_is_fast(dist.device), cuda=dist.device.type == "cuda")
-    plan = compile_run(cfg)
-    output_dir = Path(cfg.logging.output_dir)
+    strategy = STRATEGIES[plan.strategy](dist)
+    output_dir = Path(plan.logging.output_dir)
     lock = _claim(output_dir, dist, resume=bool(resume), overwrite=overwrite)
     ckpt = _resume_checkpoint(output_dir, resume)
     history = config_history(output_dir / "config.yaml")
     if ckpt is not None:
         saved = read_trainer_state(ckpt)
         changes = resume_changes(
-            saved.get("config") or _saved_config(output_dir), to_dict(cfg), allow_change=allow_config_change,
+            saved.get("config") or _saved_config(output_dir), plan.source, allow_change=allow_config_change,
         )
         history.append(history_line(int(saved["step"]), changes))
     method = plan.method
-    seed_everything(cfg.training.seed + dist.rank)
+    seed_everything(plan.seed + dist.rank)
 
     # Data and rewards first: their errors must come before the slow model load.
-    train_ds, eval_rows = _load_data(cfg, dist)
-    environments = _environments(cfg, train_ds)
-    reward_spec = build_reward_spec(cfg.rewards)
-    model_path = resolve_model_path(cfg.model.name_or_path)
-    BACKENDS[cfg.generation.backend].check(cfg.generation.vllm, model_path)
+    train_ds, eval_rows = load_rows(plan.data, plan.batch.prompts_per_step, dist.world_size)
+    episodes = row_episodes(plan.data, train_ds[ENVIRONMENT_COLUMN] if ENVIRONMENT_COLUMN in train_ds.column_names
+                            else None)
+    reward_spec = build_reward_spec(list(plan.rewards))
+    model_path = resolve_model_path(plan.model.name_or_path)
+    BACKENDS[plan.sampler.backend].check(plan.sampler.vllm, model_path)
     if dist.is_main:
-        save_config(cfg, output_dir / "config.yaml", header=history)
+        save_config(plan.source, output_dir / "config.yaml", header=history)
         write_text_atomic(output_dir / "run_info.json", json.dumps(
-            {"method": cfg.method, **method.identity(), "model": model_path, "world_size": dist.world_size}, indent=2
+            {"method": method.name, **method.identity(), "model": model_path, "world_size": dist.world_size}, indent=2
         ))
+    for note in plan.notes:
+        log.info("%s", note)
     log.info("method %s: family=%s loss=%s weighting=%s", method.name, method.family, method.loss.policy_loss,
              method.weighting)
+    log.info("%s", plan.global_batch(dist.world_size))
+    log.info("%s", describe_sampling(plan.sampler))
     log.info("rollout correction: %s", describe_rollout_correction(method.loss))
 
-    model, tokenizer = _load_policy(cfg, model_path, dist, strategy)
-    reference = _reference_scorer(cfg, plan, model, model_path, strategy) if method.needs_reference else None
-    optimizer, lr_scheduler = build_optimizer(model, cfg.training)
+    model, tokenizer = load_policy(plan.model, model_path, strategy)
+    reference = reference_scorer(plan.model, plan.scoring, model, model_path, strategy) if method.needs_reference else None
+    optimizer, lr_scheduler = build_optimizer(model, plan.optimizer)
     train_model, gradient_sync = strategy.wrap(model)
 
     sampler = PromptSampler(
-        train_ds, cfg.training.prompts_per_step * dist.world_size, seed=cfg.training.seed,
-        shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs,
+        train_ds, plan.batch.prompts_per_step * dist.world_size, seed=plan.seed,
+        shuffle=plan.data.shuffle, num_epochs=plan.data.num_epochs,
+    )
+    backend = build_sampler(
+        plan.sampler, model, tokenizer, model_path, seed=plan.seed, sync_dir=output_dir / "vllm_weights",
+        prompts=lambda: [*train_ds["prompt"], *(r["prompt"] for r in eval_rows)],
+        world_size=dist.world_size, is_main=dist.is_main, any_rank=dist.any_rank,
+        synced_gpus=strategy.collective_forward,
     )
     ctx = PipelineContext(
-        plan=plan, model=model, tokenizer=tokenizer,
-        backend=_generation_backend(cfg, model, tokenizer, model_path, output_dir, dist, strategy,
-                                    lambda: [*train_ds["prompt"], *(r["prompt"] for r in eval_rows)]),
-        reward_spec=reward_spec, weighting=weighting_from_config(cfg), dist=dist, reference_logps=reference,
-        episodes=None if environments is None else EpisodePlay(environments, plan.batch.episodes),
+        plan=plan, model=model, tokenizer=tokenizer, backend=backend, reward_spec=reward_spec,
+        # The live controller state starts from the plan's settings; the plan itself is never changed.
+        weighting=copy.deepcopy(plan.weighting), dist=dist, reference_logps=reference, episodes=episodes,
     )
     sharded = ShardedSampler(sampler, dist)
-    r = cfg.rollout
+    r = plan.rollout
     rollouts = RolloutQueue(
         ctx, sharded.next_batch, open_data_plane(r.data_plane, ray=r.transferqueue_ray),
-        max_staleness=r.max_staleness, beside=BACKENDS[cfg.generation.backend].samples_beside,
-        seed=cfg.training.seed, wait_timeout_s=r.wait_timeout_s,
+        max_staleness=r.max_staleness, beside=BACKENDS[plan.sampler.backend].samples_beside,
+        seed=plan.seed, wait_timeout_s=r.wait_timeout_s,
     )
     run = Run(
-        cfg=cfg, output_dir=output_dir, ctx=ctx, train_model=train_model, optimizer=optimizer,
+        output_dir=output_dir, ctx=ctx, train_model=train_model, optimizer=optimizer,
         lr_scheduler=lr_scheduler, sampler=sharded, rollouts=rollouts,
-        trackers=make_trackers(cfg.logging.report_to if dist.is_main else [], output_dir, config=to_dict(cfg)),
+        trackers=make_trackers(list(plan.logging.report_to) if dist.is_main else [], output_dir, config=plan.source),
         comm=Comm(world_size=dist.world_size, all_reduce_sum=dist.all_reduce_sum, gradient_sync=gradient_sync),
         strategy=strategy, eval_rows=eval_rows, lock=lock,
     )
     if ckpt is not None:
         _resume(run, ckpt)
     return run
-
-
-def _environments(cfg: TrainConfig, train_ds: Dataset):
-    """Each row's environment factory when the run plays episodes (``environment:``), else None."""
-    has_column = ENVIRONMENT_COLUMN in train_ds.column_names
-    if not cfg.environment.enabled:
-        if has_column:
-            raise ConfigError(f"environment.name: the dataset {cfg.data.source} has an {ENVIRONMENT_COLUMN!r} column "
-                              "(one environment per row); set environment.name, the environment of rows without one")
-        return None
-    return row_environments(cfg.environment, train_ds[ENVIRONMENT_COLUMN] if has_column else None)
-
-
-def _load_data(cfg: TrainConfig, dist: Dist) -> tuple[Dataset, list[dict]]:
-    """The training rows and the held-out rows (none when ``data.eval_size`` is 0)."""
-    d = cfg.data
-    dataset = load_prompt_dataset(
-        d.source, split=d.split, prompt_column=d.prompt_column, answer_column=d.answer_column, size=d.size,
-        seed=cfg.training.seed, instruction=d.instruction, task_kwargs=d.task_kwargs,
-    )
-    train_ds, eval_rows = dataset, []
-    if d.eval_size > 0:
-        train_ds, eval_ds = split_train_eval(dataset, d.eval_size, cfg.training.seed)
-        eval_rows = list(eval_ds)
-    per_step = cfg.training.prompts_per_step * dist.world_size
-    if per_step > len(train_ds):
-        raise ConfigError(
-            f"training.prompts_per_step: {cfg.training.prompts_per_step} prompts x {dist.world_size} process(es) per "
-            f"step is more than the {len(train_ds)} training rows of {d.source}"
-        )
-    return train_ds, eval_rows
-
-
-def _load_policy(cfg: TrainConfig, model_path: str, dist: Dist, strategy: Strategy):
-    """The trained policy in its master dtype, with LoRA and activation checkpointing, placed by the strategy."""
-    tokenizer = load_tokenizer(model_path)
-
-    def adapt(model: torch.nn.Module) -> torch.nn.Module:
-        fill_pad_token(model, tokenizer)
-        if cfg.model.lora.enabled:
-            lc = cfg.model.lora
-            model = apply_lora(model, r=lc.r, alpha=lc.alpha, dropout=lc.dropout, target_modules=lc.target_modules)
-        if cfg.training.gradient_checkpointing:
-            enable_activation_checkpointing(model)
-        return model
-
-    # Before the optimizer exists: it must hold the (sharded) parameters.
-    model = strategy.load_policy(model_path, dtype=master_dtype(cfg.model.dtype, cfg.model.lora.enabled),
-                                 adapt=adapt, bf16_compute=cfg.training.autocast_bf16)
-    return model, tokenizer
-
-
-def build_optimizer(model: torch.nn.Module, t: TrainingConfig) -> tuple[torch.optim.Optimizer, object]:
-    """The run's AdamW over the trainable parameters and its LR schedule (over every update of the run),
-    from ``training:``."""
-    trained = [p for p in model.parameters() if p.requires_grad]
-    params: list = trained
-    if t.weight_decay > 0:
-        # Biases and norm gains (the 1-D parameters) are not decayed, as in HF / TRL and
-        # OpenRLHF: decay would pull an RMSNorm gain from 1 toward 0. One group when there is
-        # no decay, so checkpoints of earlier runs (one group) still resume.
-        params = [{"params": [p for p in trained if p.ndim >= 2]},
-                  {"params": [p for p in trained if p.ndim < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(
-        params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay,
-    )
-    lr_scheduler = get_scheduler(
-        {"constant": "constant_with_warmup"}.get(t.lr_scheduler, t.lr_scheduler),
-        optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=t.max_steps * t.num_iterations,
-    )
-    return optimizer, lr_scheduler
 
 
 def _claim(output_dir: Path, dist: Dist, *, resume: bool, overwrite: bool) -> RunLock | None:

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import random
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from maxent_grpo.rollout.data_plane import DataPlane, RolloutRecord
 from maxent_grpo.evaluate import eval_seed, evaluate_prompts, per_prompt_metrics, per_task_means, write_eval_outputs
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """``eval:``: how many held-out prompts, how many samples each, and the run's seed (the sampling's)."""
+
+    num_prompts: int
+    k: int
+    seed: int
 
 
 def _through_plane(plane: DataPlane, partition: str, record: RolloutRecord) -> RolloutRecord:
@@ -23,7 +32,7 @@ def _through_plane(plane: DataPlane, partition: str, record: RolloutRecord) -> R
 
 
 def validate(run, step: int) -> dict[str, float]:
-    """Evaluate the current policy on ``run.eval_rows[:eval.num_prompts]``; return ``eval/*`` metrics.
+    """Evaluate the current policy on ``run.eval_rows[:plan.eval.num_prompts]``; return ``eval/*`` metrics.
 
     The main rank writes ``OUTPUT_DIR/eval/step-N/{summary.json,completions.jsonl}``.
     Sampling runs under ``eval_seed(training.seed)`` inside a forked RNG, and python's
@@ -31,19 +40,20 @@ def validate(run, step: int) -> dict[str, float]:
     ``maxent-grpo eval checkpoints/step-N --config OUTPUT_DIR/config.yaml`` reproduces
     ``eval/step-N`` exactly.
     """
-    cfg = run.cfg
-    rows = run.eval_rows[: cfg.eval.num_prompts]
+    plan = run.plan
+    e = plan.eval
+    rows = run.eval_rows[: e.num_prompts]
     device = run.ctx.model.device
     py_state = random.getstate()
     rng = torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else [])
     # One rollout phase for the evaluation's generate calls (a sleeping vLLM engine wakes once).
     with rng, run.ctx.backend.rollout_phase(run.ctx.model):
-        torch.manual_seed(eval_seed(cfg.training.seed))
+        torch.manual_seed(eval_seed(e.seed))
         try:
             summary, records = evaluate_prompts(
                 run.ctx.backend, run.ctx.tokenizer, rows, run.ctx.reward_spec,
-                k=cfg.eval.k, sampling=run.ctx.plan.batch.sampling,
-                system_prompt=cfg.data.system_prompt, few_shot=cfg.data.few_shot, episodes=run.ctx.episodes,
+                k=e.k, sampling=plan.batch.sampling,
+                system_prompt=plan.batch.system_prompt, few_shot=plan.batch.few_shot, episodes=run.ctx.episodes,
                 carry=lambda record: _through_plane(run.rollouts.plane, f"val/{step}", replace(record, step=step,
                                                                                                 version=step)),
             )
@@ -52,5 +62,5 @@ def validate(run, step: int) -> dict[str, float]:
     if run.ctx.dist.is_main:
         write_eval_outputs(run.output_dir / "eval" / f"step-{step}", summary, records)
     # Each task on its own (a ModeBench task, a multi-turn run's environment), beside the pooled numbers.
-    per_task = per_task_means(per_prompt_metrics(records, cfg.eval.k))
+    per_task = per_task_means(per_prompt_metrics(records, e.k))
     return {f"eval/{k}": float(v) for k, v in {**summary, **per_task}.items() if isinstance(v, (int, float))}

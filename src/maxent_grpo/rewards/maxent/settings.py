@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from maxent_grpo.core.advantages import SCALE_REWARDS
+from maxent_grpo.core.bounds import require
 from maxent_grpo.core.controllers import (
     ControllerMetaSettings,
     ControllerSettings,
@@ -31,10 +32,9 @@ class QDistributionSettings:
     epsilon: float = 1e-6
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise ValueError(f"q_distribution.temperature must be a finite number > 0, got {self.temperature}")
-        if not 0 <= self.epsilon < 1:
-            raise ValueError(f"q_distribution.epsilon must be in [0, 1) (a floor on each q), got {self.epsilon}")
+        require(math.isfinite(self.temperature) and self.temperature > 0, "q_distribution.temperature",
+                f"must be a finite number > 0, got {self.temperature}")
+        require(0 <= self.epsilon < 1, "q_distribution.epsilon", f"must be in [0, 1) (a floor on each q), got {self.epsilon}")
 
 
 @dataclass
@@ -60,12 +60,10 @@ class WeightingSettings:
     controller_state: ControllerState | None = None
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.tau) and self.tau >= 0):
-            raise ValueError(f"tau must be a finite number >= 0, got {self.tau}")
-        if not (math.isfinite(self.beta) and self.beta >= 0):
-            raise ValueError(f"beta must be a finite number >= 0, got {self.beta}")
-        if self.scale_rewards not in SCALE_REWARDS:
-            raise ValueError(f"scale_rewards must be one of {list(SCALE_REWARDS)}, got {self.scale_rewards!r}")
+        require(math.isfinite(self.tau) and self.tau >= 0, "tau", f"must be a finite number >= 0, got {self.tau}")
+        require(math.isfinite(self.beta) and self.beta >= 0, "beta", f"must be a finite number >= 0, got {self.beta}")
+        require(self.scale_rewards in SCALE_REWARDS, "scale_rewards",
+                f"must be one of {list(SCALE_REWARDS)}, got {self.scale_rewards!r}")
         if self.controller_state is None:
             self.controller_state = ControllerState.initial(self.tau, self.beta)
         elif (self.controller_state.tau, self.controller_state.beta) != (self.tau, self.beta):
@@ -123,7 +121,7 @@ class WeightingSettings:
 @dataclass
 class MaxEntConfig:
     """The ``maxent:`` config section: listwise targets and the tau / beta / meta controllers
-    (``training/weighting_config.py`` maps it onto :class:`WeightingSettings`)."""
+    (``training/plan.py`` maps it onto :class:`WeightingSettings`)."""
 
     tau: float = 0.5
     q_temperature: float = 1.0

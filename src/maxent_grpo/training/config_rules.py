@@ -1,0 +1,112 @@
+"""The rules between components (backend x LoRA x dtype x strategy x environment x staleness), in one place.
+
+``compile_run`` calls :func:`check_run` on a configuration whose every key passed its own checks
+(``config.validate``); each rule names the key to change and how.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from maxent_grpo.envs import ENVIRONMENTS
+from maxent_grpo.errors import ConfigError
+from maxent_grpo.rollout.backends import BACKENDS
+from maxent_grpo.training.config_schema import TrainConfig, TrainingConfig
+from maxent_grpo.training.precision import Machine
+from maxent_grpo.training.strategy import STRATEGIES, Strategy
+
+
+def require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+def suggest(name, options) -> str:
+    close = difflib.get_close_matches(str(name), [str(o) for o in options], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def prompts_per_step(cfg: TrainConfig) -> int:
+    """Prompts each process draws per step: ``training.batch_size`` (completions, TRL's per-device
+    convention) over ``num_generations`` when it is set, else ``training.prompts_per_step``."""
+    t, g = cfg.training, cfg.generation
+    if t.batch_size is None:
+        return t.prompts_per_step
+    require(t.batch_size % g.num_generations == 0, "training.batch_size",
+            f"{t.batch_size} is not a multiple of generation.num_generations={g.num_generations}")
+    prompts = t.batch_size // g.num_generations
+    require(t.prompts_per_step in (prompts, TrainingConfig.prompts_per_step), "training.prompts_per_step",
+            f"{t.prompts_per_step} contradicts training.batch_size={t.batch_size} "
+            f"(= {prompts} prompts x {g.num_generations} completions); set one of them")
+    return prompts
+
+
+def check_run(cfg: TrainConfig, machine: Machine, master: str) -> None:
+    """Every rule that ties two sections; ``master``: the dtype the trained weights are stored in."""
+    g, t, lo, lora = cfg.generation, cfg.training, cfg.loss, cfg.model.lora.enabled
+    strategy = STRATEGIES[t.strategy]
+    if machine.processes is not None:
+        require(machine.processes >= strategy.min_processes, "training.strategy",
+                f"{strategy.name} needs several processes (torchrun --nproc_per_node N, "
+                f"N >= {strategy.min_processes}); with one process use ddp")
+    require(not (t.gradient_checkpointing and t.share_prompts is True), "training.gradient_checkpointing",
+            "needs training.share_prompts: false (a shared prompt's KV cache cannot be recomputed in the backward)")
+    total = prompts_per_step(cfg) * g.num_generations
+    require(total % t.micro_batch_size == 0, "training.micro_batch_size",
+            f"{t.micro_batch_size} does not divide the {total} completions of a step")
+    require(g.vllm.max_model_len is None or g.vllm.max_model_len > g.max_new_tokens, "generation.vllm.max_model_len",
+            f"must exceed generation.max_new_tokens={g.max_new_tokens}")
+    require(lo.advantage_estimator != "maxrl" or lo.policy_entropy_bonus_coef == 0, "loss.policy_entropy_bonus_coef",
+            f"must be 0 with loss.advantage_estimator maxrl (the bonus makes rewards non-binary), "
+            f"got {lo.policy_entropy_bonus_coef}")
+    # Stale samples are trained with the decoupled objective (ALGORITHMS.md §15): clipped against the
+    # trainer's log-probs at the step's start, weighted by the ratio to the sampler's.
+    require(cfg.rollout.max_staleness == 0 or lo.rollout_correction != "none", "loss.rollout_correction",
+            f"none leaves samples up to rollout.max_staleness={cfg.rollout.max_staleness} steps old uncorrected; "
+            "use auto (token_truncate) or another correction")
+    require(not (cfg.model.dtype == "bfloat16" and t.autocast_bf16 is False), "training.autocast_bf16",
+            "false contradicts model.dtype: bfloat16 (bf16 compute by autocast over float32 master weights); "
+            "for float32 compute set model.dtype: float32")
+    # A vLLM engine holds its own (merged) copy in any dtype; HF would need a second peft model.
+    require(g.dtype in (None, "auto") or not lora or BACKENDS[g.backend].owns_weights, "generation.dtype",
+            "a separate generation copy is not supported with model.lora.enabled and generation.backend=hf; "
+            "set it to null")
+    require(cfg.eval.every_steps == 0 or cfg.data.eval_size > 0, "eval.every_steps",
+            "in-loop validation needs a held-out split: set data.eval_size > 0")
+    _check_strategy(cfg, strategy, master)
+    _check_environment(cfg)
+
+
+def _check_environment(cfg: TrainConfig) -> None:
+    """Multi-turn episodes: a known environment, tools and classes that name what to import, and a
+    sampler that can run as many turns on each rank."""
+    e = cfg.environment
+    if not e.enabled:
+        return
+    known = {*ENVIRONMENTS, *e.classes, *(["tools"] if e.tools else [])}
+    if e.name is not None:
+        require(e.name in known, "environment.name",
+                f"no environment {e.name!r}{suggest(e.name, known)}; registered: {', '.join(sorted(known))}")
+    for name in e.classes:
+        require(name not in ENVIRONMENTS and name != "tools", f"environment.classes.{name}",
+                "the name is taken by a registered environment; choose another")
+    backend = BACKENDS[cfg.generation.backend]
+    # HF generate on a sharded policy is a collective: every rank would have to run as many turns.
+    require(backend.owns_weights or not STRATEGIES[cfg.training.strategy].collective_forward, "training.strategy",
+            f"multi-turn episodes sampled by {backend.name} are not supported with {cfg.training.strategy} (ranks "
+            "would run different numbers of generate calls); use ddp, or generation.backend vllm")
+
+
+def _check_strategy(cfg: TrainConfig, strategy: type[Strategy], master: str) -> None:
+    """What the strategy cannot do (docs/SCALING.md). Under a collective forward (FSDP2) every
+    rank must run the same number of forwards when the policy samples with HF generate."""
+    why = f"with training.strategy={strategy.name}"
+    require(strategy.supports_lora or not cfg.model.lora.enabled, "model.lora.enabled",
+            f"LoRA is not supported {why}; use training.strategy=ddp")
+    if not strategy.collective_forward or BACKENDS[cfg.generation.backend].owns_weights:
+        return  # a vLLM engine holds its own weights and samples without collectives
+    # The policy is stored in its master dtype (float32 under bf16 compute): a copy in any other is separate.
+    require(cfg.generation.dtype in (None, "auto", master), "generation.dtype",
+            f"a separate generation copy (a full model on every rank) is not supported {why}; set it to null")
+    require(not cfg.loss.dynamic_sampling, "loss.dynamic_sampling",
+            f"is not supported {why} (ranks would run different numbers of generate calls); set it to false")

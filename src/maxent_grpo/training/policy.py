@@ -1,0 +1,96 @@
+"""The trained policy, its reference and its optimizer, from the plan's :class:`ModelPlan` and
+:class:`OptimizerPlan`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import get_scheduler
+
+from maxent_grpo.core.logprobs import Scoring
+from maxent_grpo.models import (
+    apply_lora, enable_activation_checkpointing, fill_pad_token, load_tokenizer, reference_context,
+)
+from maxent_grpo.training.strategy import Strategy
+
+
+@dataclass(frozen=True)
+class LoraPlan:
+    r: int
+    alpha: int
+    dropout: float
+    target_modules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    name_or_path: str
+    dtype: str  # the compute dtype (model.dtype): frozen weights are stored in it
+    master_dtype: str  # the dtype the trained weights are stored and updated in
+    lora: LoraPlan | None  # None: full fine-tuning
+    gradient_checkpointing: bool
+    autocast_bf16: bool  # resolved from auto
+
+
+@dataclass(frozen=True)
+class OptimizerPlan:
+    """AdamW and its learning-rate schedule over every update of the run."""
+
+    learning_rate: float
+    lr_scheduler: str
+    warmup_steps: int
+    weight_decay: float
+    betas: tuple[float, float]
+    total_updates: int  # max_steps x num_iterations
+
+
+def load_policy(m: ModelPlan, model_path: str, strategy: Strategy):
+    """The trained policy in its master dtype, with LoRA and activation checkpointing, placed by the strategy."""
+    tokenizer = load_tokenizer(model_path)
+
+    def adapt(model: torch.nn.Module) -> torch.nn.Module:
+        fill_pad_token(model, tokenizer)
+        if m.lora is not None:
+            model = apply_lora(model, r=m.lora.r, alpha=m.lora.alpha, dropout=m.lora.dropout,
+                               target_modules=list(m.lora.target_modules))
+        if m.gradient_checkpointing:
+            enable_activation_checkpointing(model)
+        return model
+
+    # Before the optimizer exists: it must hold the (sharded) parameters.
+    model = strategy.load_policy(model_path, dtype=m.master_dtype, adapt=adapt, bf16_compute=m.autocast_bf16)
+    return model, tokenizer
+
+
+def reference_scorer(m: ModelPlan, scoring: Scoring, model, model_path: str, strategy: Strategy):
+    """(input_ids, attention_mask, prompt_length) -> the frozen reference's completion log-probs: the
+    LoRA base with its adapters off, else a second copy of the start weights in the compute dtype."""
+    if m.lora is not None:
+        def score(ids, mask, plen):
+            with reference_context(model):
+                return scoring.score_rows(model, ids, mask, plen)[0]
+        return score
+    ref = strategy.load_reference(model_path, dtype=m.dtype)
+
+    def score(ids, mask, plen):
+        return scoring.score_rows(ref, ids, mask, plen)[0]
+    return score
+
+
+def build_optimizer(model: torch.nn.Module, o: OptimizerPlan) -> tuple[torch.optim.Optimizer, object]:
+    """The run's AdamW over the trainable parameters and its LR schedule."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    params: list = trained
+    if o.weight_decay > 0:
+        # Biases and norm gains (the 1-D parameters) are not decayed, as in HF / TRL and
+        # OpenRLHF: decay would pull an RMSNorm gain from 1 toward 0. One group when there is
+        # no decay, so checkpoints of earlier runs (one group) still resume.
+        params = [{"params": [p for p in trained if p.ndim >= 2]},
+                  {"params": [p for p in trained if p.ndim < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(params, lr=o.learning_rate, betas=o.betas, weight_decay=o.weight_decay)
+    lr_scheduler = get_scheduler(
+        {"constant": "constant_with_warmup"}.get(o.lr_scheduler, o.lr_scheduler),
+        optimizer, num_warmup_steps=o.warmup_steps, num_training_steps=o.total_updates,
+    )
+    return optimizer, lr_scheduler

@@ -13,6 +13,7 @@ from maxent_grpo.errors import ConfigError
 from maxent_grpo.rollout.backends import BACKENDS
 from maxent_grpo.training.config_schema import TrainConfig, TrainingConfig
 from maxent_grpo.training.precision import Machine
+from maxent_grpo.training.replay import check_replay
 from maxent_grpo.training.strategy import STRATEGIES, Strategy
 
 
@@ -56,6 +57,11 @@ def check_run(cfg: TrainConfig, machine: Machine, master: str) -> None:
             f"{t.micro_batch_size} does not divide the {total} completions of a step")
     require(g.vllm.max_model_len is None or g.vllm.max_model_len > g.max_new_tokens, "generation.vllm.max_model_len",
             f"must exceed generation.max_new_tokens={g.max_new_tokens}")
+    for key, problem in check_replay(cfg.replay, g.num_generations):
+        require(False, key, problem)
+    require(not cfg.replay.enabled or cfg.data.source.startswith(("modebench_pkg:", "modebench:")), "replay.enabled",
+            f"needs a task whose verifier gives mode keys (data.source modebench_pkg:<domain> or modebench:<task>), "
+            f"got data.source {cfg.data.source!r}")
     require(lo.advantage_estimator != "maxrl" or lo.policy_entropy_bonus_coef == 0, "loss.policy_entropy_bonus_coef",
             f"must be 0 with loss.advantage_estimator maxrl (the bonus makes rewards non-binary), "
             f"got {lo.policy_entropy_bonus_coef}")

@@ -28,6 +28,7 @@ from maxent_grpo.methods import method_sections
 from maxent_grpo.rewards.maxent import MaxEntConfig
 from maxent_grpo.rollout.backends import BACKENDS
 from maxent_grpo.rollout.settings import RolloutConfig, VllmConfig
+from maxent_grpo.training.replay import ReplayConfig
 from maxent_grpo.training.strategy import STRATEGIES
 
 
@@ -224,6 +225,8 @@ class CoreConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    # Verified mode replay (Re:Dr, Re:Max; ALGORITHMS.md §17), for any method: training/replay.py.
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
 
 
 # A method's settings section (methods/xdr.py's ``xdr:``...) is declared in its own file; the

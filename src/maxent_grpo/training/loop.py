@@ -25,6 +25,7 @@ from maxent_grpo.training.interrupt import RunInterrupted, StopSignals
 from maxent_grpo.training.metrics import MetricsLog, log_training_step, read_metrics, summarize_weight_stats
 from maxent_grpo.training.pipeline import finish_batch
 from maxent_grpo.training.plan import RunPlan, with_beta
+from maxent_grpo.training.replay import admit_batch, replay_batch
 from maxent_grpo.training.setup import Run, build_run
 from maxent_grpo.training.validation import validate
 
@@ -176,12 +177,33 @@ def _policy_update(run: Run, prepared, step: int, timings: dict):
     # extra forward. Only passes after the first (num_iterations > 1) need it kept from before.
     old_logps = _old_logps(run, prepared) if plan.num_iterations > 1 else None
     spec = with_beta(plan, ctx.weighting.beta)
+    replay, bank_metrics = _replay(run, prepared, timings)
     for _ in range(plan.num_iterations):
         result = grpo_step(
             run.train_model, run.optimizer, prepared.micro_batches(plan.micro_batch_size, old_logps), spec,
-            plan.scoring, comm=run.comm, update=timed_update,
+            plan.scoring, comm=run.comm, update=timed_update, replay=replay,
         )
+    result.metrics.update(bank_metrics)
     return result
+
+
+def _replay(run: Run, prepared, timings: dict):
+    """Verified mode replay (training/replay.py): admit this step's groups, then this step's replay
+    batch (None while the bank is empty) and the bank's metrics. ``({}``, None) without replay."""
+    if run.bank is None:
+        return None, {}
+    t0 = time.perf_counter()
+    comp, packed = prepared.reward_comp, prepared.packed
+    metrics = admit_batch(run.bank, prepared.rows, prepared.rollout, comp.per_function[:, 0],
+                          packed.completion_mask.sum(dim=1) > 0, run.ctx.dist)
+    replay = replay_batch(run.bank, run.plan.replay, prepared.rollout.num_generations, _pad_id(run.ctx.tokenizer),
+                          packed.input_ids.device, run.plan.micro_batch_size)
+    timings["time/replay_admission"] = time.perf_counter() - t0
+    return replay, metrics
+
+
+def _pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def _end_step(run: Run, step: int, *, trained: bool = False) -> UserError | None:

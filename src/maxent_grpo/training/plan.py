@@ -42,6 +42,7 @@ from maxent_grpo.training.config_schema import RewardEntry, TrainConfig
 from maxent_grpo.training.data import DataPlan
 from maxent_grpo.training.policy import LoraPlan, ModelPlan, OptimizerPlan
 from maxent_grpo.training.precision import Machine, Precision, resolve_precision
+from maxent_grpo.training.replay import ReplayConfig
 from maxent_grpo.training.sampler import SamplerPlan
 from maxent_grpo.training.schedule import LoggingPlan, Schedule
 from maxent_grpo.training.strategy import STRATEGIES
@@ -93,6 +94,7 @@ class RunPlan:
     eval: EvalPlan
     weighting: WeightingSettings
     rewards: tuple[RewardEntry, ...]
+    replay: ReplayConfig  # verified mode replay (training/replay.py); replay.enabled false: none
     strategy: str  # a name training/strategy.py registers
     dist_timeout_minutes: float
     seed: int
@@ -280,6 +282,7 @@ def compile_run(cfg: TrainConfig, machine: Machine) -> RunPlan:
         eval=EvalPlan(num_prompts=cfg.eval.num_prompts, k=cfg.eval.k, seed=t.seed),
         weighting=weighting,
         rewards=tuple(cfg.rewards),
+        replay=cfg.replay,
         strategy=t.strategy,
         dist_timeout_minutes=t.dist_timeout_minutes,
         seed=t.seed,

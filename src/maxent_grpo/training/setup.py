@@ -20,7 +20,9 @@ from maxent_grpo.rollout.backends import BACKENDS
 from maxent_grpo.rollout.data_plane import RolloutRecord
 from maxent_grpo.rollout.open_plane import open_data_plane
 from maxent_grpo.run_files import write_text_atomic
+from maxent_grpo.core.mode_bank import ModeBank
 from maxent_grpo.training.checkpoint import CheckpointError, find_latest_checkpoint, read_trainer_state
+from maxent_grpo.training.replay import bank_from_state, bank_state
 from maxent_grpo.training.config import save_config
 from maxent_grpo.training.data import load_rows, row_episodes
 from maxent_grpo.training.distributed import Dist, log_device
@@ -69,6 +71,7 @@ class Run:
     resumed: bool = False
     lock: RunLock | None = None  # held by the main process until finish()
     last_metrics: dict = field(default_factory=dict)  # the latest step's, for the progress bar
+    bank: ModeBank | None = None  # verified mode replay's bank (replay.enabled), identical on every rank
 
     @property
     def plan(self) -> RunPlan:
@@ -85,6 +88,8 @@ class Run:
             # Each rank's batches sampled and not yet trained on (rollout.max_staleness >= 1): a resumed
             # run restores them rather than sampling them again from weights it no longer has.
             "rollouts_in_flight": self.ctx.dist.gather_objects([[r.to_state() for r in self.rollouts.in_flight(step)]]),
+            # Saved with the weights at the same step, so a resumed run replays what the uninterrupted one does.
+            "replay": None if self.bank is None else bank_state(self.bank, self.plan.replay),
         }
 
     def save(self, step: int, sampler_state: dict | None = None) -> Path | None:
@@ -180,6 +185,7 @@ def build_run(
         trackers=make_trackers(list(plan.logging.report_to) if dist.is_main else [], output_dir, config=plan.source),
         comm=Comm(world_size=dist.world_size, all_reduce_sum=dist.all_reduce_sum, gradient_sync=gradient_sync),
         strategy=strategy, eval_rows=eval_rows, lock=lock,
+        bank=ModeBank(plan.replay.capacity, plan.replay.groups_per_step) if plan.replay.enabled else None,
     )
     if ckpt is not None:
         _resume(run, ckpt)
@@ -228,6 +234,13 @@ def _resume(run: Run, ckpt: Path) -> None:
     run.sampler.sampler.load_state_dict(state["sampler"])
     restore_controller_state(run.ctx.weighting, state["controller"])
     run.ctx.skips.update(state["skips"])
+    if run.bank is not None:
+        if state.get("replay") is None:
+            raise CheckpointError(f"--resume: replay.enabled but {ckpt} holds no replay bank (its run had no replay)")
+        try:
+            run.bank = bank_from_state(state["replay"], run.plan.replay)
+        except ValueError as err:
+            raise CheckpointError(f"--resume: {err}") from err
     # Checkpoints written before asynchronous rollouts hold none; with another number of processes the
     # batches are sampled again (from the resumed weights).
     in_flight = state.get("rollouts_in_flight") or []

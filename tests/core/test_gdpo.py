@@ -65,3 +65,28 @@ def test_bad_shapes():
         normalize_then_sum(torch.zeros(6, 2, dtype=torch.float64), torch.ones(2, dtype=torch.float64), 4)
     with pytest.raises(ValueError):
         normalize_then_sum(torch.zeros(8, 2, dtype=torch.float64), torch.ones(3, dtype=torch.float64), 4)
+
+
+def test_a_run_trains_with_normalize_then_sum(tiny_model_dir, tmp_path):
+    from maxent_grpo.cli import main
+    from maxent_grpo.training.metrics import read_metrics
+    from tiny_runs import tiny_overrides
+
+    out = tmp_path / "run"
+    args = tiny_overrides(tiny_model_dir, out, steps=2, rewards="[{name: boxed_accuracy}, {name: length, kwargs: {max_length: 100}}]",
+                          extra=["method=grpo", "loss.multi_objective_aggregation=normalize_then_sum",
+                                 "loss.scale_rewards=batch"])
+    assert main(["train", *args]) == 0
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2]
+
+
+def test_reward_statistics_use_the_aggregation():
+    from maxent_grpo.rewards.maxent import compute_reward_statistics
+
+    gen = torch.Generator().manual_seed(2)
+    r = torch.rand(8, 2, generator=gen, dtype=torch.float64)
+    w = torch.tensor([1.0, 0.5], dtype=torch.float64)
+    comp = compute_reward_statistics(r, w, 4, q_temperature=1.0, q_epsilon=1e-6, aggregation="normalize_then_sum")
+    assert torch.equal(comp.total, normalize_then_sum(r, w, 4))
+    with pytest.raises(ValueError, match="aggregation"):
+        compute_reward_statistics(r, w, 4, q_temperature=1.0, q_epsilon=1e-6, aggregation="max")

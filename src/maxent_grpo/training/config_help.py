@@ -77,6 +77,9 @@ HELP: dict[str, str] = {
                                 "reinforce_pp_baseline (group mean subtracted first); the last three need "
                                 "scale_rewards none",
     "loss.scale_rewards": "divide advantages by the group std, the batch std, or not at all",
+    "loss.multi_objective_aggregation": "sum_then_normalize: the weighted sum of the reward functions; normalize_then_sum: "
+                                        "GDPO, each reward normalised over its group before the weighted sum (with "
+                                        "loss.scale_rewards: batch, TRL's advantages)",
     "loss.mask_truncated_completions": "drop completions that hit max_new_tokens from the loss",
     "loss.zero_truncated_completion_rewards": "give completions that hit max_new_tokens reward 0",
     "loss.rollout_correction": "importance weight sampler -> trainer on the policy term: auto (token_truncate when the "

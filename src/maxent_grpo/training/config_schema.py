@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Literal
 
-from maxent_grpo.core.advantages import ADVANTAGE_ESTIMATORS, SCALE_REWARDS
+from maxent_grpo.core.advantages import ADVANTAGE_ESTIMATORS, REWARD_AGGREGATIONS, SCALE_REWARDS
 from maxent_grpo.core.losses import IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, LOSS_AGGREGATIONS
 from maxent_grpo.core.rollout_correction import ROLLOUT_CORRECTIONS
 from maxent_grpo.data.prompts import FewShotExample
@@ -122,6 +122,9 @@ class LossSection:
     # The names core/advantages.py registers (grpo, rloo, maxrl, reinforce_pp, reinforce_pp_baseline).
     advantage_estimator: Literal[tuple(ADVANTAGE_ESTIMATORS)] = "grpo"
     scale_rewards: Literal[SCALE_REWARDS] = "group"
+    # How several reward functions combine (core/advantages.py): the weighted sum, or GDPO's sum of
+    # rewards each normalised over its group first (TRL's multi_objective_aggregation).
+    multi_objective_aggregation: Literal[REWARD_AGGREGATIONS] = "sum_then_normalize"
     mask_truncated_completions: bool = False
     zero_truncated_completion_rewards: bool = False
     entropy_coef: float = 0.0

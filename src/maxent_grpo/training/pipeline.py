@@ -374,6 +374,7 @@ def _score_and_weight(ctx: PipelineContext, rows, rollout, per_fn, stats, timing
             zero_truncated_completion_rewards=b.zero_truncated_completion_rewards,
             seed_grpo=seed,
             token_counts=counts,
+            aggregation=rs.aggregation,
         )
     except NonBinaryRewardError as err:  # the reward set does not fit loss.advantage_estimator (maxrl)
         # Skipped on every rank like a failing reward function; max_consecutive_skips stops the run.

@@ -233,6 +233,7 @@ def compile_run(cfg: TrainConfig, machine: Machine) -> RunPlan:
         reward_stats=RewardStatsSettings(
             q_temperature=cfg.maxent.q_temperature, q_epsilon=cfg.maxent.q_epsilon,
             scale_rewards=lo.scale_rewards, advantage_estimator=lo.advantage_estimator,
+            aggregation=lo.multi_objective_aggregation,
         ),
         policy_entropy_bonus_coef=lo.policy_entropy_bonus_coef, episodes=episodes,
     )

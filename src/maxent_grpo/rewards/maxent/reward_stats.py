@@ -18,9 +18,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from maxent_grpo.core.advantages import (
+    REWARD_AGGREGATIONS,
     combine_rewards,
     compute_advantages,
     group_reward_std,
+    normalize_then_sum,
     zero_std_groups,
     zero_truncated_rewards,
 )
@@ -63,6 +65,7 @@ class RewardStatsSettings:
     q_epsilon: float
     scale_rewards: str = "group"
     advantage_estimator: str = "grpo"
+    aggregation: str = "sum_then_normalize"  # how the reward functions combine (core/advantages.py)
 
 
 @dataclass(frozen=True)
@@ -147,11 +150,13 @@ def compute_reward_statistics(
     seed_grpo: SeedGrpoInputs | None = None,
     names: Sequence[str] | None = None,
     token_counts: torch.Tensor | None = None,
+    aggregation: str = "sum_then_normalize",
 ) -> RewardComputation:
     """Total rewards, group advantages, q-distribution and (optionally) SEED scales for one batch.
 
     ``per_function[N, K]`` holds each reward function's value (``NaN`` where it
-    returned ``None``), ``weights[K]`` their weights. With
+    returned ``None``), ``weights[K]`` their weights, combined by ``aggregation``: their weighted
+    sum, or ``normalize_then_sum`` (GDPO: each normalised over its group first). With
     ``zero_truncated_completion_rewards``, rows flagged in ``truncated[N]`` get
     reward 0. ``token_counts[N]``: each completion's tokens in the loss (the REINFORCE++
     estimators whiten over them; required by those).
@@ -165,12 +170,15 @@ def compute_reward_statistics(
     names = tuple(names) if names is not None else tuple(f"reward_{i}" for i in range(k))
     if len(names) != k:
         raise ValueError(f"names must hold one name per reward function ({k}), got {len(names)}")
-    total = combine_rewards(per_function, w)
+    if aggregation not in REWARD_AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {list(REWARD_AGGREGATIONS)}, got {aggregation!r}")
+    total = (normalize_then_sum(per_function, w, num_generations) if aggregation == "normalize_then_sum"
+             else combine_rewards(per_function, w))
     if zero_truncated_completion_rewards:
         if truncated is None:
             raise ValueError("truncated is required when zero_truncated_completion_rewards=True")
         total = zero_truncated_rewards(total, truncated)
-    settings = RewardStatsSettings(q_temperature, q_epsilon, scale_rewards, advantage_estimator)
+    settings = RewardStatsSettings(q_temperature, q_epsilon, scale_rewards, advantage_estimator, aggregation)
     return RewardComputation(
         per_function=per_function,
         reward_names=names,

@@ -87,7 +87,14 @@ HELP: dict[str, str] = {
     "loss.seq_logprob_error_threshold": "leave out of the policy term each sequence whose mean exp(|logp_trainer - "
                                         "logp_sampler|) exceeds this (NeMo-RL's option; null: off; > 1)",
     "loss.rollout_correction_cap": "cap C of the rollout correction (truncate: min(ratio, C); mask: the ratio, 0 above C)",
-    "loss.entropy_coef": "alpha of the loss-side entropy regulariser (maxent_entropy)",
+    "loss.entropy_coef": "alpha of the loss-side entropy regulariser (maxent_entropy); with loss.adaptive_entropy its start value",
+    "loss.adaptive_entropy": "steer loss.entropy_coef each step toward keeping the mean token entropy at loss.entropy_target "
+                             "(Skywork-OR1; TRL use_adaptive_entropy): up by the delta while the entropy is at or below "
+                             "the target, down above it; applied only while at or below it",
+    "loss.entropy_target": "the adaptive entropy's target mean token entropy, in nats",
+    "loss.entropy_coef_delta": "the adaptive entropy coefficient's step per optimizer step",
+    "loss.entropy_coef_min": "the adaptive entropy coefficient's lower bound",
+    "loss.entropy_coef_max": "the adaptive entropy coefficient's upper bound",
     "loss.policy_entropy_bonus_coef": "reward-side entropy bonus coefficient",
     "loss.dynamic_sampling": "DAPO: keep only groups whose rewards vary, generating more if needed",
     "loss.max_gen_batches": "dynamic sampling: most generation rounds per step",

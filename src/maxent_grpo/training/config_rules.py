@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 
 from maxent_grpo.envs import ENVIRONMENTS
 from maxent_grpo.errors import ConfigError
@@ -57,6 +58,13 @@ def check_run(cfg: TrainConfig, machine: Machine, master: str) -> None:
             f"{t.micro_batch_size} does not divide the {total} completions of a step")
     require(g.vllm.max_model_len is None or g.vllm.max_model_len > g.max_new_tokens, "generation.vllm.max_model_len",
             f"must exceed generation.max_new_tokens={g.max_new_tokens}")
+    if lo.adaptive_entropy:
+        for name in ("entropy_target", "entropy_coef_delta", "entropy_coef_min", "entropy_coef_max"):
+            value = getattr(lo, name)
+            require(math.isfinite(value) and value >= 0, f"loss.{name}", f"must be finite and >= 0, got {value!r}")
+        require(lo.entropy_coef_min <= lo.entropy_coef <= lo.entropy_coef_max, "loss.entropy_coef",
+                f"the adaptive start value {lo.entropy_coef} must lie in [loss.entropy_coef_min, loss.entropy_coef_max]"
+                f" = [{lo.entropy_coef_min}, {lo.entropy_coef_max}]")
     for key, problem in check_replay(cfg.replay, g.num_generations):
         require(False, key, problem)
     require(not cfg.replay.enabled or cfg.data.source.startswith(("modebench_pkg:", "modebench:")), "replay.enabled",

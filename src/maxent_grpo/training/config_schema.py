@@ -128,6 +128,13 @@ class LossSection:
     mask_truncated_completions: bool = False
     zero_truncated_completion_rewards: bool = False
     entropy_coef: float = 0.0
+    # Skywork-OR1's adaptive entropy (TRL use_adaptive_entropy; core/entropy_control.py): entropy_coef
+    # is the starting coefficient, moved by entropy_coef_delta toward keeping the entropy at entropy_target.
+    adaptive_entropy: bool = False
+    entropy_target: float = 0.2
+    entropy_coef_delta: float = 0.005
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
     policy_entropy_bonus_coef: float = 0.0
     dynamic_sampling: bool = False
     max_gen_batches: int = 3

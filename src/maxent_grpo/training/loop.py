@@ -7,6 +7,7 @@ steps ahead) -> score -> weight (``finish_batch``) -> loss and step (``grpo_step
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from maxent_grpo.core.entropy_control import update_entropy_coef
 from maxent_grpo.core.step import OptimizerUpdate, grpo_step
 from maxent_grpo.errors import UserError
 from maxent_grpo.kill_points import kill_point
@@ -177,6 +179,8 @@ def _policy_update(run: Run, prepared, step: int, timings: dict):
     # extra forward. Only passes after the first (num_iterations > 1) need it kept from before.
     old_logps = _old_logps(run, prepared) if plan.num_iterations > 1 else None
     spec = with_beta(plan, ctx.weighting.beta)
+    if run.entropy_state is not None:  # loss.adaptive_entropy: the coefficient the last step left
+        spec = dataclasses.replace(spec, entropy_coef=run.entropy_state.applied(plan.adaptive_entropy))
     replay, bank_metrics = _replay(run, prepared, timings)
     for _ in range(plan.num_iterations):
         result = grpo_step(
@@ -184,6 +188,9 @@ def _policy_update(run: Run, prepared, step: int, timings: dict):
             plan.scoring, comm=run.comm, update=timed_update, replay=replay,
         )
     result.metrics.update(bank_metrics)
+    if run.entropy_state is not None:
+        result.metrics["entropy_coef"] = spec.entropy_coef
+        run.entropy_state = update_entropy_coef(run.entropy_state, result.metrics["entropy"], plan.adaptive_entropy)
     return result
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from maxent_grpo.core.bounds import SpecError
+from maxent_grpo.core.entropy_control import AdaptiveEntropy
 from maxent_grpo.core.logprobs import Scoring
 from maxent_grpo.core.losses import ClipSettings
 from maxent_grpo.core.rollout_correction import correction_parts
@@ -95,6 +96,7 @@ class RunPlan:
     weighting: WeightingSettings
     rewards: tuple[RewardEntry, ...]
     replay: ReplayConfig  # verified mode replay (training/replay.py); replay.enabled false: none
+    adaptive_entropy: AdaptiveEntropy | None  # the entropy coefficient's controller (loss.adaptive_entropy)
     strategy: str  # a name training/strategy.py registers
     dist_timeout_minutes: float
     seed: int
@@ -284,6 +286,8 @@ def compile_run(cfg: TrainConfig, machine: Machine) -> RunPlan:
         weighting=weighting,
         rewards=tuple(cfg.rewards),
         replay=cfg.replay,
+        adaptive_entropy=AdaptiveEntropy(lo.entropy_target, lo.entropy_coef_delta, lo.entropy_coef_min,
+                                         lo.entropy_coef_max) if lo.adaptive_entropy else None,
         strategy=t.strategy,
         dist_timeout_minutes=t.dist_timeout_minutes,
         seed=t.seed,

@@ -20,6 +20,7 @@ from maxent_grpo.rollout.backends import BACKENDS
 from maxent_grpo.rollout.data_plane import RolloutRecord
 from maxent_grpo.rollout.open_plane import open_data_plane
 from maxent_grpo.run_files import write_text_atomic
+from maxent_grpo.core.entropy_control import EntropyCoefState
 from maxent_grpo.core.mode_bank import ModeBank
 from maxent_grpo.training.checkpoint import CheckpointError, find_latest_checkpoint, read_trainer_state
 from maxent_grpo.training.replay import bank_from_state, bank_state
@@ -72,6 +73,7 @@ class Run:
     lock: RunLock | None = None  # held by the main process until finish()
     last_metrics: dict = field(default_factory=dict)  # the latest step's, for the progress bar
     bank: ModeBank | None = None  # verified mode replay's bank (replay.enabled), identical on every rank
+    entropy_state: EntropyCoefState | None = None  # the adaptive entropy coefficient (loss.adaptive_entropy)
 
     @property
     def plan(self) -> RunPlan:
@@ -90,6 +92,7 @@ class Run:
             "rollouts_in_flight": self.ctx.dist.gather_objects([[r.to_state() for r in self.rollouts.in_flight(step)]]),
             # Saved with the weights at the same step, so a resumed run replays what the uninterrupted one does.
             "replay": None if self.bank is None else bank_state(self.bank, self.plan.replay),
+            "entropy_control": None if self.entropy_state is None else self.entropy_state.to_dict(),
         }
 
     def save(self, step: int, sampler_state: dict | None = None) -> Path | None:
@@ -186,6 +189,7 @@ def build_run(
         comm=Comm(world_size=dist.world_size, all_reduce_sum=dist.all_reduce_sum, gradient_sync=gradient_sync),
         strategy=strategy, eval_rows=eval_rows, lock=lock,
         bank=ModeBank(plan.replay.capacity, plan.replay.groups_per_step) if plan.replay.enabled else None,
+        entropy_state=EntropyCoefState(plan.method.loss.entropy_coef) if plan.adaptive_entropy is not None else None,
     )
     if ckpt is not None:
         _resume(run, ckpt)
@@ -234,6 +238,8 @@ def _resume(run: Run, ckpt: Path) -> None:
     run.sampler.sampler.load_state_dict(state["sampler"])
     restore_controller_state(run.ctx.weighting, state["controller"])
     run.ctx.skips.update(state["skips"])
+    if run.entropy_state is not None and state.get("entropy_control") is not None:
+        run.entropy_state = EntropyCoefState.from_dict(state["entropy_control"])
     if run.bank is not None:
         if state.get("replay") is None:
             raise CheckpointError(f"--resume: replay.enabled but {ckpt} holds no replay bank (its run had no replay)")

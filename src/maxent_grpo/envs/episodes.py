@@ -40,6 +40,7 @@ from maxent_grpo.envs.tools import (
     template_renders_tools,
     tool_schemas,
 )
+from maxent_grpo.envs.trl_compat import user_environment
 from maxent_grpo.rollout.backend import Completion, PromptGroup, RolloutBatch, SamplingParams, build_rollout_batch
 
 
@@ -103,6 +104,8 @@ class EpisodeBatch:
     kept_rows: list[int]  # their indices in the rows given
     failures: list[str]  # one line per failed episode
     stats: dict[str, float]  # per-episode means (env/...) and time/environment
+    # Each kept completion's environment, prompt-major: the user's own object for a TRL class.
+    environments: list = field(default_factory=list)
 
 
 def run_episodes(
@@ -316,4 +319,6 @@ def _collect(episodes, rows, prompts, g, tokenizer, clock: _Clock) -> EpisodeBat
         "time/environment": clock.seconds,
         **{f"env/{k}": sum(e.info[k] for e in done) / n for k in keys},
     }
-    return EpisodeBatch(rollout=build_rollout_batch(groups, g), kept_rows=kept, failures=failures, stats=stats)
+    environments = [user_environment(e.env) for i in kept for e in episodes[i * g:(i + 1) * g]]
+    return EpisodeBatch(rollout=build_rollout_batch(groups, g), kept_rows=kept, failures=failures, stats=stats,
+                        environments=environments)

@@ -52,3 +52,9 @@ class TRLEnvironment:
 
     def get_reward(self) -> float | None:
         return float(self.instance.get_reward()) if self.has_reward else None
+
+
+def user_environment(env: Any) -> Any:
+    """What a reward function's ``environments`` keyword holds for ``env``: the user's own instance of a
+    TRL class, else the environment itself."""
+    return env.instance if isinstance(env, TRLEnvironment) else env

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
@@ -24,6 +25,7 @@ import torch
 from maxent_grpo.errors import UserError
 from maxent_grpo.rewards import builtin, code
 from maxent_grpo.rewards.builtin import RewardFunction
+from maxent_grpo.rewards.context import RewardContext, accepted_keywords
 from maxent_grpo.rewards.invoke import call_all
 from maxent_grpo.rewards.reward_model import make_reward_model
 from maxent_grpo.rewards.user_code import import_reference, split_reference
@@ -224,11 +226,13 @@ def rollout_reward_inputs(rows: list[dict], rollout: RolloutBatch) -> tuple[list
 
 
 def evaluate_rewards(
-    spec: RewardSpec, prompts: list, completions: list, columns: Mapping[str, list]
+    spec: RewardSpec, prompts: list, completions: list, columns: Mapping[str, list],
+    context: RewardContext | None = None,
 ) -> torch.Tensor:
     """Rewards as a float64 tensor [N, K] (K = functions in `spec`), NaN where a
     function returned None. Raises `RewardFunctionError` naming the function when
-    one raises, returns the wrong number of values, or a non-finite / non-number."""
+    one raises, returns the wrong number of values, or a non-finite / non-number.
+    ``context``: TRL's keywords (``rewards/context.py``), each passed to the functions that take it."""
     n = len(completions)
     if len(prompts) != n:
         raise ValueError(f"prompts has {len(prompts)} entries for {n} completions")
@@ -239,7 +243,11 @@ def evaluate_rewards(
             raise ValueError(f"columns['{key}'] has {len(values)} values for {n} completions")
     out = torch.empty((n, len(spec.funcs)), dtype=torch.float64)
     timeouts = spec.timeouts or (None,) * len(spec.funcs)
-    outputs = call_all(spec.funcs, timeouts, dict(prompts=prompts, completions=completions, **columns))
+    funcs = spec.funcs
+    if context is not None:
+        extra = context.keywords()
+        funcs = tuple(functools.partial(fn, **{k: extra[k] for k in accepted_keywords(fn)}) for fn in funcs)
+    outputs = call_all(funcs, timeouts, dict(prompts=prompts, completions=completions, **columns))
     for k, (name, result) in enumerate(zip(spec.names, outputs)):
         if result.error is not None:
             raise RewardFunctionError(name, result.error) from result.exception

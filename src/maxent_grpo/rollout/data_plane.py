@@ -44,6 +44,8 @@ class RolloutRecord:
     stats: dict[str, float] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     failure: tuple[str, str] | None = None  # (stage, reason)
+    # Columns the reward functions added for the completion table (TRL's log_extra), one value per completion.
+    extra_columns: dict[str, list] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (self.failure is None) == (self.rollout is None):

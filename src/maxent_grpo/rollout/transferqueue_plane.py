@@ -267,7 +267,7 @@ def encode_record(record: RolloutRecord) -> tuple[dict[str, torch.Tensor], dict]
     the header: everything else, as plain Python to pickle."""
     header = {
         "step": record.step, "version": record.version, "rows": record.rows, "stats": record.stats,
-        "timings": record.timings, "failure": record.failure, "fields": [],
+        "timings": record.timings, "failure": record.failure, "extra_columns": record.extra_columns, "fields": [],
     }
     batch = record.rollout
     if batch is None:
@@ -303,7 +303,7 @@ def decode_record(header: dict, columns: dict[str, list[torch.Tensor]]) -> Rollo
     """The inverse of ``encode_record``; ``columns`` hold one tensor per completion."""
     common = dict(
         step=header["step"], version=header["version"], rows=header["rows"], stats=header["stats"],
-        timings=header["timings"], failure=header["failure"],
+        timings=header["timings"], failure=header["failure"], extra_columns=header["extra_columns"],
     )
     if not header["fields"]:
         return RolloutRecord(rollout=None, rewards=header["rewards"], **common)

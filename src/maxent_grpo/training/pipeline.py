@@ -29,6 +29,7 @@ from maxent_grpo.rewards.maxent import (
     apply_policy_entropy_bonus,
     compute_reward_statistics,
 )
+from maxent_grpo.rewards.context import RewardContext, TrainerState
 from maxent_grpo.rewards.registry import RewardFunctionError, RewardSpec, evaluate_rewards, rollout_reward_inputs
 from maxent_grpo.rollout.data_plane import RolloutRecord
 from maxent_grpo.rollout.backend import (
@@ -72,6 +73,8 @@ class PipelineContext:
     reference_logps: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
     # Multi-turn episodes: each row's environment and the limits; None: one-shot prompts.
     episodes: EpisodePlay | None = None
+    # Optimizer steps per pass over the training rows (the reward functions' trainer_state.epoch); 0: unknown.
+    steps_per_epoch: float = 0.0
     skips: Counter = field(default_factory=Counter)
     last_error: str | None = None
 
@@ -92,6 +95,7 @@ class PreparedBatch:
     diversity: dict[str, float]
     stats: dict[str, float]
     timings: dict[str, float]
+    extra_columns: dict[str, list] = field(default_factory=dict)  # the reward functions' log_extra columns
 
     @property
     def grouped_completions(self) -> list[list[str]]:
@@ -149,15 +153,18 @@ class Sampled:
     rows: list[dict]
     rollout: RolloutBatch
     stats: dict[str, float]
+    # Multi-turn episodes: each completion's environment (the user's object for a TRL class), for the
+    # reward functions' ``environments`` keyword; None for one-shot prompts.
+    environments: list | None = None
 
 
 def sample_rollouts(ctx: PipelineContext, rows: list[dict], params: SamplingParams) -> Sampled:
     """Generate (or play the episodes of) ``rows``; raises :class:`SkipBatch`. Touches neither the
     policy's gradients nor any collective, so a sampler beside the trainer may run it in a thread."""
-    return Sampled(*_generate(ctx, rows, params))
+    return _generate(ctx, rows, params)
 
 
-def _generate(ctx: PipelineContext, rows: list[dict], params: SamplingParams) -> tuple[list[dict], RolloutBatch, dict]:
+def _generate(ctx: PipelineContext, rows: list[dict], params: SamplingParams) -> Sampled:
     b = ctx.plan.batch
     if ctx.episodes is not None:
         return _play_episodes(ctx, ctx.episodes, rows, params)
@@ -174,12 +181,10 @@ def _generate(ctx: PipelineContext, rows: list[dict], params: SamplingParams) ->
         rows = [r for i, r in enumerate(rows) if i not in set(dropped)]
     if not rows:
         raise SkipBatch("generation", "every prompt came back with fewer than num_generations completions")
-    return rows, rollout, {}
+    return Sampled(rows, rollout, {})
 
 
-def _play_episodes(
-    ctx: PipelineContext, play: EpisodePlay, rows: list[dict], params: SamplingParams,
-) -> tuple[list[dict], RolloutBatch, dict]:
+def _play_episodes(ctx: PipelineContext, play: EpisodePlay, rows: list[dict], params: SamplingParams) -> Sampled:
     """Multi-turn rollouts (envs/episodes.py): a row whose episodes failed leaves with its group."""
     b = ctx.plan.batch
     try:
@@ -195,47 +200,69 @@ def _play_episodes(
         log.warning("%d episode(s) failed, their groups dropped; first: %s", len(played.failures), played.failures[0])
     if not played.kept_rows:
         raise SkipBatch("environment", f"every group had a failed episode; first: {played.failures[0]}")
-    return [rows[i] for i in played.kept_rows], played.rollout, played.stats
+    return Sampled([rows[i] for i in played.kept_rows], played.rollout, played.stats, played.environments)
 
 
-def _reward_matrix(ctx: PipelineContext, rows: list[dict], rollout: RolloutBatch, timings: dict) -> torch.Tensor:
+@dataclass
+class _Scored:
+    """One round's rewards and what the reward functions logged (``log_extra``, ``log_metric``)."""
+
+    sampled: Sampled
+    per_fn: torch.Tensor
+    context: RewardContext
+
+
+def _score_round(ctx: PipelineContext, sampled: Sampled, state: TrainerState, timings: dict) -> _Scored:
     t0 = time.perf_counter()
+    context = RewardContext(sampled.rollout.num_completions, state, sampled.environments)
     try:
-        return _call_rewards(ctx, rows, rollout)
-    finally:
-        timings["time/reward"] += time.perf_counter() - t0
-
-
-def _call_rewards(ctx: PipelineContext, rows: list[dict], rollout: RolloutBatch) -> torch.Tensor:
-    try:
-        rewards = evaluate_rewards(ctx.reward_spec, *rollout_reward_inputs(rows, rollout))
+        rewards = evaluate_rewards(ctx.reward_spec, *rollout_reward_inputs(sampled.rows, sampled.rollout), context)
     except RewardFunctionError as err:
         raise SkipBatch("reward", str(err)) from err
+    finally:
+        timings["time/reward"] += time.perf_counter() - t0
     if torch.isnan(rewards).all():
         raise SkipBatch("reward", f"every reward function returned None for all {rewards.shape[0]} completions")
-    return rewards
+    return _Scored(sampled, rewards, context)
+
+
+def _kept_columns(rounds: list[tuple[_Scored, list[int]]], g: int, n: int) -> dict[str, list]:
+    """The ``log_extra`` columns of the kept groups of each round, in order (None where a round logged none)."""
+    names = sorted({c for scored, _ in rounds for c in scored.context.extra_columns})
+    out: dict[str, list] = {}
+    for name in names:
+        values: list = []
+        for scored, keep in rounds:
+            column = scored.context.extra_columns.get(name)
+            values += [None if column is None else column[i * g + j] for i in keep for j in range(g)]
+        out[name] = values[:n]
+    return out
 
 
 def _rewards_and_rounds(ctx: PipelineContext, first: Sampled, more_rows: Callable[[], list[dict]] | None,
-                        timings: dict):
+                        state: TrainerState, timings: dict):
     """Score ``first``; with dynamic sampling keep only groups whose rewards vary, sampling more
-    rounds (from the current weights) until the batch is full (§9)."""
-    rows, rollout, stats = first.rows, first.rollout, first.stats
-    per_fn = _reward_matrix(ctx, rows, rollout, timings)
+    rounds (from the current weights) until the batch is full (§9). Returns rows, rollout, rewards,
+    stats (with the reward functions' ``log_metric`` means) and their ``log_extra`` columns."""
+    scored = _score_round(ctx, first, state, timings)
     b = ctx.plan.batch
     if not b.dynamic_sampling:
-        return rows, rollout, per_fn, stats
-    g, target = rollout.num_generations, b.prompts_per_step
-    kept_rows, kept_rollouts, kept_rewards, seen = [], [], [], 0
+        return (first.rows, first.rollout, scored.per_fn, {**first.stats, **scored.context.metric_means()},
+                dict(scored.context.extra_columns))
+    g, target = first.rollout.num_generations, b.prompts_per_step
+    rounds: list[tuple[_Scored, list[int]]] = []
+    kept_rows, kept_rollouts, kept_rewards, seen, metrics = [], [], [], 0, {}
     for round_idx in range(b.max_gen_batches):
         if round_idx > 0:
             if more_rows is None:
                 break
-            rows, rollout, stats = _generate(ctx, more_rows(), b.sampling)
-            per_fn = _reward_matrix(ctx, rows, rollout, timings)
+            scored = _score_round(ctx, _generate(ctx, more_rows(), b.sampling), state, timings)
+        rows, rollout, per_fn = scored.sampled.rows, scored.sampled.rollout, scored.per_fn
+        metrics.update(scored.context.metric_means())
         seen += len(rows)
         flat = zero_std_groups(combine_rewards(per_fn, ctx.reward_spec.weight_tensor()), g)
         keep = [i for i in range(len(rows)) if not bool(flat[i])]
+        rounds.append((scored, keep))
         kept_rows += [rows[i] for i in keep]
         kept_rollouts.append(select_groups(rollout, keep))
         kept_rewards.append(per_fn.view(len(rows), g, -1)[keep].reshape(-1, per_fn.shape[1]))
@@ -248,7 +275,8 @@ def _rewards_and_rounds(ctx: PipelineContext, first: Sampled, more_rows: Callabl
     kept_rows = kept_rows[:target]
     rollout = select_groups(concat_rollouts(kept_rollouts), list(range(len(kept_rows))))
     per_fn = torch.cat(kept_rewards)[: len(kept_rows) * g]
-    return kept_rows, rollout, per_fn, {**stats, "dynamic_sampling/groups_seen": float(seen)}
+    stats = {**scored.sampled.stats, **metrics, "dynamic_sampling/groups_seen": float(seen)}
+    return kept_rows, rollout, per_fn, stats, _kept_columns(rounds, g, len(kept_rows) * g)
 
 
 def _policy_entropy(ctx: PipelineContext, packed: PackedRollout) -> torch.Tensor:
@@ -289,16 +317,19 @@ def complete_rollouts(
     ``signal.alarm``, which only the main thread may set. ``started``: when generation began.
     """
     timings = {"time/reward": 0.0}
+    # TRL's trainer_state for the reward functions: the step this batch trains, as a float of epochs too.
+    state = TrainerState(global_step=step, max_steps=ctx.plan.schedule.max_steps,
+                         epoch=step / ctx.steps_per_epoch if ctx.steps_per_epoch else 0.0)
     try:
         if isinstance(sampled, SkipBatch):
             raise sampled
-        rows, rollout, per_fn, stats = _rewards_and_rounds(ctx, sampled, more_rows, timings)
+        rows, rollout, per_fn, stats, columns = _rewards_and_rounds(ctx, sampled, more_rows, state, timings)
     except SkipBatch as err:
         return RolloutRecord(step=step, version=version, rows=[], rollout=None, rewards=None,
                              failure=(err.stage, err.reason))
     timings["time/generate"] = time.perf_counter() - started - timings["time/reward"]
     return RolloutRecord(step=step, version=version, rows=rows, rollout=rollout, rewards=per_fn, stats=stats,
-                         timings=timings)
+                         timings=timings, extra_columns=columns)
 
 
 def prepare_training_batch(
@@ -324,11 +355,13 @@ def finish_batch(ctx: PipelineContext, record: RolloutRecord) -> PreparedBatch |
     if failed_anywhere:
         return _skip(ctx, failed)
     rows, rollout, per_fn, timings = record.rows, record.rollout, record.rewards, dict(record.timings)
+    columns = record.extra_columns
     if common < len(rows):
         rows, rollout = rows[:common], select_groups(rollout, list(range(common)))
         per_fn = per_fn[: common * rollout.num_generations]
+        columns = {k: v[: common * rollout.num_generations] for k, v in columns.items()}
     try:
-        batch, failed = _score_and_weight(ctx, rows, rollout, per_fn, record.stats, timings), None
+        batch, failed = _score_and_weight(ctx, rows, rollout, per_fn, record.stats, timings, columns), None
     except SkipBatch as err:
         batch, failed = None, err
     if ctx.dist.any_rank(failed is not None):
@@ -343,7 +376,7 @@ def _skip(ctx: PipelineContext, failed: SkipBatch | None) -> None:
     return None
 
 
-def _score_and_weight(ctx: PipelineContext, rows, rollout, per_fn, stats, timings) -> PreparedBatch:
+def _score_and_weight(ctx: PipelineContext, rows, rollout, per_fn, stats, timings, columns) -> PreparedBatch:
     b, method = ctx.plan.batch, ctx.plan.method
     packed = pack_rollout(rollout, ctx.tokenizer.pad_token_id, device=ctx.dist.device)
     if b.mask_truncated_completions:
@@ -396,6 +429,7 @@ def _score_and_weight(ctx: PipelineContext, rows, rollout, per_fn, stats, timing
     ))
     groups = [rollout.completion_ids[i : i + g] for i in range(0, len(rollout.completion_ids), g)]
     return PreparedBatch(
+        extra_columns=columns,
         rows=rows,
         rollout=rollout,
         packed=packed,

@@ -174,6 +174,7 @@ def build_run(
         plan=plan, model=model, tokenizer=tokenizer, backend=backend, reward_spec=reward_spec,
         # The live controller state starts from the plan's settings; the plan itself is never changed.
         weighting=copy.deepcopy(plan.weighting), dist=dist, reference_logps=reference, episodes=episodes,
+        steps_per_epoch=len(train_ds) / (plan.batch.prompts_per_step * dist.world_size),
     )
     sharded = ShardedSampler(sampler, dist)
     r = plan.rollout

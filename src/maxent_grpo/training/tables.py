@@ -34,6 +34,8 @@ def completion_rows(prepared: PreparedBatch) -> list[dict]:
             "weight": None if weights is None else float(weights[i]),
             "length": int(lengths[i]),
             "finish_reason": rollout.finish_reasons[i],
+            # Columns the reward functions added (TRL's log_extra).
+            **{name: values[i] for name, values in prepared.extra_columns.items()},
         })
     return rows
 
@@ -47,5 +49,7 @@ def write_completion_table(output_dir: Path, step: int, rows: list[dict], tracke
     folder = Path(output_dir) / "completions"
     folder.mkdir(parents=True, exist_ok=True)
     write_text_atomic(folder / f"step-{step}.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
-    table_rows = [[json.dumps(r[c]) if isinstance(r[c], dict) else r[c] for c in COLUMNS] for r in rows]
-    trackers.log_table("completions", COLUMNS, table_rows, step)
+    columns = COLUMNS + sorted({c for r in rows for c in r} - set(COLUMNS))
+    table_rows = [[json.dumps(r.get(c)) if isinstance(r.get(c), (dict, list)) else r.get(c) for c in columns]
+                  for r in rows]
+    trackers.log_table("completions", columns, table_rows, step)

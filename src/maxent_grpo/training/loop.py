@@ -203,14 +203,12 @@ def _replay(run: Run, prepared, timings: dict):
     comp, packed = prepared.reward_comp, prepared.packed
     metrics = admit_batch(run.bank, prepared.rows, prepared.rollout, comp.per_function[:, 0],
                           packed.completion_mask.sum(dim=1) > 0, run.ctx.dist)
-    replay = replay_batch(run.bank, run.plan.replay, prepared.rollout.num_generations, _pad_id(run.ctx.tokenizer),
+    # The pad id the batch itself was packed with (pipeline.pack_rollout); its positions are masked anyway.
+    replay = replay_batch(run.bank, run.plan.replay, prepared.rollout.num_generations, run.ctx.tokenizer.pad_token_id,
                           packed.input_ids.device, run.plan.micro_batch_size)
     timings["time/replay_admission"] = time.perf_counter() - t0
     return replay, metrics
 
-
-def _pad_id(tokenizer) -> int:
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def _end_step(run: Run, step: int, *, trained: bool = False) -> UserError | None:

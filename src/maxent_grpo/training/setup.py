@@ -90,6 +90,8 @@ class Run:
             # Each rank's batches sampled and not yet trained on (rollout.max_staleness >= 1): a resumed
             # run restores them rather than sampling them again from weights it no longer has.
             "rollouts_in_flight": self.ctx.dist.gather_objects([[r.to_state() for r in self.rollouts.in_flight(step)]]),
+            # The count async/dropped_stale logs "so far": it goes on from here after a resume.
+            "rollouts_dropped_stale": self.rollouts.dropped_stale,
             # Saved with the weights at the same step, so a resumed run replays what the uninterrupted one does.
             "replay": None if self.bank is None else bank_state(self.bank, self.plan.replay),
             "entropy_control": None if self.entropy_state is None else self.entropy_state.to_dict(),
@@ -253,5 +255,6 @@ def _resume(run: Run, ckpt: Path) -> None:
     in_flight = state.get("rollouts_in_flight") or []
     if len(in_flight) == run.ctx.dist.world_size:
         run.rollouts.restore([RolloutRecord.from_state(r) for r in in_flight[run.ctx.dist.rank]])
+    run.rollouts.dropped_stale = int(state.get("rollouts_dropped_stale", 0))  # absent before it was saved
     run.start_step, run.resumed = int(state["step"]), True
     log.info("resumed from %s at step %d", ckpt, run.start_step)

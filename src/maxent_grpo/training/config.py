@@ -49,7 +49,7 @@ __all__ = [
     "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig", "FewShotExample", "GenerationConfig",
     "LoggingConfig", "LoraConfig", "LossSection", "ModelConfig", "RewardEntry",
     "TrainConfig", "TrainingConfig", "VllmConfig",
-    "load_config", "parse_override", "save_config", "to_dict", "validate",
+    "build_config", "load_config", "parse_override", "read_yaml", "save_config", "to_dict", "validate",
 ]
 
 
@@ -189,7 +189,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def _read_yaml(p: Path) -> dict:
+def read_yaml(p: Path) -> dict:
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
@@ -210,7 +210,20 @@ def _read_yaml(p: Path) -> dict:
 def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> TrainConfig:
     """Read YAML over the built-in default run's values (``path`` None: the default run itself),
     apply overrides and the method's preset, validate."""
-    user = _read_yaml(Path(path)) if path is not None else {}
+    user = read_yaml(Path(path)) if path is not None else {}
+    return _from_tree(user, Path(path).resolve().parent if path is not None else None, overrides)
+
+
+def build_config(keys: dict[str, Any], config_dir: Path | None, overrides: list[str] | dict[str, Any] | None = None) -> TrainConfig:
+    """A config from dotted keys (a converted TRL file: training/trl_config.py) over the default run's
+    values, as :func:`load_config` reads a YAML file; references resolve against ``config_dir``."""
+    tree: dict = {}
+    for key, value in keys.items():
+        _set_dotted(tree, key, value)
+    return _from_tree(tree, config_dir, overrides)
+
+
+def _from_tree(user: dict, config_dir: Path | None, overrides) -> TrainConfig:
     items = overrides.items() if isinstance(overrides, dict) else [parse_override(o) for o in overrides or []]
     for key, value in items:
         _set_dotted(user, key, value)
@@ -228,7 +241,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict[str,
         _set_dotted(preset, key, value)
     cfg = _build(TrainConfig, _merge(preset, user), "")
     validate(cfg)
-    config_dir = Path(path).resolve().parent if path is not None else None
     for entry in cfg.rewards:
         if ":" in entry.name:
             entry.name = resolve_reference(entry.name, config_dir)

@@ -82,6 +82,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             return value
         if hint is RewardEntry and isinstance(value, str):
             value = {"name": value}  # a bare name is short for {name: NAME}
+        if hint is RewardEntry and isinstance(value, dict) and "model" in value:
+            value = _reward_model_entry(value, key)
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__} {value!r}")
         return _build(hint, value, key)
@@ -108,6 +110,31 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value
     raise TypeError(f"unsupported config type {hint} for {key}")
+
+
+def _reward_model_entry(value: dict, key: str) -> dict:
+    """``{model: PATH_OR_ID, weight: W, kwargs: {...}}`` is short for ``{name: reward_model, weight: W,
+    kwargs: {model: PATH_OR_ID, ...}}`` (TRL's ``reward_funcs="org/model"``)."""
+    if "name" in value:
+        raise ConfigError(f"{key}: give name or model, not both (model is short for name: reward_model)")
+    kwargs = value.get("kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise ConfigError(f"{key}.kwargs: expected a mapping, got {type(kwargs).__name__}")
+    if "model" in kwargs:
+        raise ConfigError(f"{key}.kwargs.model: the model is given once, as {key}.model")
+    rest = {k: v for k, v in value.items() if k not in ("model", "kwargs")}
+    return {"name": "reward_model", **rest, "kwargs": {"model": value["model"], **kwargs}}
+
+
+def _resolve_model_path(model: Any, config_dir: Path | None) -> Any:
+    """A reward model's relative folder beside the config file, else from the current folder, made
+    absolute; a hub id (no such folder) stays as it is."""
+    if not isinstance(model, str) or Path(model).is_absolute():
+        return model
+    for base in (config_dir, Path.cwd()):
+        if base is not None and (base / model).is_dir():
+            return str((base / model).resolve())
+    return model
 
 
 def _suggest(name: Any, options) -> str:
@@ -244,8 +271,11 @@ def _from_tree(user: dict, config_dir: Path | None, overrides) -> TrainConfig:
     for entry in cfg.rewards:
         if ":" in entry.name:
             entry.name = resolve_reference(entry.name, config_dir)
-    cfg.environment.tools = [resolve_reference(tool, config_dir) for tool in cfg.environment.tools]
-    cfg.environment.classes = {k: resolve_reference(v, config_dir) for k, v in cfg.environment.classes.items()}
+        if entry.name == "reward_model" and "model" in entry.kwargs:
+            entry.kwargs["model"] = _resolve_model_path(entry.kwargs["model"], config_dir)
+    cfg.environment.tools = [resolve_reference(tool, config_dir, "tool") for tool in cfg.environment.tools]
+    cfg.environment.classes = {k: resolve_reference(v, config_dir, "environment class")
+                               for k, v in cfg.environment.classes.items()}
     cfg.data.source = _resolve_data_file(cfg.data.source, config_dir)
     return cfg
 

@@ -243,7 +243,7 @@ _TRL_REWARDS = {
 def _rewards(value, f) -> dict:
     entries = []
     if f["reward_model_name_or_path"]:
-        entries.append({"name": "reward_model", "kwargs": {"model": f["reward_model_name_or_path"]}})
+        entries.append({"model": f["reward_model_name_or_path"]})
     for name in value or []:
         if name in _TRL_REWARDS:
             entries.append(dict(_TRL_REWARDS[name]))
@@ -463,7 +463,7 @@ SCRIPT_FIELDS: dict[str, Mapped | Refused | Ignored] = {
     "datasets": Refused("dataset mixtures are not supported here: give dataset_name", (None, [])),
     "streaming": Refused("streamed datasets are not supported here", (False,)),
     "test_split_size": Refused("TRL's in-training eval is not done here; data.eval_size holds prompts out"),
-    "reward_model_name_or_path": Mapped(None, "rewards", _nothing, "first entry: {name: reward_model, kwargs: {model: ...}}"),
+    "reward_model_name_or_path": Mapped(None, "rewards", _nothing, "the first reward: {model: PATH_OR_ID} (the reward model)"),
     "reward_funcs": Mapped(None, "rewards", _rewards,
                            "TRL's names: the same functions (trl.rewards); a.b.c: a.b:c (a module or a file beside the YAML)"),
 }

@@ -17,8 +17,8 @@ from maxent_grpo.training.plan import compile_run
 from maxent_grpo.training.precision import Machine
 from maxent_grpo.training.trl_config import (
     GRPO_FIELDS, SCRIPT_FIELDS, TRAINING_ARGUMENTS_FIELDS, TRL_FIELDS, Mapped, convert, load_trl_config,
-    markdown_table,
 )
+from maxent_grpo.training.trl_doc import markdown_table
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "TRL.md"
 
@@ -168,7 +168,7 @@ def test_the_cli_refuses_before_any_model_loads(tmp_path, capsys):
 
 
 def test_the_doc_table_is_the_generated_one():
-    assert markdown_table() in DOC.read_text(), "regenerate: python -m maxent_grpo.training.trl_config --write docs/TRL.md"
+    assert markdown_table() in DOC.read_text(), "regenerate: python -m maxent_grpo.training.trl_doc --write docs/TRL.md"
     counts = [sum(isinstance(e, Mapped) for e in table.values()) for table in (GRPO_FIELDS, TRAINING_ARGUMENTS_FIELDS, SCRIPT_FIELDS)]
     assert f"{counts[0]} mapped" in DOC.read_text()
 
@@ -204,3 +204,20 @@ def test_a_trl_yaml_trains_here_from_another_folder(tmp_path, tiny_model_dir, mo
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved["training"]["prompts_per_step"] == 2 and saved["training"]["micro_batch_size"] == 4
     assert saved["rewards"][0]["name"] == f"{(recipe / 'my_rewards.py').resolve()}:short"
+
+
+@pytest.mark.parametrize("line, problem", [
+    ("num_generations: 1", "num_generations: 1 (as generation.num_generations: must be >= 2 "),
+    ("temperature: hot", "temperature: 'hot' (as generation.temperature: expected a number, got 'hot')"),
+    ("per_device_train_batch_size: eight", "per_device_train_batch_size: 'eight' cannot be read: "),
+])
+def test_a_value_our_validator_refuses_is_named_by_its_trl_field(tmp_path, line, problem):
+    path = tmp_path / "grpo.yaml"
+    text = (f"model_name_or_path: m\ndataset_name: d\nmax_steps: 2\nnum_generations: 2\n"
+            f"per_device_train_batch_size: 2\nreward_funcs: [think_format_reward]\n")
+    # The line replaces the field it sets (YAML would keep the last of two).
+    kept = [row for row in text.splitlines() if row.split(":")[0] != line.split(":")[0]]
+    path.write_text("\n".join([*kept, line]) + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_trl_config(path)
+    assert str(err.value).startswith(problem) and "\n" not in str(err.value)

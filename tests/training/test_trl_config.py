@@ -152,7 +152,7 @@ def test_trls_defaults_are_accepted_where_a_refused_field_asks_for_nothing():
     keys, notes = convert({"model_name_or_path": "m", "dataset_name": "d", "reward_funcs": ["think_format_reward"],
                            "max_steps": 4, "sync_ref_model": False, "use_bias_correction_kl": True,
                            "vllm_tensor_parallel_size": 2, "use_vllm": False, "steps_per_generation": 1,
-                           "ds3_gather_for_generation": True})
+                           "ds3_gather_for_generation": True, "adam_epsilon": yaml.safe_load("1e-8")})
     assert keys["generation.backend"] == "hf"
     assert notes == ["ds3_gather_for_generation: ignored: DeepSpeed ZeRO-3 only; no DeepSpeed here "
                      "(training.strategy: fsdp2 shards instead)"]

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from maxent_grpo.errors import ConfigError
+from maxent_grpo.training.config import build_config, read_yaml
 
 __all__ = ["GRPO_FIELDS", "SCRIPT_FIELDS", "TRAINING_ARGUMENTS_FIELDS", "TRL_FIELDS", "Ignored", "Mapped", "Refused",
            "convert", "load_trl_config"]
@@ -64,7 +65,7 @@ class Refused:
     when_text: str = ""
 
     def allows(self, value: Any, fields: Mapping[str, Any]) -> bool:
-        if any(value == ok and type(value) is type(ok) for ok in self.accepts):
+        if any(_number(value, ok) == ok and type(_number(value, ok)) is type(ok) for ok in self.accepts):
             return True
         return self.when is not None and self.when(value, fields)
 
@@ -72,6 +73,16 @@ class Refused:
 @dataclass(frozen=True)
 class Ignored:
     reason: str
+
+
+def _number(value: Any, like: Any) -> Any:
+    """``value`` read as a float where ``like`` is one: YAML 1.1 reads ``1e-8`` (no dot) as a string."""
+    if isinstance(like, float) and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
 
 
 def _key(key: str, transform: Callable[[Any], Any] | None = None):
@@ -150,7 +161,7 @@ _SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant", "
 def _scheduler(value, f) -> dict:
     if value not in _SCHEDULERS:
         raise _fail("lr_scheduler_type", f"{value!r} is not supported here; supported: {', '.join(_SCHEDULERS)}")
-    if value == "constant" and f["warmup_steps"] or value == "constant" and f["warmup_ratio"]:
+    if value == "constant" and (f["warmup_steps"] or f["warmup_ratio"]):
         raise _fail("lr_scheduler_type", "constant ignores warm-up in transformers; here constant warms up: "
                     "use constant_with_warmup, or no warm-up")
     return {"training.lr_scheduler": _SCHEDULERS[value]}
@@ -529,8 +540,6 @@ def _apply(fields: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
 def load_trl_config(path: str | Path, overrides: list[str] | None = None):
     """Our config from a TRL GRPO YAML at ``path`` (then ``overrides``, as --set), validated; and the notes.
     A value our validator refuses is named by its TRL field, then by our key."""
-    from maxent_grpo.training.config import build_config, read_yaml
-
     path = Path(path)
     trl = read_yaml(path)
     keys, notes, origin = _convert(trl)

@@ -101,7 +101,10 @@ def test_a_realistic_trl_yaml_becomes_a_config_the_validator_and_compiler_accept
     # TRL's max_steps and save_steps count optimizer updates; a step here is num_iterations updates.
     assert (t.max_steps, t.num_iterations, cfg.checkpoint.save_steps, cfg.checkpoint.save_minutes) == (100, 2, 25, 0.0)
     assert t.warmup_steps == 20  # ceil(0.1 x 200 updates); our warm-up counts updates too
-    assert (cfg.method, lo.loss_type, lo.scale_rewards) == ("grpo", "dr_grpo", "none")
+    # normalize_then_sum: TRL whitens the normalised sum over the batch whatever scale_rewards says.
+    assert (cfg.method, lo.loss_type, lo.scale_rewards) == ("grpo", "dr_grpo", "batch")
+    keys, _ = convert({**yaml.safe_load(REALISTIC), "multi_objective_aggregation": "sum_then_normalize"})
+    assert keys["loss.scale_rewards"] == "none"  # scale_rewards: false
     assert (lo.beta, lo.epsilon, lo.epsilon_high, lo.mask_truncated_completions) == (0.04, 0.2, 0.28, True)
     assert (lo.multi_objective_aggregation, lo.adaptive_entropy, lo.entropy_target) == ("normalize_then_sum", True, 0.3)
     assert (g.max_new_tokens, g.backend, g.vllm.server_url) == (256, "vllm_server", "http://10.0.0.2:8000")

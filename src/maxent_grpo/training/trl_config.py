@@ -209,8 +209,11 @@ def _rollout_correction(value, f) -> dict:
             "loss.rollout_correction_cap": float(cap if cap is not None else f["vllm_importance_sampling_clip_max"])}
 
 
-def _scale_rewards(value) -> str:
-    return {True: "group", False: "none"}.get(value, value)
+def _scale_rewards(value, f) -> dict:
+    if f["multi_objective_aggregation"] == "normalize_then_sum":
+        # TRL's GDPO branch ignores scale_rewards: the normalised sum is whitened over the batch.
+        return {"loss.scale_rewards": "batch"}
+    return {"loss.scale_rewards": {True: "group", False: "none"}.get(value, value)}
 
 
 def _max_grad_norm(value):
@@ -336,7 +339,8 @@ GRPO_FIELDS: dict[str, Mapped | Refused | Ignored] = {
     "importance_sampling_level": _same("loss.importance_sampling_level", "token"),
     "reward_weights": Mapped(None, "rewards[i].weight", _nothing, "read with reward_funcs, in its order"),
     "multi_objective_aggregation": _same("loss.multi_objective_aggregation", "sum_then_normalize"),
-    "scale_rewards": Mapped("group", "loss.scale_rewards", _key("loss.scale_rewards", _scale_rewards), "true: group, false: none"),
+    "scale_rewards": Mapped("group", "loss.scale_rewards", _scale_rewards,
+                            "true: group, false: none; batch with normalize_then_sum, whatever it says (as TRL)"),
     "loss_type": Mapped("dapo", "method, loss.loss_type", _loss_type,
                         "grpo, bnpo, dr_grpo, dapo: method grpo; cispo: method cispo (dapo); sapo: method sapo (grpo)"),
     "mask_truncated_completions": _same("loss.mask_truncated_completions", False),

@@ -43,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("--config", metavar="FILE", help="YAML recipe (see recipes/); default: the built-in default")
+    train.add_argument(
+        "--from-trl", metavar="FILE",
+        help="a TRL GRPO YAML (the file of trl grpo --config) instead of --config: each field mapped, "
+        "refused or ignored as docs/TRL.md's table says",
+    )
     train.add_argument("--output-dir", metavar="DIR", help="where metrics, completions and checkpoints go (logging.output_dir)")
     train.add_argument("--max-steps", type=int, metavar="N", help="number of optimizer steps (training.max_steps)")
     train.add_argument("--seed", type=int, metavar="S", help="random seed (training.seed)")
@@ -120,7 +125,17 @@ def _train(args) -> int:
         overrides.append(f"training.seed={args.seed}")
     if args.resume is not None and args.overwrite:
         raise ConfigError("--resume and --overwrite: choose one (continue the run, or delete it)")
-    cfg = load_config(args.config, overrides)
+    if args.from_trl is not None:
+        if args.config is not None:
+            raise ConfigError("--config and --from-trl: give one (a config of ours, or a TRL GRPO YAML)")
+        from maxent_grpo.training.trl_config import load_trl_config
+
+        cfg, notes = load_trl_config(args.from_trl, overrides)
+        if _is_main_process():
+            for note in notes:
+                print(f"maxent-grpo: from TRL: {note}", file=sys.stderr)
+    else:
+        cfg = load_config(args.config, overrides)
     from maxent_grpo.training.plan import compile_run
     from maxent_grpo.training.precision import Machine
 

@@ -60,3 +60,32 @@ def test_scores_equal_trls_inputs_batched_or_not(classifier_dir, conversational)
 def test_a_missing_model_fails_when_the_reward_is_built(tmp_path):
     with pytest.raises(OSError):
         build_reward_spec([{"name": "reward_model", "kwargs": {"model": str(tmp_path / "nothing")}}])
+
+
+def test_the_model_shorthand_in_a_config_and_from_trl(classifier_dir, tmp_path, monkeypatch):
+    """``rewards: [{model: PATH, weight: W}]`` is the reward_model entry; a relative folder is found beside
+    the config file; TRL's reward_model_name_or_path becomes it, first, as TRL orders it."""
+    import shutil
+
+    from maxent_grpo.errors import ConfigError
+    from maxent_grpo.training.config import load_config
+    from maxent_grpo.training.trl_config import load_trl_config
+
+    recipe = tmp_path / "recipe"
+    shutil.copytree(classifier_dir, recipe / "rm")
+    (recipe / "run.yaml").write_text("rewards: [{model: rm, weight: 0.5, kwargs: {batch_size: 2}}, format]\n")
+    (recipe / "grpo.yaml").write_text("model_name_or_path: m\ndataset_name: d\nmax_steps: 2\nreward_model_name_or_path: rm\n"
+                                      "reward_funcs: [think_format_reward]\nreward_weights: [0.5, 1.0]\n")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    cfg = load_config(recipe / "run.yaml")
+    trl_cfg, _ = load_trl_config(recipe / "grpo.yaml")
+    model = str((recipe / "rm").resolve())
+    assert (cfg.rewards[0].name, cfg.rewards[0].weight, cfg.rewards[0].kwargs) == ("reward_model", 0.5, {"model": model, "batch_size": 2})
+    assert [(r.name, r.weight, r.kwargs) for r in trl_cfg.rewards] == [
+        ("reward_model", 0.5, {"model": model}), ("trl.rewards:think_format_reward", 1.0, {})]
+    prompts, completions = ["What is 2 + 3? "] * 2, ["5", "six"]
+    ours = evaluate_rewards(build_reward_spec(cfg.rewards[:1]), prompts, completions, {})[:, 0].tolist()
+    assert ours == pytest.approx(_trl_scores(classifier_dir, prompts, completions), abs=1e-5)
+    with pytest.raises(ConfigError, match=r"rewards\[0\]: give name or model, not both"):
+        load_config(None, {"rewards": [{"name": "format", "model": "rm"}]})

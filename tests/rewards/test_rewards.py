@@ -294,7 +294,7 @@ def test_every_registered_factory_builds_with_defaults():
 def test_resolve_unknown_name_suggests_nearest():
     with pytest.raises(ValueError, match=r"unknown reward function 'acuracy'.*did you mean 'accuracy'"):
         resolve_reward_function("acuracy")
-    with pytest.raises(ValueError, match="no module .no_such_module_xyz. in the current folder"):
+    with pytest.raises(ValueError, match="no module .no_such_module_xyz. beside the config file, in the current folder"):
         resolve_reward_function("no_such_module_xyz:f")
     with pytest.raises(ValueError, match="has no attribute"):
         resolve_reward_function("math:no_such_fn")

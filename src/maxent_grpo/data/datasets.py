@@ -162,8 +162,13 @@ def _load_modebench_package(domain: str, size: int | None, seed: int, task_kwarg
     return Rows(rows)
 
 
-def _standardise(ds, source: str, prompt_column: str, answer_column: str):
+def _standardise(ds, source: str, prompt_column: str, answer_column: str, environment_prompts: bool = False):
     columns = list(ds.column_names)
+    if prompt_column not in columns and environment_prompts:
+        # The rows' environments open the episodes (TRL: reset() gives the prompt): an empty prompt column.
+        ds = Rows([{**row, "prompt": ""} for row in ds]) if isinstance(ds, Rows) else ds.add_column("prompt", [""] * len(ds))
+        columns = list(ds.column_names)
+        prompt_column = "prompt"
     if prompt_column not in columns:
         raise DataError(f"{source}: no prompt column {prompt_column!r}; columns: {columns}")
     if answer_column != "answer" and answer_column not in columns:
@@ -200,10 +205,12 @@ def _answers_as_strings(ds, source: str, answer_column: str):
     return ds
 
 
-def _check_prompts(ds, source: str) -> None:
+def _check_prompts(ds, source: str, environment_prompts: bool = False) -> None:
     if len(ds) == 0:
         raise DataError(f"{source}: the dataset is empty")
     for row, prompt in enumerate(ds["prompt"]):
+        if environment_prompts and (prompt is None or prompt == ""):
+            continue  # its environment's reset() gives the prompt (an episode fails when it gives none)
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise DataError(f"{source}: empty prompt in row {row}")
@@ -233,6 +240,7 @@ def load_prompt_dataset(
     data_files: Any = None,
     instruction: str | None = DEFAULT_INSTRUCTION,
     task_kwargs: Mapping[str, Any] | None = None,
+    environment_prompts: bool = False,
 ):
     """A table of prompts (`datasets.Dataset`, or `Rows` for a generated source) with the standard
     columns `prompt` and `answer`.
@@ -246,7 +254,9 @@ def load_prompt_dataset(
     split, `task_kwargs: {split, generated, level}`; its own registered prompts, no `instruction`),
     `calculator` (`size` multiplications played with a calculator tool, column `environment`), or a `datasets`
     name (with `data_files` if it needs them; offline it loads from the cache
-    only). `size` keeps at most the first `size` rows of a file or hub split. Raises
+    only). `size` keeps at most the first `size` rows of a file or hub split. With
+    `environment_prompts` (the rows play episodes) a row may have no prompt (an empty or missing
+    column): its environment's `reset()` gives it, as TRL lets an environment own its data. Raises
     `DataError` with a one-line message.
     """
     if not isinstance(source, str) or not source:
@@ -277,8 +287,8 @@ def load_prompt_dataset(
         ds = _load_file(path, split, data_files) if is_file else _load_hub(source, split, data_files)
         if size is not None and size < len(ds):
             ds = ds.select(range(size))
-    ds = _standardise(ds, source, prompt_column, answer_column)
-    _check_prompts(ds, source)
+    ds = _standardise(ds, source, prompt_column, answer_column, environment_prompts)
+    _check_prompts(ds, source, environment_prompts)
     return ds
 
 

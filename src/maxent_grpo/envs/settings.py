@@ -66,13 +66,13 @@ def row_environments(env: EnvironmentConfig, column: Sequence[Any] | None) -> Ro
         tools = []
         for i, ref in enumerate(env.tools):
             try:
-                tools.append(import_reference(ref))
+                tools.append(import_reference(ref, "tool"))
             except RewardImportError as err:
                 raise ConfigError(f"environment.tools[{i}]: {err}") from None
         table["tools"] = lambda: ToolEnvironment(tools, call_timeout_s=env.tool_timeout_s)
     for name, ref in env.classes.items():
         try:
-            cls = import_reference(ref)
+            cls = import_reference(ref, "environment class")
         except RewardImportError as err:
             raise ConfigError(f"environment.classes.{name}: {err}") from None
         if not isinstance(cls, type):

@@ -16,6 +16,14 @@ from maxent_grpo.envs.protocol import Message, StepResult
 from maxent_grpo.envs.tools import parse_tool_calls, run_tool_call
 
 
+def prompt_messages(row: Mapping[str, Any]) -> list[Message]:
+    """The row's prompt as chat messages; none for a row without one (its environment gives it)."""
+    prompt = row.get("prompt")
+    if prompt is None or prompt == "":
+        return []
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+
+
 class ToolEnvironment:
     def __init__(self, tools: Sequence[Callable[..., Any]], *, call_timeout_s: float | None = 10.0):
         names = [fn.__name__ for fn in tools]
@@ -26,8 +34,10 @@ class ToolEnvironment:
         self.call_timeout_s = call_timeout_s
 
     def reset(self, row: Mapping[str, Any]) -> list[Message]:
-        prompt = row["prompt"]
-        return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        messages = prompt_messages(row)
+        if not messages:
+            raise ValueError("the row has no prompt")
+        return messages
 
     def step(self, messages: Sequence[Message], assistant: Message) -> StepResult:
         calls, failures = parse_tool_calls(assistant["content"])

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from maxent_grpo.envs.protocol import ENVIRONMENT_COLUMN, Message, StepResult
-from maxent_grpo.envs.tool_env import ToolEnvironment
+from maxent_grpo.envs.tool_env import ToolEnvironment, prompt_messages
 
 
 def is_trl_environment(cls: type) -> bool:
@@ -38,12 +38,17 @@ class TRLEnvironment:
     def reset(self, row: Mapping[str, Any]) -> list[Message]:
         # TRL passes the row's columns (without the environment's name) as keyword arguments.
         observation = self.instance.reset(**{k: v for k, v in row.items() if k != ENVIRONMENT_COLUMN})
-        messages = self._calls.reset(row)
-        if observation is None:
-            return messages
-        if not isinstance(observation, str):
+        messages = prompt_messages(row)
+        if observation is not None and not isinstance(observation, str):
             raise TypeError(f"{type(self.instance).__name__}.reset must return None or a str, got "
                             f"{type(observation).__name__}")
+        if not messages:
+            # A row without a prompt: the environment owns the data, its text is the prompt.
+            if not observation:
+                raise ValueError(f"the row has no prompt and {type(self.instance).__name__}.reset gave none")
+            return [{"role": "user", "content": observation}]
+        if observation is None:
+            return messages
         last = messages[-1]
         return [*messages[:-1], {**last, "content": last["content"] + observation}]
 

@@ -1,6 +1,6 @@
 """A reward model as a reward function (TRL's ``reward_funcs="org/model"``).
 
-``rewards: [{name: reward_model, kwargs: {model: PATH_OR_ID}}]`` loads an
+``rewards: [{name: reward_model, kwargs: {model: PATH_OR_ID}}]`` (or for short ``[{model: PATH_OR_ID}]``) loads an
 ``AutoModelForSequenceClassification`` and its own tokenizer, and scores each prompt +
 completion as TRL's GRPOTrainer does: a conversational row through the reward model's
 chat template (prompt messages + the completion as the assistant turn), a plain row as

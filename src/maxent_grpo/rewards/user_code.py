@@ -1,11 +1,11 @@
-"""Import a user's reward function: ``module:function`` or ``path/to/file.py:function``.
+"""Import a user's code the config names: ``module:function`` or ``path/to/file.py:Class``.
 
-A TRL user keeps ``my_rewards.py`` next to the script or the config. So a
-module name is looked up on ``sys.path`` and then in the current folder (the
-``maxent-grpo`` script does not put it on the path as ``python script.py``
-would); a ``.py`` path is read relative to the current folder. ``load_config``
-has already turned a module or file that sits beside the config file into that
-file's absolute path.
+Reward functions, tools and environment classes (``kind`` names which, in errors). A TRL
+user keeps ``my_rewards.py`` next to the script or the config. ``load_config`` has already
+turned a module or file that sits beside the config file into that file's absolute path
+(:func:`resolve_reference`: the config's folder first); what is left is looked up on
+``sys.path`` and then in the current folder (the ``maxent-grpo`` script does not put it on
+the path as ``python script.py`` would), a ``.py`` path relative to the current folder.
 """
 
 from __future__ import annotations
@@ -21,30 +21,32 @@ from maxent_grpo.errors import UserError
 
 
 class RewardImportError(UserError, ValueError):
-    """A ``module:function`` or ``file.py:function`` reward cannot be imported."""
+    """A ``module:function`` or ``file.py:Class`` the config names cannot be imported."""
 
 
-def split_reference(path: str) -> tuple[str, str]:
+def split_reference(path: str, kind: str = "reward function") -> tuple[str, str]:
     """``("module" or "file.py", "function")``; the last ``:`` separates them (a Windows drive has one too)."""
     module, sep, attr = path.rpartition(":")
     if not sep or not module or not attr:
-        raise RewardImportError(f"reward function path must look like 'module:function' or 'file.py:function', got {path!r}")
+        what = "Class" if kind == "environment class" else "function"
+        raise RewardImportError(f"{kind} path must look like 'module:{what}' or 'file.py:{what}', got {path!r}")
     return module, attr
 
 
-def import_reference(path: str) -> Any:
-    """The object ``path`` names."""
-    module_name, attr = split_reference(path)
-    module = _load_file(path, Path(module_name)) if module_name.endswith(".py") else _load_module(path, module_name)
+def import_reference(path: str, kind: str = "reward function") -> Any:
+    """The object ``path`` names; ``kind`` (reward function, tool, environment class) names it in errors."""
+    module_name, attr = split_reference(path, kind)
+    where = f"{kind} {path!r}"
+    module = _load_file(where, Path(module_name)) if module_name.endswith(".py") else _load_module(where, module_name)
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise RewardImportError(f"reward function {path!r}: {module_name} has no attribute {attr!r}")
+            raise RewardImportError(f"{where}: {module_name} has no attribute {attr!r}")
         obj = getattr(obj, part)
     return obj
 
 
-def _load_module(path: str, module_name: str):
+def _load_module(where: str, module_name: str):
     cwd = os.getcwd()
     if cwd not in sys.path:
         # Last, so an installed package of the same name still wins.
@@ -54,18 +56,18 @@ def _load_module(path: str, module_name: str):
     except ModuleNotFoundError as exc:
         if exc.name is not None and module_name.startswith(exc.name):
             raise RewardImportError(
-                f"reward function {path!r}: no module {module_name!r} in the current folder, beside the config "
-                "file, or installed; give its file as path/to/file.py:function"
+                f"{where}: no module {module_name!r} beside the config file, in the current folder, "
+                "or installed; give its file as path/to/file.py:name"
             ) from exc
-        raise RewardImportError(f"reward function {path!r}: importing {module_name!r} failed: {exc}") from exc
+        raise RewardImportError(f"{where}: importing {module_name!r} failed: {exc}") from exc
     except ImportError as exc:
-        raise RewardImportError(f"reward function {path!r}: importing {module_name!r} failed: {exc}") from exc
+        raise RewardImportError(f"{where}: importing {module_name!r} failed: {exc}") from exc
 
 
-def _load_file(path: str, file: Path):
+def _load_file(where: str, file: Path):
     file = file.expanduser().resolve()
     if not file.is_file():
-        raise RewardImportError(f"reward function {path!r}: file {file} not found")
+        raise RewardImportError(f"{where}: file {file} not found")
     name = f"maxent_grpo_user.{file.stem}_{abs(hash(str(file))):x}"
     if name in sys.modules:
         return sys.modules[name]
@@ -82,26 +84,24 @@ def _load_file(path: str, file: Path):
         raise RewardImportError(f"{file} line {exc.lineno}: syntax error: {exc.msg}") from exc
     except ImportError as exc:
         del sys.modules[name]
-        raise RewardImportError(f"reward function {path!r}: {file} failed to import: {exc}") from exc
+        raise RewardImportError(f"{where}: {file} failed to import: {exc}") from exc
     return module
 
 
-def resolve_reference(name: str, config_dir: Path | None) -> str:
+def resolve_reference(name: str, config_dir: Path | None, kind: str = "reward function") -> str:
     """``name`` with its file made absolute, so the saved config works from any folder.
 
-    A ``.py`` path is taken relative to the current folder, else to ``config_dir``.
-    A module that cannot be found on ``sys.path`` or in the current folder but sits
-    in ``config_dir`` becomes that file's path. Nothing is imported here.
+    The config file's folder comes first, as the file is written beside its code: a ``.py``
+    path is taken relative to ``config_dir``, else to the current folder; a module that
+    sits in ``config_dir`` becomes that file's path, any other stays a module name.
+    Nothing is imported here.
     """
-    module, attr = split_reference(name)
+    module, attr = split_reference(name, kind)
     if module.endswith(".py"):
-        for base in (Path.cwd(), config_dir):
+        for base in (config_dir, Path.cwd()):
             if base is not None and (base / module).is_file():
                 return f"{(base / module).resolve()}:{attr}"
         return name  # import_reference reports the missing file
-    top = module.split(".")[0]
-    if importlib.util.find_spec(top) is not None or (Path.cwd() / f"{top}.py").is_file() or (Path.cwd() / top).is_dir():
-        return name
     beside = config_dir / (module.replace(".", "/") + ".py") if config_dir is not None else None
     if beside is not None and beside.is_file():
         return f"{beside.resolve()}:{attr}"

@@ -49,7 +49,7 @@ __all__ = [
     "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig", "FewShotExample", "GenerationConfig",
     "LoggingConfig", "LoraConfig", "LossSection", "ModelConfig", "RewardEntry",
     "TrainConfig", "TrainingConfig", "VllmConfig",
-    "load_config", "parse_override", "save_config", "to_dict", "validate",
+    "build_config", "load_config", "parse_override", "read_yaml", "save_config", "to_dict", "validate",
 ]
 
 
@@ -82,6 +82,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             return value
         if hint is RewardEntry and isinstance(value, str):
             value = {"name": value}  # a bare name is short for {name: NAME}
+        if hint is RewardEntry and isinstance(value, dict) and "model" in value:
+            value = _reward_model_entry(value, key)
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__} {value!r}")
         return _build(hint, value, key)
@@ -108,6 +110,31 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value
     raise TypeError(f"unsupported config type {hint} for {key}")
+
+
+def _reward_model_entry(value: dict, key: str) -> dict:
+    """``{model: PATH_OR_ID, weight: W, kwargs: {...}}`` is short for ``{name: reward_model, weight: W,
+    kwargs: {model: PATH_OR_ID, ...}}`` (TRL's ``reward_funcs="org/model"``)."""
+    if "name" in value:
+        raise ConfigError(f"{key}: give name or model, not both (model is short for name: reward_model)")
+    kwargs = value.get("kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise ConfigError(f"{key}.kwargs: expected a mapping, got {type(kwargs).__name__}")
+    if "model" in kwargs:
+        raise ConfigError(f"{key}.kwargs.model: the model is given once, as {key}.model")
+    rest = {k: v for k, v in value.items() if k not in ("model", "kwargs")}
+    return {"name": "reward_model", **rest, "kwargs": {"model": value["model"], **kwargs}}
+
+
+def _resolve_model_path(model: Any, config_dir: Path | None) -> Any:
+    """A reward model's relative folder beside the config file, else from the current folder, made
+    absolute; a hub id (no such folder) stays as it is."""
+    if not isinstance(model, str) or Path(model).is_absolute():
+        return model
+    for base in (config_dir, Path.cwd()):
+        if base is not None and (base / model).is_dir():
+            return str((base / model).resolve())
+    return model
 
 
 def _suggest(name: Any, options) -> str:
@@ -189,7 +216,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def _read_yaml(p: Path) -> dict:
+def read_yaml(p: Path) -> dict:
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
@@ -210,7 +237,20 @@ def _read_yaml(p: Path) -> dict:
 def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> TrainConfig:
     """Read YAML over the built-in default run's values (``path`` None: the default run itself),
     apply overrides and the method's preset, validate."""
-    user = _read_yaml(Path(path)) if path is not None else {}
+    user = read_yaml(Path(path)) if path is not None else {}
+    return _from_tree(user, Path(path).resolve().parent if path is not None else None, overrides)
+
+
+def build_config(keys: dict[str, Any], config_dir: Path | None, overrides: list[str] | dict[str, Any] | None = None) -> TrainConfig:
+    """A config from dotted keys (a converted TRL file: training/trl_config.py) over the default run's
+    values, as :func:`load_config` reads a YAML file; references resolve against ``config_dir``."""
+    tree: dict = {}
+    for key, value in keys.items():
+        _set_dotted(tree, key, value)
+    return _from_tree(tree, config_dir, overrides)
+
+
+def _from_tree(user: dict, config_dir: Path | None, overrides) -> TrainConfig:
     items = overrides.items() if isinstance(overrides, dict) else [parse_override(o) for o in overrides or []]
     for key, value in items:
         _set_dotted(user, key, value)
@@ -228,12 +268,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict[str,
         _set_dotted(preset, key, value)
     cfg = _build(TrainConfig, _merge(preset, user), "")
     validate(cfg)
-    config_dir = Path(path).resolve().parent if path is not None else None
     for entry in cfg.rewards:
         if ":" in entry.name:
             entry.name = resolve_reference(entry.name, config_dir)
-    cfg.environment.tools = [resolve_reference(tool, config_dir) for tool in cfg.environment.tools]
-    cfg.environment.classes = {k: resolve_reference(v, config_dir) for k, v in cfg.environment.classes.items()}
+        if entry.name == "reward_model" and "model" in entry.kwargs:
+            entry.kwargs["model"] = _resolve_model_path(entry.kwargs["model"], config_dir)
+    cfg.environment.tools = [resolve_reference(tool, config_dir, "tool") for tool in cfg.environment.tools]
+    cfg.environment.classes = {k: resolve_reference(v, config_dir, "environment class")
+                               for k, v in cfg.environment.classes.items()}
     cfg.data.source = _resolve_data_file(cfg.data.source, config_dir)
     return cfg
 

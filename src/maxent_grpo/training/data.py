@@ -45,7 +45,7 @@ def load_table(d: DataPlan):
     """All the configured rows, before the held-out split."""
     return load_prompt_dataset(
         d.source, split=d.split, prompt_column=d.prompt_column, answer_column=d.answer_column, size=d.size,
-        seed=d.seed, instruction=d.instruction, task_kwargs=d.task_kwargs,
+        seed=d.seed, instruction=d.instruction, task_kwargs=d.task_kwargs, environment_prompts=d.episodes is not None,
     )
 
 

@@ -379,15 +379,15 @@ def test_shared_prompt_forward_matches_plain_forward_values_and_gradients(tiny_m
 
 
 def test_shared_prompt_rows_are_found_by_ids_and_mask():
-    from maxent_grpo.core.completion_logits import _distinct_prompt_rows
+    from maxent_grpo.core.completion_logits import distinct_prompt_rows
 
     ids = torch.tensor([[0, 5, 6], [5, 5, 6], [0, 5, 6], [5, 5, 6]])
     mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 1, 1], [1, 1, 1]])
-    first, inverse = _distinct_prompt_rows(ids, mask)
+    first, inverse = distinct_prompt_rows(ids, mask)
     assert sorted(first.tolist()) == [0, 1]
     assert inverse[0] == inverse[2] != inverse[1] == inverse[3]
     # Same ids but a different mask (a real 0 token vs padding) are different prompts.
-    _, inverse = _distinct_prompt_rows(torch.tensor([[0, 5], [0, 5]]), torch.tensor([[0, 1], [1, 1]]))
+    _, inverse = distinct_prompt_rows(torch.tensor([[0, 5], [0, 5]]), torch.tensor([[0, 1], [1, 1]]))
     assert inverse[0] != inverse[1]
 
 

@@ -26,6 +26,8 @@ import inspect
 
 import torch
 
+from maxent_grpo.core.packing import pack_plan, packed_inputs, unpack_completion
+
 
 @functools.cache
 def cache_kwarg() -> str:
@@ -55,7 +57,7 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
-def _distinct_prompt_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def distinct_prompt_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(first, inverse)``: one row index per distinct prompt, and each row's distinct prompt."""
     key = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)
     _, inverse = torch.unique(key, dim=0, return_inverse=True)
@@ -63,6 +65,23 @@ def _distinct_prompt_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -
     first = torch.full((int(inverse.max()) + 1,), key.shape[0], dtype=torch.long, device=key.device)
     first = first.scatter_reduce(0, inverse, rows, reduce="amin")
     return first, inverse
+
+
+def _packed_forward(model, input_ids, attention_mask, with_logits):
+    """One forward over the rows packed padding-free; the model's output and the :class:`PackPlan`."""
+    plan = pack_plan(attention_mask)
+    impl = _unwrapped(model).config._attn_implementation
+    if impl.startswith("flash"):
+        # Flash attention takes packed rows as position_ids that restart per sequence (varlen), no mask.
+        inputs = packed_inputs(input_ids, plan)
+        inputs["attention_mask"] = None
+    else:
+        # sdpa takes a boolean 4-D mask; eager adds its mask to the scores, so it gets an additive one.
+        dtype = None if impl == "sdpa" else next(model.parameters()).dtype
+        inputs = packed_inputs(input_ids, plan, float_mask_dtype=dtype)
+    no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)
+    out = model(**inputs, logits_to_keep=0 if with_logits else no_logits, use_cache=False)
+    return out, plan
 
 
 def _forwards(model, input_ids, attention_mask, prompt_length, share_prompts, with_logits):
@@ -77,7 +96,7 @@ def _forwards(model, input_ids, attention_mask, prompt_length, share_prompts, wi
     completion_length = input_ids.shape[1] - prompt_length
     no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)
     if share_prompts and completion_length > 0:
-        first, inverse = _distinct_prompt_rows(input_ids[:, :prompt_length], attention_mask[:, :prompt_length])
+        first, inverse = distinct_prompt_rows(input_ids[:, :prompt_length], attention_mask[:, :prompt_length])
         if first.numel() < input_ids.shape[0]:
             prompt_mask = attention_mask[first, :prompt_length]
             prompt = _unwrapped(model)(
@@ -117,13 +136,18 @@ def completion_logits(
     prompt_length: int,
     *,
     share_prompts: bool = True,
+    pack: bool = False,
 ) -> torch.Tensor:
     """Logits ``[B, L - prompt_length, V]``; position ``t`` predicts ``input_ids[:, prompt_length + t]``.
 
     ``input_ids`` / ``attention_mask`` are ``[B, L]`` with prompts left-padded to
     ``prompt_length``. The plain path runs one forward (LM head only where needed);
-    ``share_prompts`` runs each distinct prompt row once when some row repeats.
+    ``share_prompts`` runs each distinct prompt row once when some row repeats; ``pack`` runs
+    the rows padding-free (and takes precedence over ``share_prompts``).
     """
+    if pack:
+        out, plan = _packed_forward(model, input_ids, attention_mask, with_logits=True)
+        return unpack_completion(out.logits, plan, prompt_length, input_ids.shape[1])
     outs, inverse = _forwards(model, input_ids, attention_mask, prompt_length, share_prompts, with_logits=True)
     if inverse is not None:
         prompt, rest = outs
@@ -170,6 +194,7 @@ def completion_hidden_states(
     prompt_length: int,
     *,
     share_prompts: bool = True,
+    pack: bool = False,
 ) -> torch.Tensor:
     """Final hidden states ``[B, L - prompt_length, H]``; position ``t`` predicts ``input_ids[:, prompt_length + t]``.
 
@@ -177,6 +202,10 @@ def completion_hidden_states(
     logits at those positions are ``model.get_output_embeddings()(hidden)``.
     """
     captured: list[torch.Tensor] = []
+    if pack:
+        with _last_hidden_states(model, captured):
+            _, plan = _packed_forward(model, input_ids, attention_mask, with_logits=False)
+        return unpack_completion(captured[0], plan, prompt_length, input_ids.shape[1])
     with _last_hidden_states(model, captured):
         _, inverse = _forwards(model, input_ids, attention_mask, prompt_length, share_prompts, with_logits=False)
     if inverse is not None:

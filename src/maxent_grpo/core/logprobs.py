@@ -23,10 +23,12 @@ from maxent_grpo.core.chunked_softmax import (
 from maxent_grpo.core.completion_logits import (
     completion_hidden_states,
     completion_logits,
+    distinct_prompt_rows,
     lm_head,
     supports_fused_head,
 )
 from maxent_grpo.core.fused_lm_head import lm_head_logps
+from maxent_grpo.core.packing import pack_plan
 
 __all__ = [
     "DEFAULT_CHUNK_ROWS",
@@ -126,12 +128,13 @@ def get_per_token_logps(
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     share_prompts: bool = True,
     fused_head: bool = True,
+    pack: bool = False,
 ) -> torch.Tensor:
     """Completion-token log-probs ``[B, L - prompt_length]`` of ``model``."""
     logps, _ = get_per_token_logps_and_entropies(
         model, input_ids, attention_mask, prompt_length,
         temperature=temperature, chunk_rows=chunk_rows, with_entropy=False, share_prompts=share_prompts,
-        fused_head=fused_head,
+        fused_head=fused_head, pack=pack,
     )
     return logps
 
@@ -147,6 +150,7 @@ def get_per_token_logps_and_entropies(
     with_entropy: bool = True,
     share_prompts: bool = True,
     fused_head: bool = True,
+    pack: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``model`` over prompt+completion (``[B, L]``, prompts left-padded,
     ``attention_mask`` 0 on padding); return completion log-probs and token entropies,
@@ -155,6 +159,7 @@ def get_per_token_logps_and_entropies(
     ``fused_head``: apply the LM head chunk by chunk (``fused_lm_head``), so the
     ``[B, T, V]`` logits never exist, where the model family allows it
     (``supports_fused_head``); otherwise the model's own logits are used.
+    ``pack``: run the rows padding-free (``core/packing.py``; takes precedence over ``share_prompts``).
 
     Values at padded completion positions are meaningless; mask them downstream.
     """
@@ -169,13 +174,14 @@ def get_per_token_logps_and_entropies(
     check_ids(input_ids, model.config.get_text_config().vocab_size, "input_ids")
     targets = input_ids[:, prompt_length:]
     if fused_head and supports_fused_head(model):
-        hidden = completion_hidden_states(model, input_ids, attention_mask, prompt_length, share_prompts=share_prompts)
+        hidden = completion_hidden_states(model, input_ids, attention_mask, prompt_length,
+                                          share_prompts=share_prompts, pack=pack)
         head = lm_head(model)  # after the forward (see lm_head)
         return lm_head_logps(
             hidden, head.weight, head.bias, targets,
             temperature=temperature, with_entropy=with_entropy, chunk_rows=chunk_rows,
         )
-    logits = completion_logits(model, input_ids, attention_mask, prompt_length, share_prompts=share_prompts)
+    logits = completion_logits(model, input_ids, attention_mask, prompt_length, share_prompts=share_prompts, pack=pack)
     return selective_logps(
         logits, targets, temperature=temperature, with_entropy=with_entropy, chunk_rows=chunk_rows,
     )
@@ -188,7 +194,8 @@ class Scoring:
 
     ``temperature``: the sampling temperature (the logits are divided by it, as the sampler's
     were). ``share_prompts``: each distinct prompt of a batch runs once
-    (``completion_logits``). ``autocast_bf16``: bf16 matmuls over the model's own weights
+    (``completion_logits``). ``packing``: the rows run padding-free (``core/packing.py``), in place
+    of ``share_prompts``. ``autocast_bf16``: bf16 matmuls over the model's own weights
     (``torch.autocast``), around the forward only. ``rows_per_pass``: rows per forward when
     scoring without gradients (:meth:`score_rows`).
     """
@@ -197,6 +204,7 @@ class Scoring:
     share_prompts: bool = True
     autocast_bf16: bool = False
     rows_per_pass: int = 8
+    packing: bool = False
 
     def __post_init__(self) -> None:
         check_temperature(self.temperature)
@@ -209,8 +217,20 @@ class Scoring:
         with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16):
             return get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, prompt_length, temperature=self.temperature,
-                with_entropy=with_entropy, share_prompts=self.share_prompts,
+                with_entropy=with_entropy, share_prompts=self.share_prompts, pack=self.packing,
             )
+
+    def forward_positions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int) -> int:
+        """Token positions one :meth:`logps` call runs the model over: ``B * L`` padded, each distinct
+        prompt once plus every completion slot with ``share_prompts``, the packed bins with ``packing``."""
+        b, length = input_ids.shape
+        if self.packing:
+            return pack_plan(attention_mask).computed_tokens
+        if self.share_prompts and length > prompt_length:
+            distinct = len(distinct_prompt_rows(input_ids[:, :prompt_length], attention_mask[:, :prompt_length])[0])
+            if distinct < b:
+                return distinct * prompt_length + b * (length - prompt_length)
+        return b * length
 
     def score_rows(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, *,
                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -175,6 +175,10 @@ class TrainingConfig:
     # (it saves the repeated prompt work); off on CUDA, where the KV-cache forward and backward
     # took 1.75x one plain forward (H100, 0.5B, BENCHMARKS.md "GPU"), and with gradient_checkpointing.
     share_prompts: Literal[True, False, "auto"] = "auto"
+    packing: bool = field(default=False, metadata={"help": (
+        "policy, reference and old-policy passes run padding-free: each row's real tokens packed end to end "
+        "into fewer rows (core/packing.py), the same values and gradients as the padded forward; "
+        "in place of share_prompts for these passes (generation still shares prompts)")})
     # Keep only each decoder layer's input and recompute the layer in the backward: activation
     # memory of one layer instead of all, for about one more forward of compute. Needs
     # share_prompts: false (a shared prompt's KV cache cannot be recomputed).

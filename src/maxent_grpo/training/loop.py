@@ -182,12 +182,17 @@ def _policy_update(run: Run, prepared, step: int, timings: dict):
     if run.entropy_state is not None:  # loss.adaptive_entropy: the coefficient the last step left
         spec = dataclasses.replace(spec, entropy_coef=run.entropy_state.applied(plan.adaptive_entropy))
     replay, bank_metrics = _replay(run, prepared, timings)
+    micro_batches = prepared.micro_batches(plan.micro_batch_size, old_logps)
     for _ in range(plan.num_iterations):
         result = grpo_step(
-            run.train_model, run.optimizer, prepared.micro_batches(plan.micro_batch_size, old_logps), spec,
+            run.train_model, run.optimizer, micro_batches, spec,
             plan.scoring, comm=run.comm, update=timed_update, replay=replay,
         )
     result.metrics.update(bank_metrics)
+    # What one policy pass over the batch computes, against its real tokens (padding, shared prompts, packing).
+    result.metrics["tokens/policy_forward"] = float(sum(
+        plan.scoring.forward_positions(mb.input_ids, mb.attention_mask, mb.prompt_length) for mb in micro_batches))
+    result.metrics["tokens/real"] = float(prepared.total_input_tokens)
     if run.entropy_state is not None:
         result.metrics["entropy_coef"] = spec.entropy_coef
         run.entropy_state = update_entropy_coef(run.entropy_state, result.metrics["entropy"], plan.adaptive_entropy)

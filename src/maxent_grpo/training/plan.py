@@ -243,7 +243,8 @@ def compile_run(cfg: TrainConfig, machine: Machine) -> RunPlan:
     return RunPlan(
         method=_compile_method(cfg, precision.rollout_correction),
         scoring=Scoring(temperature=g.temperature, share_prompts=precision.share_prompts,
-                        autocast_bf16=precision.autocast_bf16, rows_per_pass=t.micro_batch_size),
+                        autocast_bf16=precision.autocast_bf16, rows_per_pass=t.micro_batch_size,
+                        packing=t.packing),
         batch=batch,
         micro_batch_size=t.micro_batch_size,
         num_iterations=t.num_iterations,

@@ -1,0 +1,126 @@
+"""Padding-free scoring: the real tokens of a padded ``[B, L]`` batch packed into fewer, fuller rows.
+
+A GRPO batch is padded twice: prompts on the left to the longest prompt, completions on
+the right to the longest completion. Completions of one group vary a lot (11-37 of 64
+tokens for SmolLM2 on chain_sum; 100-4000 of 4096 on the GPU recipes), so a padded
+forward spends much of its work on padding. Packing (as verl's ``use_remove_padding``,
+TRL's ``padding_free``, NeMo-RL's sequence packing) lays each row's real tokens end to end
+in bins of at most ``capacity`` tokens (first-fit decreasing), restarts the positions at
+each row's first token, and keeps the rows apart with a block-diagonal causal mask
+``[bins, 1, C, C]`` (a segment attends to its own earlier tokens only). The model computes
+the same function of every row as in the padded batch (the masked keys add exact zeros),
+so the completion log-probs, and the loss and gradients built on them, equal the padded
+path's up to the order of floating-point sums.
+
+Pure index arithmetic: :func:`pack_plan` decides where each row goes, :func:`packed_inputs`
+builds the model's inputs, :func:`unpack_completion` gathers the outputs that predict each
+completion token back to ``[B, T, ...]`` (padded completion positions get a copy of a real
+one: meaningless, as in the padded path, and masked downstream).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["PackPlan", "pack_plan", "packed_inputs", "unpack_completion"]
+
+
+@dataclass(frozen=True)
+class PackPlan:
+    """Where each row's real tokens sit after packing.
+
+    ``start`` [B]: the row's first real token in the padded batch (its tokens are
+    ``start .. start + length - 1``, contiguous); ``length`` [B]; ``bin`` [B] and ``offset`` [B]:
+    the packed row holding them and where they begin in it; ``bins``, ``width``: the packed
+    batch's shape ``[bins, width]``.
+    """
+
+    start: torch.Tensor
+    length: torch.Tensor
+    bin: torch.Tensor
+    offset: torch.Tensor
+    bins: int
+    width: int
+
+    @property
+    def computed_tokens(self) -> int:
+        """Positions the packed forward computes (``bins * width``; the padded one computes ``B * L``)."""
+        return self.bins * self.width
+
+
+def pack_plan(attention_mask: torch.Tensor, capacity: int | None = None) -> PackPlan:
+    """First-fit decreasing of the rows of ``attention_mask`` ``[B, L]`` (1 on real tokens, which
+    must be one contiguous span per row: left-padded prompt, completion, right padding) into bins of
+    at most ``capacity`` tokens (default: the longest row, so no bin is wider than the padded batch).
+    Deterministic: rows of equal length are placed in row order."""
+    if attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask must be [B, L], got shape {tuple(attention_mask.shape)}")
+    mask = attention_mask.bool().cpu()
+    length = mask.sum(dim=1)
+    if int(length.min()) < 1:
+        raise ValueError("every row needs at least one real token to be packed")
+    start = mask.int().argmax(dim=1)
+    span = torch.arange(mask.shape[1]).unsqueeze(0)
+    contiguous = (span >= start.unsqueeze(1)) & (span < (start + length).unsqueeze(1))
+    if not torch.equal(contiguous, mask):
+        raise ValueError("packing needs each row's real tokens in one contiguous span (attention_mask has holes)")
+    cap = int(length.max()) if capacity is None else int(capacity)
+    if cap < int(length.max()):
+        raise ValueError(f"capacity {cap} is shorter than the longest row ({int(length.max())} tokens)")
+    fill: list[int] = []
+    bin_of, offset_of = [0] * len(length), [0] * len(length)
+    for i in sorted(range(len(length)), key=lambda r: (-int(length[r]), r)):
+        n = int(length[i])
+        b = next((b for b, used in enumerate(fill) if used + n <= cap), len(fill))
+        if b == len(fill):
+            fill.append(0)
+        bin_of[i], offset_of[i] = b, fill[b]
+        fill[b] += n
+    dev = attention_mask.device
+    return PackPlan(start=start.to(dev), length=length.to(dev), bin=torch.tensor(bin_of, device=dev),
+                    offset=torch.tensor(offset_of, device=dev), bins=len(fill), width=max(fill))
+
+
+def _token_places(plan: PackPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For every real token of the padded batch: (row, column in the padded row, bin, column in the bin)."""
+    rows = torch.repeat_interleave(torch.arange(len(plan.length), device=plan.length.device), plan.length)
+    first = torch.cumsum(plan.length, 0) - plan.length
+    within = torch.arange(int(plan.length.sum()), device=rows.device) - first[rows]
+    return rows, plan.start[rows] + within, plan.bin[rows], plan.offset[rows] + within
+
+
+def packed_inputs(input_ids: torch.Tensor, plan: PackPlan, *, pad_id: int = 0,
+                  float_mask_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """``input_ids``, ``position_ids`` ``[bins, width]`` and the 4-D block-diagonal causal
+    ``attention_mask`` ``[bins, 1, width, width]`` of the packed batch: boolean (True = attend), or
+    additive in ``float_mask_dtype`` (0 / the dtype's min) for attention that adds its mask (eager).
+    A bin's unused tail attends to itself only (its outputs are never read)."""
+    rows, cols, bins, places = _token_places(plan)
+    ids = torch.full((plan.bins, plan.width), pad_id, dtype=input_ids.dtype, device=input_ids.device)
+    ids[bins, places] = input_ids[rows, cols]
+    segment = torch.full((plan.bins, plan.width), -1, dtype=torch.long, device=input_ids.device)
+    segment[bins, places] = rows
+    positions = torch.zeros((plan.bins, plan.width), dtype=torch.long, device=input_ids.device)
+    positions[bins, places] = cols - plan.start[rows]
+    causal = torch.ones(plan.width, plan.width, dtype=torch.bool, device=input_ids.device).tril()
+    same = segment.unsqueeze(2) == segment.unsqueeze(1)
+    eye = torch.eye(plan.width, dtype=torch.bool, device=input_ids.device)
+    allowed = ((same & (segment.unsqueeze(2) >= 0)) | eye) & causal
+    mask = allowed.unsqueeze(1)
+    if float_mask_dtype is not None:
+        mask = torch.zeros(mask.shape, dtype=float_mask_dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(float_mask_dtype).min)
+    return {"input_ids": ids, "position_ids": positions, "attention_mask": mask}
+
+
+def unpack_completion(packed: torch.Tensor, plan: PackPlan, prompt_length: int, seq_len: int) -> torch.Tensor:
+    """``packed`` ``[bins, width, ...]`` (the model's outputs, position by position) -> ``[B, T, ...]``
+    with ``T = seq_len - prompt_length``: at ``t``, the output of the position that predicts token
+    ``prompt_length + t`` of the padded row (its position ``prompt_length - 1 + t``). Positions past a
+    row's last real token take its last real position's output."""
+    t = torch.arange(seq_len - prompt_length, device=packed.device)
+    source = (prompt_length - 1 + t).unsqueeze(0) - plan.start.unsqueeze(1)  # [B, T], within the segment
+    source = torch.minimum(source, (plan.length - 1).unsqueeze(1)).clamp(min=0)
+    return packed[plan.bin.unsqueeze(1), plan.offset.unsqueeze(1) + source]

@@ -18,22 +18,32 @@ from maxent_grpo.rewards.user_code import RewardImportError, import_reference
 class EnvironmentConfig:
     # A registered environment (maxent_grpo.envs) each row plays over several turns; null with no
     # tools: one-shot prompts. A dataset column `environment` names one per row, over this default.
-    name: str | None = None
+    name: str | None = field(default=None, metadata={"help": (
+        "registered environment each row plays over several turns (maxent_grpo.envs, e.g. calculator); "
+        "null with no tools = one-shot prompts; a dataset column 'environment' picks one per row")})
     # module:function or file.py:function tools; with no name they make the "tools" environment.
-    tools: list[str] = field(default_factory=list)
+    tools: list[str] = field(default_factory=list, metadata={"help": (
+        "module:function or file.py:function tools the model may call (Hermes <tool_call> JSON); with no name"
+        " they make the 'tools' environment")})
     # This run's own environments, name -> module:Class or file.py:Class: a class of this package's
     # protocol (reset, step, tools) or a TRL environment_factory class (reset, public methods as tools,
     # optional get_reward), used unchanged.
-    classes: dict[str, str] = field(default_factory=dict)
-    max_turns: int = 4
+    classes: dict[str, str] = field(default_factory=dict, metadata={"help": (
+        "this run's environments, name -> module:Class or file.py:Class (this package's protocol, or a TRL "
+        "environment_factory class used unchanged)")})
+    max_turns: int = field(default=4, metadata={"help": "most model turns in an episode"})
     # Sampled tokens over all turns (null: max_turns x generation.max_new_tokens, the per-turn cap).
-    max_model_tokens: int | None = None
+    max_model_tokens: int | None = field(default=None, metadata={"help": (
+        "most sampled tokens over an episode's turns (null = max_turns x generation.max_new_tokens)")})
     # Model plus environment tokens after the prompt.
-    max_episode_tokens: int = 1024
+    max_episode_tokens: int = field(default=1024, metadata={"help": (
+        "most model plus environment tokens after the prompt")})
     # Seconds a reset or step may take before the episode fails (null: no limit).
-    step_timeout_s: float | None = 30.0
+    step_timeout_s: float | None = field(default=30.0, metadata={"help": (
+        "seconds an environment's reset or step may take before the episode fails (null = no limit)")})
     # Seconds one tool call may take before the model is told it timed out.
-    tool_timeout_s: float | None = 10.0
+    tool_timeout_s: float | None = field(default=10.0, metadata={"help": (
+        "seconds a tool call may take before the model is told it timed out (null = no limit)")})
 
     @property
     def enabled(self) -> bool:

@@ -15,28 +15,39 @@ class VllmConfig:
     """Options of the vLLM backends (``generation.backend: vllm | vllm_server``); docs/VLLM.md."""
 
     # Colocated engine (backend vllm): share of GPU memory the engine may take; ignored on CPU.
-    gpu_memory_utilization: float = 0.3
+    gpu_memory_utilization: float = field(default=0.3, metadata={"help": (
+        "vllm: share of GPU memory the colocated engine may take")})
     # Longest prompt + completion the engine plans for (null: the data's longest prompt in tokens +
     # generation.max_new_tokens, measured at start; vLLM's default, the model's context, where unknown).
-    max_model_len: int | None = None
+    max_model_len: int | None = field(default=None, metadata={"help": (
+        "vllm: longest prompt + completion the engine plans for (null = the data's longest prompt + "
+        "max_new_tokens)")})
     # Most sequences the engine runs at once (null: vLLM's default for the device).
-    max_num_seqs: int | None = None
+    max_num_seqs: int | None = field(default=None, metadata={"help": (
+        "vllm: most sequences the engine runs at once (null = vLLM's default)")})
     # Most tokens the engine schedules in one forward (null: vLLM's default for the device); a lower
     # value lowers the engine's peak activation memory, a higher one speeds up prefill.
-    max_num_batched_tokens: int | None = None
+    max_num_batched_tokens: int | None = field(default=None, metadata={"help": (
+        "vllm: most tokens per engine forward; lower = less activation memory (null = vLLM's default)")})
     # GPU only: the engine frees its weights and KV cache (sleep level 2) after each rollout phase
     # and wakes them for the next push and phase (docs/VLLM.md).
-    enable_sleep_mode: bool = False
+    enable_sleep_mode: bool = field(default=False, metadata={"help": (
+        "vllm, GPU only: free the engine's weights and KV cache (level 2) after each rollout phase")})
     # Skip graph compilation (torch.compile, CUDA graphs): a fast engine start, slower sampling.
-    enforce_eager: bool = False
+    enforce_eager: bool = field(default=False, metadata={"help": (
+        "vllm: no graph compilation (starts in seconds instead of minutes on CPU; samples slower)")})
     # Server backend: where `maxent-grpo serve` (vLLM's OpenAI-compatible server) listens.
-    server_url: str = "http://127.0.0.1:8000"
+    server_url: str = field(default="http://127.0.0.1:8000", metadata={"help": (
+        "vllm_server: base URL of the server (maxent-grpo serve)")})
     # How new weights reach the server: disk (safetensors folder, works anywhere) or
     # nccl (vLLM's weight-transfer endpoints; GPU only).
-    weight_sync: Literal["disk", "nccl"] = "disk"
+    weight_sync: Literal["disk", "nccl"] = field(default="disk", metadata={"help": (
+        "vllm_server: disk (safetensors folder the server reads) or nccl (GPU only)")})
     # Folder the disk sync writes into (null: OUTPUT_DIR/vllm_weights); the server must read it.
-    sync_dir: str | None = None
-    request_timeout_s: float = 600.0
+    sync_dir: str | None = field(default=None, metadata={"help": (
+        "vllm_server disk sync: folder for the weights (null = /dev/shm for a server on this machine, "
+        "else OUTPUT_DIR/vllm_weights)")})
+    request_timeout_s: float = field(default=600.0, metadata={"help": "vllm_server: seconds to wait for one request"})
 
 
 

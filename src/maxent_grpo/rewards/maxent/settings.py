@@ -34,7 +34,8 @@ class QDistributionSettings:
     def __post_init__(self) -> None:
         require(math.isfinite(self.temperature) and self.temperature > 0, "q_distribution.temperature",
                 f"must be a finite number > 0, got {self.temperature}")
-        require(0 <= self.epsilon < 1, "q_distribution.epsilon", f"must be in [0, 1) (a floor on each q), got {self.epsilon}")
+        require(0 <= self.epsilon < 1, "q_distribution.epsilon",
+                f"must be in [0, 1) (a floor on each q), got {self.epsilon}")
 
 
 @dataclass
@@ -123,30 +124,37 @@ class MaxEntConfig:
     """The ``maxent:`` config section: listwise targets and the tau / beta / meta controllers
     (``training/plan.py`` maps it onto :class:`WeightingSettings`)."""
 
-    tau: float = 0.5
-    q_temperature: float = 1.0
-    q_epsilon: float = 1e-6
-    length_normalize_ref: bool = True
+    tau: float = field(default=0.5, metadata={"help": "MaxEnt temperature of the listwise weights"})
+    q_temperature: float = field(default=1.0, metadata={"help": "temperature of q = softmax(r / T_q)"})
+    q_epsilon: float = field(default=1e-6, metadata={"help": "floor that keeps every candidate in q's support"})
+    length_normalize_ref: bool = field(default=True, metadata={"help": (
+        "divide reference sequence log-probs by length")})
     # Weighted MLE on the listwise targets pushes up each completion by its weight and
     # never down. The cross-entropy also pushes down completions the policy already
     # prefers more than their target weight; in the default run, at lr 1e-5, that raised
     # token entropy and one seed of three lost its gains (BENCHMARKS.md §3).
-    listwise_loss: Literal["cross_entropy", "weighted_mle"] = "weighted_mle"
-    keep_zero_variance_groups: bool = False
-    listwise_clip_coef: float = 0.0
-    tau_target_entropy: float | None = None
-    tau_target_final: float | None = None
-    tau_target_horizon: int = 0
-    tau_lr: float = 0.0
-    tau_min: float = 0.0
-    tau_max: float = 0.0
-    tau_warmup_steps: int = 0
-    kl_target: float = 0.0
-    kl_horizon: int = 0
-    kl_step_size: float = 0.0
+    listwise_loss: Literal["cross_entropy", "weighted_mle"] = field(default="weighted_mle", metadata={"help": (
+        "weighted_mle (default: pushes each completion up by its weight) or cross_entropy")})
+    keep_zero_variance_groups: bool = field(default=False, metadata={"help": (
+        "train on groups whose rewards are all equal")})
+    listwise_clip_coef: float = field(default=0.0, metadata={"help": (
+        "weight of the optional sequence-level clip term (advantage w - 1/G)")})
+    tau_target_entropy: float | None = field(default=None, metadata={"help": (
+        "target weight entropy H* for the tau controller (null = off)")})
+    tau_target_final: float | None = field(default=None, metadata={"help": "final H* of a linear schedule"})
+    tau_target_horizon: int = field(default=0, metadata={"help": "steps of the H* schedule"})
+    tau_lr: float = field(default=0.0, metadata={"help": "tau controller learning rate (on log tau)"})
+    tau_min: float = field(default=0.0, metadata={"help": "lower bound on tau (<= 0 = none)"})
+    tau_max: float = field(default=0.0, metadata={"help": "upper bound on tau (<= 0 = none)"})
+    tau_warmup_steps: int = field(default=0, metadata={"help": "steps before the tau controller starts"})
+    kl_target: float = field(default=0.0, metadata={"help": "target KL for the adaptive beta controller (0 = off)"})
+    kl_horizon: int = field(default=0, metadata={"help": "horizon of the adaptive beta controller"})
+    kl_step_size: float = field(default=0.0, metadata={"help": "clip on the relative KL error per update"})
     # The analytic meta controller (ALGORITHMS.md §8): on when either rate is > 0, and it
     # then replaces the tau and beta controllers above (their targets stay its targets).
-    meta_lr_tau: float = 0.0
-    meta_lr_beta: float = 0.0
-    meta_every: int = 1
-    meta_grad_clip: float = 0.0
+    meta_lr_tau: float = field(default=0.0, metadata={"help": (
+        "meta controller: tau <- tau - lr (H - H*) (> 0 turns it on, replacing the tau/beta controllers)")})
+    meta_lr_beta: float = field(default=0.0, metadata={"help": (
+        "meta controller: beta <- beta + lr clip(KL - KL*) (> 0 turns it on)")})
+    meta_every: int = field(default=1, metadata={"help": "meta controller: update every this many steps"})
+    meta_grad_clip: float = field(default=0.0, metadata={"help": "meta controller: clip on KL - KL* (0 = unclipped)"})

@@ -34,19 +34,22 @@ def _mask(spans, width):
 # ---------------------------------------------------------------- the plan
 
 
-def test_first_fit_decreasing_fills_bins_up_to_the_longest_row():
-    # Lengths 6, 2, 4, 3, 1 in rows of 8, capacity the longest row (6), longest first: the 6 fills
-    # bin 0, the 4 opens bin 1, the 3 opens bin 2 (4 + 3 > 6), the 2 joins bin 1, the 1 joins bin 2.
+def test_first_fit_decreasing_fills_bins_up_to_the_padded_width():
+    # Lengths 6, 2, 4, 3, 1 in rows of 8 (the default capacity), longest first: the 6 opens bin 0,
+    # the 4 opens bin 1, the 3 joins bin 1 (7), the 2 joins bin 0 (8), the 1 joins bin 1 (8).
     plan = pack_plan(_mask([(2, 8), (3, 5), (1, 5), (0, 3), (4, 5)], 8))
-    assert plan.width == 6 and plan.bins == 3
-    assert plan.bin.tolist() == [0, 1, 1, 2, 2]
-    assert plan.offset.tolist() == [0, 4, 0, 0, 3]
+    assert plan.width == 8 and plan.bins == 2
+    assert plan.bin.tolist() == [0, 0, 1, 1, 1]
+    assert plan.offset.tolist() == [0, 6, 0, 4, 7]
     assert plan.start.tolist() == [2, 3, 1, 0, 4] and plan.length.tolist() == [6, 2, 4, 3, 1]
     # Every row's tokens fit in its bin, and no two rows of a bin overlap.
     for b in range(plan.bins):
         spans = sorted((int(plan.offset[i]), int(plan.offset[i] + plan.length[i])) for i in range(5) if plan.bin[i] == b)
         assert spans[-1][1] <= plan.width and all(x[1] <= y[0] for x, y in zip(spans, spans[1:]))
-    assert plan.computed_tokens == 18 < 5 * 8
+    assert plan.computed_tokens == 16 < 5 * 8
+    # With the longest row as the capacity: 6 | 4 + 2 | 3 + 1 -> three bins of 6.
+    tight = pack_plan(_mask([(2, 8), (3, 5), (1, 5), (0, 3), (4, 5)], 8), capacity=6)
+    assert (tight.bins, tight.width, tight.bin.tolist()) == (3, 6, [0, 1, 1, 2, 2])
 
 
 def test_a_larger_capacity_packs_into_fewer_rows_and_the_plan_is_deterministic():
@@ -55,6 +58,8 @@ def test_a_larger_capacity_packs_into_fewer_rows_and_the_plan_is_deterministic()
     wide = pack_plan(mask, capacity=9)
     assert wide.bins == 2 and wide.width == 9
     assert wide.bin.tolist() == [0, 0, 0, 1, 1, 1] and wide.offset.tolist() == [0, 3, 6, 0, 3, 6]
+    one = pack_plan(mask, capacity=18)  # flash attention: the whole micro-batch in one row
+    assert (one.bins, one.width) == (1, 18)
 
 
 @pytest.mark.parametrize("spans, match", [
@@ -74,7 +79,7 @@ def test_a_mask_with_holes_is_refused():
 def test_packed_inputs_restart_positions_and_keep_segments_apart():
     ids = torch.tensor([[0, 7, 8, 9], [5, 6, 0, 0], [0, 0, 4, 0]])
     mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0], [0, 0, 1, 0]])
-    plan = pack_plan(mask)  # lengths 3, 2, 1 -> bins [row 0], [row 1, row 2]
+    plan = pack_plan(mask, capacity=3)  # lengths 3, 2, 1 -> bins [row 0], [row 1, row 2]
     inputs = packed_inputs(ids, plan, pad_id=0)
     assert inputs["input_ids"].tolist() == [[7, 8, 9], [5, 6, 4]]
     assert inputs["position_ids"].tolist() == [[0, 1, 2], [0, 1, 0]]
@@ -82,9 +87,12 @@ def test_packed_inputs_restart_positions_and_keep_segments_apart():
     assert allowed[0].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
     # Row 2's token (bin 1, column 2) sees only itself, not row 1 before it.
     assert allowed[1].tolist() == [[True, False, False], [True, True, False], [False, False, True]]
-    additive = packed_inputs(ids, plan, float_mask_dtype=torch.float32)["attention_mask"]
+    additive = packed_inputs(ids, plan, mask="additive", mask_dtype=torch.float32)["attention_mask"]
     assert torch.equal(additive == 0, inputs["attention_mask"])
     assert float(additive.min()) == torch.finfo(torch.float32).min
+    # Flash attention's varlen kernel gets no mask at all, only the restarting positions.
+    bare = packed_inputs(ids, plan, mask=None)
+    assert bare["attention_mask"] is None and torch.equal(bare["position_ids"], inputs["position_ids"])
 
 
 def test_unpack_takes_the_position_before_each_completion_token():
@@ -217,5 +225,5 @@ def test_forward_positions_count_padding_shared_prompts_and_bins():
     mask = torch.tensor([[0, 1, 1, 1, 1], [0, 1, 1, 1, 0], [1, 1, 1, 0, 0]])
     assert Scoring(share_prompts=False).forward_positions(ids, mask, 3) == 15
     assert Scoring(share_prompts=True).forward_positions(ids, mask, 3) == 2 * 3 + 3 * 2
-    # Real lengths 4, 3, 3, capacity 4: [4], [3], [3] -> 3 bins of width 4.
+    # Real lengths 4, 3, 3, capacity 5 (the padded width): [4], [3], [3] -> 3 bins, the widest 4.
     assert Scoring(packing=True).forward_positions(ids, mask, 3) == 12

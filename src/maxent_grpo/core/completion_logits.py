@@ -69,16 +69,18 @@ def distinct_prompt_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) ->
 
 def _packed_forward(model, input_ids, attention_mask, with_logits):
     """One forward over the rows packed padding-free; the model's output and the :class:`PackPlan`."""
-    plan = pack_plan(attention_mask)
     impl = _unwrapped(model).config._attn_implementation
     if impl.startswith("flash"):
-        # Flash attention takes packed rows as position_ids that restart per sequence (varlen), no mask.
-        inputs = packed_inputs(input_ids, plan)
-        inputs["attention_mask"] = None
+        # Flash attention takes packed rows as position_ids that restart per sequence (varlen), no mask,
+        # and costs nothing for the keys a sequence does not see: the whole micro-batch in one row.
+        plan = pack_plan(attention_mask, capacity=int(attention_mask.sum(dim=1).sum()))
+        inputs = packed_inputs(input_ids, plan, mask=None)
     else:
         # sdpa takes a boolean 4-D mask; eager adds its mask to the scores, so it gets an additive one.
-        dtype = None if impl == "sdpa" else next(model.parameters()).dtype
-        inputs = packed_inputs(input_ids, plan, float_mask_dtype=dtype)
+        # A dense mask costs attention over the whole bin: bins no wider than the padded rows.
+        plan = pack_plan(attention_mask)
+        inputs = packed_inputs(input_ids, plan, mask="bool" if impl == "sdpa" else "additive",
+                               mask_dtype=next(model.parameters()).dtype)
     no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)
     out = model(**inputs, logits_to_keep=0 if with_logits else no_logits, use_cache=False)
     return out, plan

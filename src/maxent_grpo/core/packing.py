@@ -5,7 +5,8 @@ the right to the longest completion. Completions of one group vary a lot (11-37 
 tokens for SmolLM2 on chain_sum; 100-4000 of 4096 on the GPU recipes), so a padded
 forward spends much of its work on padding. Packing (as verl's ``use_remove_padding``,
 TRL's ``padding_free``, NeMo-RL's sequence packing) lays each row's real tokens end to end
-in bins of at most ``capacity`` tokens (first-fit decreasing), restarts the positions at
+in bins of at most ``capacity`` tokens (first-fit decreasing; the padded width by default, the
+whole micro-batch in one row for flash attention's variable-length kernel), restarts the positions at
 each row's first token, and keeps the rows apart with a block-diagonal causal mask
 ``[bins, 1, C, C]`` (a segment attends to its own earlier tokens only). The model computes
 the same function of every row as in the padded batch (the masked keys add exact zeros),
@@ -53,8 +54,9 @@ class PackPlan:
 def pack_plan(attention_mask: torch.Tensor, capacity: int | None = None) -> PackPlan:
     """First-fit decreasing of the rows of ``attention_mask`` ``[B, L]`` (1 on real tokens, which
     must be one contiguous span per row: left-padded prompt, completion, right padding) into bins of
-    at most ``capacity`` tokens (default: the longest row, so no bin is wider than the padded batch).
-    Deterministic: rows of equal length are placed in row order."""
+    at most ``capacity`` tokens (default ``L``, the padded width: no bin is wider than the padded
+    batch, so a dense mask's attention costs no more than padding's). Deterministic: rows of equal
+    length are placed in row order."""
     if attention_mask.dim() != 2:
         raise ValueError(f"attention_mask must be [B, L], got shape {tuple(attention_mask.shape)}")
     mask = attention_mask.bool().cpu()
@@ -66,7 +68,7 @@ def pack_plan(attention_mask: torch.Tensor, capacity: int | None = None) -> Pack
     contiguous = (span >= start.unsqueeze(1)) & (span < (start + length).unsqueeze(1))
     if not torch.equal(contiguous, mask):
         raise ValueError("packing needs each row's real tokens in one contiguous span (attention_mask has holes)")
-    cap = int(length.max()) if capacity is None else int(capacity)
+    cap = mask.shape[1] if capacity is None else int(capacity)
     if cap < int(length.max()):
         raise ValueError(f"capacity {cap} is shorter than the longest row ({int(length.max())} tokens)")
     fill: list[int] = []
@@ -92,27 +94,32 @@ def _token_places(plan: PackPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 def packed_inputs(input_ids: torch.Tensor, plan: PackPlan, *, pad_id: int = 0,
-                  float_mask_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+                  mask: str | None = "bool", mask_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor | None]:
     """``input_ids``, ``position_ids`` ``[bins, width]`` and the 4-D block-diagonal causal
-    ``attention_mask`` ``[bins, 1, width, width]`` of the packed batch: boolean (True = attend), or
-    additive in ``float_mask_dtype`` (0 / the dtype's min) for attention that adds its mask (eager).
-    A bin's unused tail attends to itself only (its outputs are never read)."""
+    ``attention_mask`` ``[bins, 1, width, width]`` of the packed batch: ``mask="bool"`` (True = attend,
+    for sdpa), ``"additive"`` (0 / the min of ``mask_dtype``, for attention that adds its mask to the
+    scores: eager), or None (no mask: flash attention's variable-length kernel reads the sequences off
+    the restarting ``position_ids``). A bin's unused tail attends to itself only (its outputs are never read)."""
+    if mask not in ("bool", "additive", None):
+        raise ValueError(f"mask must be 'bool', 'additive' or None, got {mask!r}")
     rows, cols, bins, places = _token_places(plan)
     ids = torch.full((plan.bins, plan.width), pad_id, dtype=input_ids.dtype, device=input_ids.device)
     ids[bins, places] = input_ids[rows, cols]
-    segment = torch.full((plan.bins, plan.width), -1, dtype=torch.long, device=input_ids.device)
-    segment[bins, places] = rows
     positions = torch.zeros((plan.bins, plan.width), dtype=torch.long, device=input_ids.device)
     positions[bins, places] = cols - plan.start[rows]
+    if mask is None:
+        return {"input_ids": ids, "position_ids": positions, "attention_mask": None}
+    segment = torch.full((plan.bins, plan.width), -1, dtype=torch.long, device=input_ids.device)
+    segment[bins, places] = rows
     causal = torch.ones(plan.width, plan.width, dtype=torch.bool, device=input_ids.device).tril()
     same = segment.unsqueeze(2) == segment.unsqueeze(1)
     eye = torch.eye(plan.width, dtype=torch.bool, device=input_ids.device)
-    allowed = ((same & (segment.unsqueeze(2) >= 0)) | eye) & causal
-    mask = allowed.unsqueeze(1)
-    if float_mask_dtype is not None:
-        mask = torch.zeros(mask.shape, dtype=float_mask_dtype, device=mask.device).masked_fill(
-            ~mask, torch.finfo(float_mask_dtype).min)
-    return {"input_ids": ids, "position_ids": positions, "attention_mask": mask}
+    allowed = (((same & (segment.unsqueeze(2) >= 0)) | eye) & causal).unsqueeze(1)
+    if mask == "additive":
+        dtype = mask_dtype or torch.float32
+        allowed = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min)
+    return {"input_ids": ids, "position_ids": positions, "attention_mask": allowed}
 
 
 def unpack_completion(packed: torch.Tensor, plan: PackPlan, prompt_length: int, seq_len: int) -> torch.Tensor:

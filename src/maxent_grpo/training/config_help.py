@@ -69,6 +69,10 @@ HELP: dict[str, str] = {
     "loss.dual_clip": "dual-clip constant for negative advantages (null = off)",
     "loss.importance_sampling_level": "token ratios, or one ratio per sequence (GSPO)",
     "loss.beta": "KL coefficient to the reference (0 = no reference model)",
+    "loss.sync_ref_model": "TR-DPO (TRL sync_ref_model): every loss.ref_model_sync_steps optimizer steps the reference "
+                           "becomes alpha * policy + (1 - alpha) * reference; needs loss.beta > 0, not with LoRA or fsdp2",
+    "loss.ref_model_mixup_alpha": "alpha of the reference update, in (0, 1] (1: a hard copy of the policy)",
+    "loss.ref_model_sync_steps": "optimizer steps between reference updates",
     "loss.kl_estimator": "KL estimator per token: k1, k2 or k3",
     "loss.top_entropy_quantile": "train the policy term only on the top fraction of tokens by entropy",
     "loss.advantage_estimator": "grpo (group mean baseline), rloo (leave-one-out), maxrl (binary rewards: "

@@ -30,6 +30,7 @@ from maxent_grpo.rollout.backends import BACKENDS
 from maxent_grpo.rollout.settings import RolloutConfig, VllmConfig
 from maxent_grpo.training.replay import ReplayConfig
 from maxent_grpo.training.strategy import STRATEGIES
+from maxent_grpo.training.teacher import TeacherConfig
 
 
 
@@ -118,6 +119,10 @@ class LossSection:
     importance_sampling_level: Literal[IMPORTANCE_SAMPLING_LEVELS] = "token"
     beta: float = 0.0
     kl_estimator: Literal[tuple(KL_ESTIMATORS)] = "k3"
+    # TR-DPO's reference that follows the policy (TRL sync_ref_model; core/reference_sync.py).
+    sync_ref_model: bool = False
+    ref_model_mixup_alpha: float = 0.6
+    ref_model_sync_steps: int = 512
     top_entropy_quantile: float = 1.0
     # The names core/advantages.py registers (grpo, rloo, maxrl, reinforce_pp, reinforce_pp_baseline).
     advantage_estimator: Literal[tuple(ADVANTAGE_ESTIMATORS)] = "grpo"
@@ -237,6 +242,8 @@ class CoreConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     # Verified mode replay (Re:Dr, Re:Max; ALGORITHMS.md §17), for any method: training/replay.py.
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    # On-policy distillation (ALGORITHMS.md), for any method: training/teacher.py.
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
 
 
 # A method's settings section (methods/xdr.py's ``xdr:``...) is declared in its own file; the

@@ -1,10 +1,9 @@
-"""On-policy distillation's term (ALGORITHMS.md "On-policy distillation"): the student's per-token
+"""On-policy distillation's term (ALGORITHMS.md §19): the student's per-token
 reverse KL to a frozen teacher, ``KL(pi_theta || pi_T)``, on the student's own completions.
 
-Thinking Machines' on-policy distillation (Lu et al. 2025, Tinker cookbook), slime, SkyRL,
-prime-rl and AReaL give each sampled token ``y_t`` the advantage ``-c * k(t)`` with the
-sampled-token estimate ``k(t) = log pi_old(y_t) - log pi_T(y_t)`` (``k1``, detached) and train it
-by policy gradient. The loss term here is the same gradient beside any method's loss::
+Thinking Machines' on-policy distillation (Lu et al. 2025, Tinker cookbook) and slime (``--use-opd``)
+give each sampled token ``y_t`` the advantage ``-c * k(t)`` with the sampled-token estimate
+``k(t) = log pi_old(y_t) - log pi_T(y_t)`` (``k1``, detached) and train it by policy gradient. The loss term here is the same gradient beside any method's loss::
 
     l_t = c * sg(k(t)) * exp(log pi_theta(y_t) - sg(log pi_old(y_t)))
 

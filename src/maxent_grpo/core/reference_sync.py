@@ -17,7 +17,7 @@ __all__ = ["RefSync", "due", "mix_into_reference"]
 @dataclass(frozen=True)
 class RefSync:
     """TR-DPO's update: ``alpha`` in (0, 1] (1: a hard copy) every ``sync_steps`` >= 1 optimizer steps
-    (TRL's ``ref_model_mixup_alpha`` 0.6 and ``ref_model_sync_steps`` 512 are the defaults)."""
+    (the defaults are TRL DPOConfig's ``ref_model_mixup_alpha`` 0.6 and ``ref_model_sync_steps`` 512)."""
 
     alpha: float = 0.6
     sync_steps: int = 512

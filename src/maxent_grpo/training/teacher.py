@@ -1,4 +1,4 @@
-"""On-policy distillation's teacher (ALGORITHMS.md "On-policy distillation"): the ``teacher:`` section,
+"""On-policy distillation's teacher (ALGORITHMS.md §19): the ``teacher:`` section,
 its plan, and the frozen teacher scored on the student's own rows.
 
 The teacher is a second frozen model loaded like the reference (``strategy.load_reference``: whole on

@@ -107,8 +107,11 @@ def _check_ref_sync(cfg: TrainConfig, strategy: type[Strategy]) -> None:
 
 
 def _check_teacher(cfg: TrainConfig) -> None:
-    """Distillation without rewards zeroes the advantages: the method's policy term must be on them."""
+    """A teacher's own chat template renders one-shot prompts only; distillation without rewards zeroes the
+    advantages, so the method's policy term must be on them."""
     t = cfg.teacher
+    require(t.chat_template == "student" or not cfg.environment.enabled, "teacher.chat_template",
+            "teacher renders one-shot prompts again; with multi-turn episodes (environment:) use student")
     if t.rewards:
         return
     require(t.name_or_path is not None, "teacher.rewards", "false needs a teacher (teacher.name_or_path)")

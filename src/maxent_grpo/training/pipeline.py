@@ -71,8 +71,9 @@ class PipelineContext:
     # Completion log-probs [N, T] under the frozen reference, no grad: (input_ids, attention_mask,
     # prompt_length) -> [N, T]; None when the method scores no reference.
     reference_logps: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
-    # The same for on-policy distillation's frozen teacher (training/teacher.py); None without one.
-    teacher_logps: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
+    # The same for on-policy distillation's frozen teacher (training/teacher.py), with the batch's prompt
+    # rows first (for a teacher with its own chat template); None without one.
+    teacher_logps: Callable[[list[dict], torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
     # Multi-turn episodes: each row's environment and the limits; None: one-shot prompts.
     episodes: EpisodePlay | None = None
     # Optimizer steps per pass over the training rows (the reward functions' trainer_state.epoch); 0: unknown.
@@ -429,7 +430,7 @@ def _score_and_weight(ctx: PipelineContext, rows, rollout, per_fn, stats, timing
     teacher_logps = None
     if ctx.teacher_logps is not None:
         t3 = time.perf_counter()
-        teacher_logps = ctx.teacher_logps(packed.input_ids, packed.attention_mask, packed.prompt_length)
+        teacher_logps = ctx.teacher_logps(rows, packed.input_ids, packed.attention_mask, packed.prompt_length)
         if not torch.isfinite(teacher_logps).all():
             raise SkipBatch("teacher", "non-finite teacher log-probs")
         timings["time/teacher"] = time.perf_counter() - t3

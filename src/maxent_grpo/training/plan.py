@@ -318,7 +318,9 @@ def compile_run(cfg: TrainConfig, machine: Machine) -> RunPlan:
         adaptive_entropy=AdaptiveEntropy(lo.entropy_target, lo.entropy_coef_delta, lo.entropy_coef_min,
                                          lo.entropy_coef_max) if lo.adaptive_entropy else None,
         ref_sync=_ref_sync(cfg),
-        teacher=None if cfg.teacher.name_or_path is None else TeacherPlan(cfg.teacher.name_or_path, cfg.teacher.dtype),
+        teacher=None if cfg.teacher.name_or_path is None else TeacherPlan(
+            cfg.teacher.name_or_path, cfg.teacher.dtype, own_template=cfg.teacher.chat_template == "teacher",
+            system_prompt=d.system_prompt, few_shot=tuple(d.few_shot)),
         strategy=t.strategy,
         dist_timeout_minutes=t.dist_timeout_minutes,
         seed=t.seed,

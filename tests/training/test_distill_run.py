@@ -176,3 +176,13 @@ def test_a_run_with_the_teachers_own_template(teacher_with_own_template, tiny_mo
     assert main(["train", *tiny_overrides(tiny_model_dir, out, rewards=REWARDS, extra=extra)]) == 0
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2] and all(r["distill/kl"] != 0 for r in rows)
+
+
+def test_distillation_with_stale_rollouts(sharper_student, tiny_model_dir, tmp_path):
+    """rollout.max_staleness 1: the batch trained at step 2 was sampled before step 1's update; the
+    teacher scores it when it is trained, and the term gets the sampler -> trainer correction."""
+    out = tmp_path / "run"
+    extra = ["method=grpo", f"teacher.name_or_path={tiny_model_dir}", "rollout.max_staleness=1"]
+    assert main(["train", *tiny_overrides(sharper_student, out, rewards=REWARDS, steps=3, extra=extra)]) == 0
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["distill/kl"] > 0 for r in rows)

@@ -5,7 +5,7 @@
 
 Prints, per GPU, what the training phase holds (float32 master weights, gradients and
 AdamW state of the trained parameters, sharded 1/N under FSDP2; the reference model;
-a sampling copy; the activations of one micro-batch; the LM head's logits) and what a
+on-policy distillation's teacher (``teacher:``, counted from its own ``config.json``); a sampling copy; the activations of one micro-batch; the LM head's logits) and what a
 colocated vLLM engine takes. These are estimates for planning, not measurements:
 
 * parameters are counted from ``config.json`` (a Llama/Qwen2-style decoder: embeddings,
@@ -88,8 +88,10 @@ class Shape:
         return self.layers * sum(r * (shapes[t][0] + shapes[t][1]) for t in targets if t in shapes)
 
 
-def plan(cfg, shape: Shape, gpus: int, gpu_memory_gib: float, prompt_tokens: int) -> list[tuple[str, float, str]]:
-    """Rows (what, GiB per GPU, how it was counted) for a loaded TrainConfig on ``gpus`` GPUs."""
+def plan(cfg, shape: Shape, gpus: int, gpu_memory_gib: float, prompt_tokens: int,
+         teacher: Shape | None = None) -> list[tuple[str, float, str]]:
+    """Rows (what, GiB per GPU, how it was counted) for a loaded TrainConfig on ``gpus`` GPUs;
+    ``teacher``: the teacher's shape, needed when the run has one."""
     run = compile_run(cfg, Machine(fast_bf16=True, cuda=True, processes=None))  # a GPU multiplies bf16 natively
     t, g, lora = cfg.training, cfg.generation, cfg.model.lora
     shard = gpus if STRATEGIES[t.strategy].collective_forward else 1
@@ -112,6 +114,13 @@ def plan(cfg, shape: Shape, gpus: int, gpu_memory_gib: float, prompt_tokens: int
                      "one decoder layer unsharded, one prefetched"))
     if run.method.needs_reference and not lora.enabled:
         rows.append(("reference model", _BYTES[cfg.model.dtype] * p / shard / GIB, f"in model.dtype {cfg.model.dtype}"))
+    if run.teacher is not None:
+        if teacher is None:
+            raise ValueError(f"the run has a teacher ({run.teacher.name_or_path}): give its shape")
+        tp = teacher.params()
+        rows.append(("teacher model", _BYTES[run.teacher.dtype] * tp / shard / GIB,
+                     f"{tp / 1e9:.2f}B params in teacher.dtype {run.teacher.dtype}"
+                     + (f" / {shard} (FSDP2)" if shard > 1 else "")))
     backend = BACKENDS[g.backend]
     copy = run.sampler.sample_dtype
     if not backend.owns_weights and copy not in (None, master_dtype(cfg.model.dtype, lora.enabled)):
@@ -181,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="the run's YAML")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides")
     p.add_argument("--model-config", type=Path, help="the model's config.json (default: MODEL/config.json)")
+    p.add_argument("--teacher-model-config", type=Path,
+                   help="the teacher's config.json (default: TEACHER/config.json), for a run with a teacher:")
     p.add_argument("--gpus", type=int, default=1, help="processes (one GPU each)")
     p.add_argument("--gpu-memory-gib", type=float, default=80.0)
     p.add_argument("--prompt-tokens", type=int, default=256, help="longest prompt the run expects")
@@ -192,7 +203,15 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     shape = Shape.from_config(json.loads(model_config.read_text()))
-    rows = plan(cfg, shape, args.gpus, args.gpu_memory_gib, args.prompt_tokens)
+    teacher = None
+    if cfg.teacher.name_or_path is not None:
+        teacher_config = args.teacher_model_config or Path(cfg.teacher.name_or_path) / "config.json"
+        if not teacher_config.is_file():
+            print(f"memory_plan: {teacher_config} not found; give the teacher's config.json with "
+                  "--teacher-model-config", file=sys.stderr)
+            return 2
+        teacher = Shape.from_config(json.loads(teacher_config.read_text()))
+    rows = plan(cfg, shape, args.gpus, args.gpu_memory_gib, args.prompt_tokens, teacher)
     print(format_plan(rows, cfg, args.gpus, args.gpu_memory_gib))
     return 0
 

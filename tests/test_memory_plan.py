@@ -105,3 +105,17 @@ def test_hf_generation_holds_its_kv_cache_and_one_steps_logits_never_beside_the_
     held = sum(gib.values()) - update - generation
     assert peak_gib(rows, cfg)[0] == pytest.approx(held + max(update, generation))
     assert "HF generation: KV cache" not in _rows(["generation.backend=vllm"])
+
+
+def test_a_teacher_is_counted_from_its_own_shape_and_sharded_like_the_reference():
+    sets = ["teacher.name_or_path=Qwen/Qwen2.5-7B-Instruct", "teacher.dtype=bfloat16"]
+    seven = Shape.from_config(json.loads((REPO / "benchmarks/model_configs/qwen2.5-7b.json").read_text()))
+    student = Shape.from_config(json.loads((REPO / "benchmarks/model_configs/qwen2.5-1.5b.json").read_text()))
+    rows = dict((w, g) for w, g, _ in plan(load_config(None, sets), student, 1, 80.0, 256, seven))
+    assert rows["teacher model"] == pytest.approx(seven.params() * 2 / 2**30)
+    sharded = dict((w, g) for w, g, _ in plan(load_config(None, [*sets, "training.strategy=fsdp2"]), student, 8,
+                                              80.0, 256, seven))
+    assert sharded["teacher model"] == pytest.approx(rows["teacher model"] / 8)
+    assert "teacher model" not in _rows([])
+    with pytest.raises(ValueError, match="teacher"):
+        plan(load_config(None, sets), student, 1, 80.0, 256)

@@ -48,7 +48,7 @@ __all__ = [
     "smoothing_window",
 ]
 
-PHASES = ("time/generate", "time/reward", "time/reference", "time/policy", "time/optimizer")
+PHASES = ("time/generate", "time/reward", "time/reference", "time/teacher", "time/policy", "time/optimizer")
 STEP_LABEL = "optimizer step"
 
 

@@ -52,6 +52,8 @@ def test_recipe_runs_two_steps(recipe, tiny_model_dir, tmp_path):
     binary = cfg.loss.advantage_estimator == "maxrl"
     # Replay needs a task whose verifier gives mode keys: the recipe's own ModeBench task.
     source = cfg.data.source if cfg.replay.enabled else "reasoning_gym:chain_sum"
+    if cfg.teacher.name_or_path is not None:  # the distillation recipe's teacher: the tiny model (same tokenizer)
+        extra.append(f"teacher.name_or_path={tiny_model_dir}")
     assert main(["train", "--config", str(recipe), *tiny_run_args(
         tiny_model_dir, out, extra=extra, rewards=BINARY_REWARDS if binary else REWARDS, steps=2, source=source)]) == 0
     rows = read_metrics(out / "metrics.jsonl")
@@ -70,6 +72,8 @@ def test_recipe_runs_two_steps(recipe, tiny_model_dir, tmp_path):
         assert "weight_entropy" in rows[-1]
     if info["needs_reference"]:
         assert "kl" in rows[-1]
+    if cfg.teacher.name_or_path is not None:
+        assert "distill/kl" in rows[-1] and "time/teacher" in rows[-1]
     if binary:
         assert {"maxrl/success_rate", "maxrl/no_success_frac", "maxrl/adv_max"} <= set(rows[-1])
     assert (out / "config.yaml").is_file()

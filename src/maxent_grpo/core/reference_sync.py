@@ -5,10 +5,27 @@ every ``sync_steps`` optimizer steps, ``pi_ref <- alpha * pi_theta + (1 - alpha)
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["due", "mix_into_reference"]
+from maxent_grpo.core.bounds import require
+
+__all__ = ["RefSync", "due", "mix_into_reference"]
+
+
+@dataclass(frozen=True)
+class RefSync:
+    """TR-DPO's update: ``alpha`` in (0, 1] (1: a hard copy) every ``sync_steps`` >= 1 optimizer steps
+    (the defaults are TRL DPOConfig's ``ref_model_mixup_alpha`` 0.6 and ``ref_model_sync_steps`` 512)."""
+
+    alpha: float = 0.6
+    sync_steps: int = 512
+
+    def __post_init__(self) -> None:
+        require(math.isfinite(self.alpha) and 0.0 < self.alpha <= 1.0, "ref_model_mixup_alpha",
+                f"must be in (0, 1], got {self.alpha!r}")
+        require(self.sync_steps >= 1, "ref_model_sync_steps", f"must be >= 1, got {self.sync_steps}")
 
 
 def due(step: int, sync_steps: int) -> bool:

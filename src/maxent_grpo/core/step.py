@@ -23,6 +23,7 @@ import torch
 
 from maxent_grpo.core import peer_losses  # noqa: F401  (registers SAPO, GMPO, DPPO, OPSM)
 from maxent_grpo.core.bounds import require
+from maxent_grpo.core.distill import DistillTerm, distill_token_loss, teacher_kl
 from maxent_grpo.core.entropy_terms import (
     check_top_entropy_quantile, entropy_bonus, top_entropy_mask, top_entropy_threshold,
 )
@@ -75,6 +76,7 @@ class MicroBatch:
     listwise_weights: torch.Tensor | None = None
     listwise_active: torch.Tensor | None = None
     behaviour_logps: torch.Tensor | None = None
+    teacher_logps: torch.Tensor | None = None  # on-policy distillation: the teacher's, [B, T]
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 2:
@@ -93,6 +95,7 @@ class MicroBatch:
             "old_logps": (self.old_logps, bt),
             "ref_logps": (self.ref_logps, bt),
             "behaviour_logps": (self.behaviour_logps, bt),
+            "teacher_logps": (self.teacher_logps, bt),
             "row_weights": (self.row_weights, (b,)),
             "listwise_weights": (self.listwise_weights, (b,)),
         }
@@ -120,6 +123,8 @@ class LossSpec:
     term (``core/rollout_correction.py``; a loss registered with
     ``applies_correction``, GMPO, is handed the weight and applies it to its
     sequence loss itself); needs behaviour log-probs.
+    ``distill`` (on-policy distillation, ``core/distill.py``) adds the teacher's reverse-KL
+    term per token, aggregated like the policy term; needs teacher log-probs.
     """
 
     policy_loss: str = "clipped_surrogate"
@@ -135,6 +140,7 @@ class LossSpec:
     rollout_correction_cap: float = 2.0  # verl's threshold, ALGORITHMS.md §15
     seq_logprob_error_threshold: float | None = None
     max_completion_length: int | None = None
+    distill: DistillTerm | None = None
 
     def __post_init__(self) -> None:
         require(self.policy_loss in POLICY_LOSSES, "policy_loss",
@@ -194,7 +200,7 @@ class StepResult:
 
 
 # The per-step sums every loss has, all-reduced together with the policy loss's own metrics.
-_SUMS = ("loss", "policy_loss", "kl", "entropy", "entropy_bonus")
+_SUMS = ("loss", "policy_loss", "kl", "entropy", "entropy_bonus", "distill_kl")
 
 
 def _check_micro_batches(micro_batches: Sequence[MicroBatch], spec: LossSpec) -> None:
@@ -212,6 +218,8 @@ def _check_micro_batches(micro_batches: Sequence[MicroBatch], spec: LossSpec) ->
             raise ValueError(f"micro_batches[{k}].behaviour_logps is required by seq_logprob_error_threshold")
         if spec.beta > 0 and mb.ref_logps is None:
             raise ValueError(f"micro_batches[{k}].ref_logps is required when beta > 0")
+        if spec.distill is not None and mb.teacher_logps is None:
+            raise ValueError(f"micro_batches[{k}].teacher_logps is required by the distillation term")
         if spec.max_completion_length is not None and mb.completion_mask.shape[0] > 0:
             longest = int(mb.completion_mask.sum(-1).max())
             if longest > spec.max_completion_length:
@@ -353,13 +361,22 @@ def grpo_step(
                 if spec.beta > 0:
                     contribution = contribution + aggregate(spec.beta * kl, mask, spec.loss_type, norm)
                 kl_sum = (kl.detach() * mask).sum()
+            distill_sum = logp.new_zeros(())
+            if spec.distill is not None:
+                # The teacher's term is a policy-gradient term on the same samples: the same
+                # sampler -> trainer correction applies to it.
+                distill_tok = distill_token_loss(logp, old, mb.teacher_logps, spec.distill)
+                if correction is not None:
+                    distill_tok = distill_tok * correction.to(distill_tok.dtype)
+                contribution = contribution + aggregate(distill_tok, mask, spec.loss_type, norm)
+                distill_sum = (teacher_kl(old, mb.teacher_logps, spec.distill.kl_estimator) * mask).sum()
             bonus = logp.new_zeros(())
             if spec.entropy_coef > 0:
                 bonus = entropy_bonus(ent, mask, vocab_size, spec.loss_type, norm)
                 contribution = contribution - spec.entropy_coef * bonus
             (contribution * comm.world_size).backward()
 
-            values = (contribution, policy_part, kl_sum, (ent * mask).sum(), bonus)
+            values = (contribution, policy_part, kl_sum, (ent * mask).sum(), bonus, distill_sum)
             sums += torch.stack([v.detach().to(sums.dtype) for v in values])
             for name, metric in term.metrics.items():
                 loss_metrics.setdefault(name, []).append(metric)
@@ -411,4 +428,7 @@ def _metrics(sums: dict[str, float], norm: StepNormalizer, has_reference: bool, 
         out["kl"] = sums["kl"] / tokens
     if spec.entropy_coef > 0:
         out["entropy_bonus"] = sums["entropy_bonus"]
+    if spec.distill is not None:
+        # The mean per-token estimate of KL(pi_old || pi_teacher) over the step's completion tokens.
+        out["distill/kl"] = sums["distill_kl"] / tokens
     return out

@@ -52,6 +52,8 @@ SHARDED_OPTIMIZER_DIR = "optimizer"
 SHARDED_OPTIMIZER_METADATA = "optimizer/.metadata"
 SCHEDULER_NAME = "scheduler.pt"
 RNG_STATE_NAME = "rng_state.pt"
+# The reference model's parameters when it follows the policy (loss.sync_ref_model).
+REFERENCE_NAME = "reference.safetensors"
 PEFT_ADAPTER_WEIGHTS = "adapter_model.safetensors"
 MANIFEST_VERSION = 1
 
@@ -81,6 +83,7 @@ def save_checkpoint(
     keep_last: int | None,
     model_state_dict: dict[str, torch.Tensor] | None = None,
     sharded_optimizer: Path | None = None,
+    reference_state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write ``OUTPUT_DIR/checkpoints/step-{step}`` atomically and prune old checkpoints.
 
@@ -92,6 +95,7 @@ def save_checkpoint(
     For a sharded model, ``model_state_dict`` holds its gathered full weights and
     ``sharded_optimizer`` (instead of ``optimizer``) a folder the ranks have written
     their optimizer shards to; it is moved into the checkpoint as ``optimizer/``.
+    ``reference_state``: the parameters of a reference that follows the policy (``reference.safetensors``).
     """
     if (optimizer is None) == (sharded_optimizer is None):
         raise ValueError("give exactly one of optimizer and sharded_optimizer")
@@ -116,7 +120,7 @@ def save_checkpoint(
     tmp.mkdir()
     try:
         _write_contents(tmp, step, model, tokenizer, optimizer, lr_scheduler, state_text,
-                        model_state_dict, sharded_optimizer)
+                        model_state_dict, sharded_optimizer, reference_state)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed save (disk full...) leaves no debris
         raise
@@ -159,7 +163,7 @@ def save_failed(output_dir: str | Path, step: int, failure: str) -> CheckpointEr
 
 
 def _write_contents(tmp: Path, step: int, model, tokenizer, optimizer, lr_scheduler, state_text: str,
-                    model_state_dict, sharded_optimizer) -> None:
+                    model_state_dict, sharded_optimizer, reference_state) -> None:
     model_format = "peft" if _is_peft_model(model) else "full"
     if model_state_dict is None:
         model.save_pretrained(tmp)
@@ -176,6 +180,10 @@ def _write_contents(tmp: Path, step: int, model, tokenizer, optimizer, lr_schedu
     if lr_scheduler is not None:
         torch.save(lr_scheduler.state_dict(), tmp / SCHEDULER_NAME)
     torch.save(_capture_rng_state(), tmp / RNG_STATE_NAME)
+    if reference_state is not None:
+        from safetensors.torch import save_file
+
+        save_file({k: v.detach().contiguous().cpu() for k, v in reference_state.items()}, tmp / REFERENCE_NAME)
     (tmp / TRAINER_STATE_NAME).write_text(state_text)
 
     files = {}
@@ -396,6 +404,22 @@ def load_checkpoint(
                              "resume it with training.strategy=fsdp2")
         optimizer.load_state_dict(torch.load(path / OPTIMIZER_NAME, map_location="cpu", weights_only=True))
     return restore_run_state(path, lr_scheduler)
+
+
+def load_reference_state(path: str | Path, reference: torch.nn.Module) -> None:
+    """Copy the checkpoint's reference parameters (``reference.safetensors``) into ``reference`` in place."""
+    from safetensors.torch import load_file
+
+    file = Path(path) / REFERENCE_NAME
+    if not file.is_file():
+        raise CheckpointError(f"--resume: loss.sync_ref_model but {path} holds no {REFERENCE_NAME} (its run's "
+                              "reference did not follow the policy)")
+    saved = load_file(file)
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if name not in saved or saved[name].shape != param.shape:
+                raise CheckpointError(f"--resume: {file} has no parameter {name} of shape {tuple(param.shape)}")
+            param.copy_(saved[name])
 
 
 def _check_checkpoint_dir(path: Path, *, verify: bool) -> None:

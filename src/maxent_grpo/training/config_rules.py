@@ -11,6 +11,7 @@ import math
 
 from maxent_grpo.envs import ENVIRONMENTS
 from maxent_grpo.errors import ConfigError
+from maxent_grpo.methods import get_method
 from maxent_grpo.rollout.backends import BACKENDS
 from maxent_grpo.training.config_schema import TrainConfig, TrainingConfig
 from maxent_grpo.training.precision import Machine
@@ -87,8 +88,37 @@ def check_run(cfg: TrainConfig, machine: Machine, master: str) -> None:
             "set it to null")
     require(cfg.eval.every_steps == 0 or cfg.data.eval_size > 0, "eval.every_steps",
             "in-loop validation needs a held-out split: set data.eval_size > 0")
+    _check_teacher(cfg)
+    _check_ref_sync(cfg, strategy)
     _check_strategy(cfg, strategy, master)
     _check_environment(cfg)
+
+
+def _check_ref_sync(cfg: TrainConfig, strategy: type[Strategy]) -> None:
+    """A reference that follows the policy needs a separate reference model held whole on each process."""
+    if not cfg.loss.sync_ref_model:
+        return
+    require(cfg.loss.beta > 0, "loss.sync_ref_model", "needs a reference model: set loss.beta > 0")
+    # As TRL: the LoRA reference is the base model with the adapters off, nothing to update.
+    require(not cfg.model.lora.enabled, "loss.sync_ref_model",
+            "is not supported with model.lora.enabled (the reference is the base model with the adapters off)")
+    require(strategy.supports_reference_sync, "loss.sync_ref_model",
+            f"is not supported with training.strategy={strategy.name} (the reference is sharded); use ddp")
+
+
+def _check_teacher(cfg: TrainConfig) -> None:
+    """A teacher's own chat template renders one-shot prompts only; distillation without rewards zeroes the
+    advantages, so the method's policy term must be on them."""
+    t = cfg.teacher
+    require(t.chat_template == "student" or not cfg.environment.enabled, "teacher.chat_template",
+            "teacher renders one-shot prompts again; with multi-turn episodes (environment:) use student")
+    if t.rewards:
+        return
+    require(t.name_or_path is not None, "teacher.rewards", "false needs a teacher (teacher.name_or_path)")
+    weighting = get_method(cfg.method).weighting
+    require(weighting != "listwise", "teacher.rewards",
+            f"false zeroes the advantages, but method {cfg.method}'s policy term is on {weighting} weights; "
+            "use an advantage method (e.g. method: grpo)")
 
 
 def _check_environment(cfg: TrainConfig) -> None:

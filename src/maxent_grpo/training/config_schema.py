@@ -30,6 +30,7 @@ from maxent_grpo.rollout.backends import BACKENDS
 from maxent_grpo.rollout.settings import RolloutConfig, VllmConfig
 from maxent_grpo.training.replay import ReplayConfig
 from maxent_grpo.training.strategy import STRATEGIES
+from maxent_grpo.training.teacher import TeacherConfig
 
 
 
@@ -145,6 +146,13 @@ class LossSection:
     beta: float = field(default=0.0, metadata={"help": "KL coefficient to the reference (0 = no reference model)"})
     kl_estimator: Literal[tuple(KL_ESTIMATORS)] = field(default="k3", metadata={"help": (
         "KL estimator per token: k1, k2 or k3")})
+    # TR-DPO's reference that follows the policy (TRL sync_ref_model; core/reference_sync.py).
+    sync_ref_model: bool = field(default=False, metadata={"help": (
+        "TR-DPO (TRL sync_ref_model): every loss.ref_model_sync_steps optimizer steps the reference becomes "
+        "alpha * policy + (1 - alpha) * reference; needs loss.beta > 0, not with LoRA or fsdp2")})
+    ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": (
+        "alpha of the reference update, in (0, 1] (1: a hard copy of the policy)")})
+    ref_model_sync_steps: int = field(default=512, metadata={"help": "optimizer steps between reference updates"})
     top_entropy_quantile: float = field(default=1.0, metadata={"help": (
         "train the policy term only on the top fraction of tokens by entropy")})
     # The names core/advantages.py registers (grpo, rloo, maxrl, reinforce_pp, reinforce_pp_baseline).
@@ -321,6 +329,8 @@ class CoreConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     # Verified mode replay (Re:Dr, Re:Max; ALGORITHMS.md §17), for any method: training/replay.py.
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    # On-policy distillation (ALGORITHMS.md), for any method: training/teacher.py.
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
 
 
 # A method's settings section (methods/xdr.py's ``xdr:``...) is declared in its own file; the

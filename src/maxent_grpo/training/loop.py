@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from maxent_grpo.core.entropy_control import update_entropy_coef
+from maxent_grpo.core.reference_sync import due, mix_into_reference
 from maxent_grpo.core.step import OptimizerUpdate, grpo_step
 from maxent_grpo.errors import UserError
 from maxent_grpo.kill_points import kill_point
@@ -193,6 +194,11 @@ def _policy_update(run: Run, prepared, step: int, timings: dict):
     result.metrics["tokens/policy_forward"] = float(sum(
         plan.scoring.forward_positions(mb.input_ids, mb.attention_mask, mb.prompt_length) for mb in micro_batches))
     result.metrics["tokens/real"] = float(prepared.total_input_tokens)
+    if plan.ref_sync is not None:  # loss.sync_ref_model: after the step's optimizer update, when due
+        synced = due(step, plan.ref_sync.sync_steps)
+        if synced:
+            mix_into_reference(run.reference, ctx.model, plan.ref_sync.alpha)
+        result.metrics["reference/synced"] = float(synced)
     if run.entropy_state is not None:
         result.metrics["entropy_coef"] = spec.entropy_coef
         run.entropy_state = update_entropy_coef(run.entropy_state, result.metrics["entropy"], plan.adaptive_entropy)

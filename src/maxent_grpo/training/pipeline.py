@@ -71,6 +71,9 @@ class PipelineContext:
     # Completion log-probs [N, T] under the frozen reference, no grad: (input_ids, attention_mask,
     # prompt_length) -> [N, T]; None when the method scores no reference.
     reference_logps: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
+    # The same for on-policy distillation's frozen teacher (training/teacher.py), with the batch's prompt
+    # rows first (for a teacher with its own chat template); None without one.
+    teacher_logps: Callable[[list[dict], torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
     # Multi-turn episodes: each row's environment and the limits; None: one-shot prompts.
     episodes: EpisodePlay | None = None
     # Optimizer steps per pass over the training rows (the reward functions' trainer_state.epoch); 0: unknown.
@@ -96,6 +99,7 @@ class PreparedBatch:
     stats: dict[str, float]
     timings: dict[str, float]
     extra_columns: dict[str, list] = field(default_factory=dict)  # the reward functions' log_extra columns
+    teacher_logps: torch.Tensor | None = None  # [N, T] the teacher's (on-policy distillation)
 
     @property
     def grouped_completions(self) -> list[list[str]]:
@@ -139,6 +143,7 @@ class PreparedBatch:
                     listwise_weights=rows(lw, sl),
                     listwise_active=rows(self.listwise_active, slice(s // g, e // g)),
                     behaviour_logps=rows(p.behaviour_logps, sl),
+                    teacher_logps=rows(self.teacher_logps, sl),
                 )
             )
         return out
@@ -422,6 +427,13 @@ def _score_and_weight(ctx: PipelineContext, rows, rollout, per_fn, stats, timing
         if not torch.isfinite(ref_logps).all():
             raise SkipBatch("reference", "non-finite reference log-probs")
     timings["time/reference"] = time.perf_counter() - t2
+    teacher_logps = None
+    if ctx.teacher_logps is not None:
+        t3 = time.perf_counter()
+        teacher_logps = ctx.teacher_logps(rows, packed.input_ids, packed.attention_mask, packed.prompt_length)
+        if not torch.isfinite(teacher_logps).all():
+            raise SkipBatch("teacher", "non-finite teacher log-probs")
+        timings["time/teacher"] = time.perf_counter() - t3
     targets = method.targets(TargetInputs(
         weighting=ctx.weighting, reward_comp=reward_comp, completion_texts=rollout.completion_texts,
         answer_keys=keys, num_generations=g, lengths=counts,
@@ -434,8 +446,10 @@ def _score_and_weight(ctx: PipelineContext, rows, rollout, per_fn, stats, timing
         rollout=rollout,
         packed=packed,
         reward_comp=reward_comp,
-        advantages=reward_comp.advantages,
+        # teacher.rewards false: distillation alone, the rewards only logged.
+        advantages=reward_comp.advantages if b.reward_advantages else torch.zeros_like(reward_comp.advantages),
         ref_logps=ref_logps,
+        teacher_logps=teacher_logps,
         weight_stats=targets.weight_stats,
         listwise_active=targets.listwise_active,
         row_weights=targets.row_weights,

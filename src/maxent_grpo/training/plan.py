@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from maxent_grpo.core.bounds import SpecError
+from maxent_grpo.core.distill import DistillTerm
 from maxent_grpo.core.entropy_control import AdaptiveEntropy
 from maxent_grpo.core.logprobs import Scoring
+from maxent_grpo.core.reference_sync import RefSync
 from maxent_grpo.core.losses import ClipSettings
 from maxent_grpo.core.rollout_correction import correction_parts
 from maxent_grpo.core.step import LossSpec
@@ -47,6 +49,7 @@ from maxent_grpo.training.replay import ReplayConfig
 from maxent_grpo.training.sampler import SamplerPlan
 from maxent_grpo.training.schedule import LoggingPlan, Schedule
 from maxent_grpo.training.strategy import STRATEGIES
+from maxent_grpo.training.teacher import TeacherPlan
 from maxent_grpo.training.validation import EvalPlan
 
 
@@ -67,6 +70,7 @@ class BatchPlan:
     reward_stats: RewardStatsSettings
     policy_entropy_bonus_coef: float
     episodes: EpisodeLimits | None = None  # multi-turn episodes (environment:); None: one-shot prompts
+    reward_advantages: bool = True  # false (teacher.rewards): the advantages are 0, the teacher's term alone trains
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,8 @@ class RunPlan:
     rewards: tuple[RewardEntry, ...]
     replay: ReplayConfig  # verified mode replay (training/replay.py); replay.enabled false: none
     adaptive_entropy: AdaptiveEntropy | None  # the entropy coefficient's controller (loss.adaptive_entropy)
+    ref_sync: RefSync | None  # TR-DPO's reference update (loss.sync_ref_model); None: a frozen reference
+    teacher: TeacherPlan | None  # on-policy distillation's teacher (teacher.name_or_path); its term is method.loss.distill
     strategy: str  # a name training/strategy.py registers
     dist_timeout_minutes: float
     seed: int
@@ -139,9 +145,31 @@ def _base_loss(cfg: TrainConfig, rollout_correction: str) -> LossSpec:
             rollout_correction=rollout_correction, rollout_correction_cap=lo.rollout_correction_cap,
             seq_logprob_error_threshold=lo.seq_logprob_error_threshold,
             max_completion_length=completion_budget(cfg),
+            distill=_distill(cfg),
         )
     except SpecError as err:
         raise ConfigError(f"{_KEYS.get(err.setting, 'loss.' + err.setting)}: {err.problem}") from None
+
+
+def _ref_sync(cfg: TrainConfig) -> RefSync | None:
+    lo = cfg.loss
+    if not lo.sync_ref_model:
+        return None
+    try:
+        return RefSync(alpha=lo.ref_model_mixup_alpha, sync_steps=lo.ref_model_sync_steps)
+    except SpecError as err:
+        raise ConfigError(f"loss.{err.setting}: {err.problem}") from None
+
+
+def _distill(cfg: TrainConfig) -> DistillTerm | None:
+    """The teacher's loss term (None without a teacher); its bounds raise one ConfigError naming the key."""
+    t = cfg.teacher
+    if t.name_or_path is None:
+        return None
+    try:
+        return DistillTerm(coef=t.coef, kl_estimator=t.kl_estimator)
+    except SpecError as err:
+        raise ConfigError(f"teacher.{err.setting}: {err.problem}") from None
 
 
 def _compile_method(cfg: TrainConfig, rollout_correction: str) -> MethodPlan:
@@ -238,6 +266,7 @@ def compile_run(cfg: TrainConfig, machine: Machine) -> RunPlan:
             aggregation=lo.multi_objective_aggregation,
         ),
         policy_entropy_bonus_coef=lo.policy_entropy_bonus_coef, episodes=episodes,
+        reward_advantages=cfg.teacher.rewards or cfg.teacher.name_or_path is None,
     )
     lora = m.lora
     return RunPlan(
@@ -289,6 +318,10 @@ def compile_run(cfg: TrainConfig, machine: Machine) -> RunPlan:
         replay=cfg.replay,
         adaptive_entropy=AdaptiveEntropy(lo.entropy_target, lo.entropy_coef_delta, lo.entropy_coef_min,
                                          lo.entropy_coef_max) if lo.adaptive_entropy else None,
+        ref_sync=_ref_sync(cfg),
+        teacher=None if cfg.teacher.name_or_path is None else TeacherPlan(
+            cfg.teacher.name_or_path, cfg.teacher.dtype, own_template=cfg.teacher.chat_template == "teacher",
+            system_prompt=d.system_prompt, few_shot=tuple(d.few_shot)),
         strategy=t.strategy,
         dist_timeout_minutes=t.dist_timeout_minutes,
         seed=t.seed,

@@ -63,18 +63,23 @@ def load_policy(m: ModelPlan, model_path: str, strategy: Strategy):
     return model, tokenizer
 
 
-def reference_scorer(m: ModelPlan, scoring: Scoring, model, model_path: str, strategy: Strategy):
-    """(input_ids, attention_mask, prompt_length) -> the frozen reference's completion log-probs: the
-    LoRA base with its adapters off, else a second copy of the start weights in the compute dtype."""
-    if m.lora is not None:
+def load_reference(m: ModelPlan, model_path: str, strategy: Strategy) -> torch.nn.Module | None:
+    """The frozen reference model: a second copy of the start weights in the compute dtype, placed
+    by the strategy; None with LoRA (the reference is the base with its adapters off)."""
+    return None if m.lora is not None else strategy.load_reference(model_path, dtype=m.dtype)
+
+
+def reference_scorer(scoring: Scoring, model, reference: torch.nn.Module | None):
+    """(input_ids, attention_mask, prompt_length) -> the frozen reference's completion log-probs:
+    ``reference`` (:func:`load_reference`'s), or the LoRA ``model`` with its adapters off when None."""
+    if reference is None:
         def score(ids, mask, plen):
             with reference_context(model):
                 return scoring.score_rows(model, ids, mask, plen)[0]
         return score
-    ref = strategy.load_reference(model_path, dtype=m.dtype)
 
     def score(ids, mask, plen):
-        return scoring.score_rows(ref, ids, mask, plen)[0]
+        return scoring.score_rows(reference, ids, mask, plen)[0]
     return score
 
 

@@ -22,14 +22,16 @@ from maxent_grpo.rollout.open_plane import open_data_plane
 from maxent_grpo.run_files import write_text_atomic
 from maxent_grpo.core.entropy_control import EntropyCoefState
 from maxent_grpo.core.mode_bank import ModeBank
-from maxent_grpo.training.checkpoint import CheckpointError, find_latest_checkpoint, read_trainer_state
+from maxent_grpo.training.checkpoint import (
+    CheckpointError, find_latest_checkpoint, load_reference_state, read_trainer_state,
+)
 from maxent_grpo.training.replay import bank_from_state, bank_state
 from maxent_grpo.training.config import save_config
 from maxent_grpo.training.data import load_rows, row_episodes
 from maxent_grpo.training.distributed import Dist, log_device
 from maxent_grpo.training.pipeline import PipelineContext
 from maxent_grpo.training.plan import RunPlan, describe_rollout_correction
-from maxent_grpo.training.policy import build_optimizer, load_policy, reference_scorer
+from maxent_grpo.training.policy import build_optimizer, load_policy, load_reference, reference_scorer
 from maxent_grpo.training.rollout_queue import RolloutQueue
 from maxent_grpo.training.run_dir import (
     RunDirError, RunLock, claim_output_dir, config_history, history_line, resume_changes,
@@ -37,6 +39,7 @@ from maxent_grpo.training.run_dir import (
 from maxent_grpo.training.sampler import build_sampler, describe_sampling
 from maxent_grpo.training.seeding import seed_everything
 from maxent_grpo.training.strategy import STRATEGIES, Strategy
+from maxent_grpo.training.teacher import check_teacher, teacher_scorer
 from maxent_grpo.training.trackers import make_trackers, require_trackers
 
 log = logging.getLogger("maxent_grpo")
@@ -74,6 +77,9 @@ class Run:
     last_metrics: dict = field(default_factory=dict)  # the latest step's, for the progress bar
     bank: ModeBank | None = None  # verified mode replay's bank (replay.enabled), identical on every rank
     entropy_state: EntropyCoefState | None = None  # the adaptive entropy coefficient (loss.adaptive_entropy)
+    # The separate reference model (None: no reference, or LoRA's adapters-off base); loss.sync_ref_model
+    # moves it toward the policy, and it is then saved with every checkpoint.
+    reference: torch.nn.Module | None = None
 
     @property
     def plan(self) -> RunPlan:
@@ -105,6 +111,8 @@ class Run:
             self.output_dir, step, model=self.ctx.model, tokenizer=self.ctx.tokenizer, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, trainer_state=self.trainer_state(step, sampler_state),
             keep_last=self.plan.schedule.keep_last,
+            # A reference that follows the policy is state: a resumed run must score against the same one.
+            reference_state=None if self.plan.ref_sync is None else dict(self.reference.named_parameters()),
         )
 
     def finish(self) -> None:
@@ -144,6 +152,7 @@ def build_run(
     reward_spec = build_reward_spec(list(plan.rewards))
     model_path = resolve_model_path(plan.model.name_or_path)
     BACKENDS[plan.sampler.backend].check(plan.sampler.vllm, model_path)
+    teacher_path = None if plan.teacher is None else check_teacher(plan.teacher, model_path)
     if dist.is_main:
         save_config(plan.source, output_dir / "config.yaml", header=history)
         write_text_atomic(output_dir / "run_info.json", json.dumps(
@@ -158,7 +167,9 @@ def build_run(
     log.info("rollout correction: %s", describe_rollout_correction(method.loss))
 
     model, tokenizer = load_policy(plan.model, model_path, strategy)
-    reference = reference_scorer(plan.model, plan.scoring, model, model_path, strategy) if method.needs_reference else None
+    ref_model = load_reference(plan.model, model_path, strategy) if method.needs_reference else None
+    reference = reference_scorer(plan.scoring, model, ref_model) if method.needs_reference else None
+    teacher = None if plan.teacher is None else teacher_scorer(plan.teacher, teacher_path, plan.scoring, strategy)
     optimizer, lr_scheduler = build_optimizer(model, plan.optimizer)
     train_model, gradient_sync = strategy.wrap(model)
 
@@ -175,7 +186,8 @@ def build_run(
     ctx = PipelineContext(
         plan=plan, model=model, tokenizer=tokenizer, backend=backend, reward_spec=reward_spec,
         # The live controller state starts from the plan's settings; the plan itself is never changed.
-        weighting=copy.deepcopy(plan.weighting), dist=dist, reference_logps=reference, episodes=episodes,
+        weighting=copy.deepcopy(plan.weighting), dist=dist, reference_logps=reference, teacher_logps=teacher,
+        episodes=episodes,
         steps_per_epoch=len(train_ds) / (plan.batch.prompts_per_step * dist.world_size),
     )
     sharded = ShardedSampler(sampler, dist)
@@ -193,6 +205,7 @@ def build_run(
         strategy=strategy, eval_rows=eval_rows, lock=lock,
         bank=ModeBank(plan.replay.capacity, plan.replay.groups_per_step) if plan.replay.enabled else None,
         entropy_state=EntropyCoefState(plan.method.loss.entropy_coef) if plan.adaptive_entropy is not None else None,
+        reference=ref_model,
     )
     if ckpt is not None:
         _resume(run, ckpt)
@@ -243,6 +256,8 @@ def _resume(run: Run, ckpt: Path) -> None:
     run.ctx.skips.update(state["skips"])
     if run.entropy_state is not None and state.get("entropy_control") is not None:
         run.entropy_state = EntropyCoefState.from_dict(state["entropy_control"])
+    if run.plan.ref_sync is not None:
+        load_reference_state(ckpt, run.reference)
     if run.bank is not None:
         if state.get("replay") is None:
             raise CheckpointError(f"--resume: replay.enabled but {ckpt} holds no replay bank (its run had no replay)")

@@ -39,6 +39,9 @@ class Strategy:
     name: ClassVar[str]
     min_processes: ClassVar[int] = 1
     supports_lora: ClassVar[bool] = True
+    # A reference that follows the policy (loss.sync_ref_model): mixed parameter by parameter and saved
+    # with each checkpoint, which needs it whole on each process.
+    supports_reference_sync: ClassVar[bool] = True
     # Every forward of the policy is a collective: HF generate must run in lockstep on
     # every rank, so nothing may make ranks run different numbers of forwards.
     collective_forward: ClassVar[bool] = False
@@ -61,9 +64,10 @@ class Strategy:
 
     def save(self, output_dir: Path, step: int, *, model: torch.nn.Module, tokenizer: Any,
              optimizer: torch.optim.Optimizer, lr_scheduler: Any, trainer_state: dict,
-             keep_last: int | None) -> Path | None:
+             keep_last: int | None, reference_state: dict | None = None) -> Path | None:
         """Write checkpoint ``step`` (a collective); every rank returns its folder, or raises the same
-        error if any write failed."""
+        error if any write failed. ``reference_state``: a reference that follows the policy (only
+        where ``supports_reference_sync``)."""
         raise NotImplementedError
 
     def load(self, ckpt: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -83,13 +87,15 @@ class DDPStrategy(Strategy):
                                  gradient_as_bucket_view=True)
         return ddp, ddp_gradient_sync(ddp)
 
-    def save(self, output_dir, step, *, model, tokenizer, optimizer, lr_scheduler, trainer_state, keep_last):
+    def save(self, output_dir, step, *, model, tokenizer, optimizer, lr_scheduler, trainer_state, keep_last,
+             reference_state=None):
         path, failure = None, None
         if self.dist.is_main:
             try:
                 path = save_checkpoint(
                     output_dir, step, model=model, tokenizer=tokenizer, optimizer=optimizer,
                     lr_scheduler=lr_scheduler, trainer_state=trainer_state, keep_last=keep_last,
+                    reference_state=reference_state,
                 )
             # Disk full, permissions (safetensors reports the same I/O errors as its own): the
             # earlier checkpoints are untouched.
@@ -109,6 +115,7 @@ class FSDP2Strategy(Strategy):
     name = "fsdp2"
     min_processes = 2
     supports_lora = False
+    supports_reference_sync = False  # the reference is sharded like the policy (config_rules refuses the sync)
     collective_forward = True
 
     # Every rank builds the model on the meta device and shards it; rank 0 alone reads the weights
@@ -133,7 +140,8 @@ class FSDP2Strategy(Strategy):
     def wrap(self, model):
         return model, fsdp2_gradient_sync(model)
 
-    def save(self, output_dir, step, *, model, tokenizer, optimizer, lr_scheduler, trainer_state, keep_last):
+    def save(self, output_dir, step, *, model, tokenizer, optimizer, lr_scheduler, trainer_state, keep_last,
+             reference_state=None):
         path = save_sharded_checkpoint(
             output_dir, step, model=model, tokenizer=tokenizer, optimizer=optimizer, lr_scheduler=lr_scheduler,
             trainer_state=trainer_state, keep_last=keep_last,

@@ -10,10 +10,14 @@ computes it), and is timed over ``--reps`` batches after one warm-up, synchronis
 
 * ``ours``: ``Scoring.logps`` as the trainer calls it (shared prompts, fused LM head, entropies);
 * ``ours, no entropy``; ``ours, no shared prompts``; ``ours, no fused head``;
+* ``ours, packed``: padding-free (``training.packing``), no shared prompts;
 * ``plain``: one forward over prompt + completion, the logits at the completion positions,
   ``log_softmax`` and a gather (what TRL does), no entropy.
 
-Prints a table, and with ``--trace-out`` the profiler's top operations for ``ours``.
+``--ragged``: completions of varied length (uniform from 1/8 of ``--completion-len`` to all of it,
+right-padded), as sampled ones are; without it every completion is full and nothing is padding.
+Prints a table (with the token positions each variant computes per batch), and with ``--trace-out``
+the profiler's top operations for ``ours``.
 """
 
 from __future__ import annotations
@@ -28,14 +32,20 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def batch(vocab: int, prompts: int, group: int, prompt_len: int, completion_len: int, device):
+def batch(vocab: int, prompts: int, group: int, prompt_len: int, completion_len: int, device, ragged: bool = False):
     import torch
 
     g = torch.Generator(device="cpu").manual_seed(0)
     prompt = torch.randint(0, vocab, (prompts, prompt_len), generator=g).repeat_interleave(group, 0)
     completion = torch.randint(0, vocab, (prompts * group, completion_len), generator=g)
-    ids = torch.cat([prompt, completion], 1).to(device)
-    return ids, torch.ones_like(ids)
+    ids = torch.cat([prompt, completion], 1)
+    mask = torch.ones_like(ids)
+    if ragged:
+        lengths = torch.randint(max(1, completion_len // 8), completion_len + 1, (prompts * group,), generator=g)
+        pad = torch.arange(completion_len)[None, :] >= lengths[:, None]
+        mask[:, prompt_len:][pad] = 0
+        ids[:, prompt_len:][pad] = 0
+    return ids.to(device), mask.to(device)
 
 
 def variants():
@@ -43,11 +53,12 @@ def variants():
 
     from maxent_grpo.core.logprobs import Scoring, get_per_token_logps_and_entropies
 
-    def ours(share=True, fused=True, entropy=True):
+    def ours(share=True, fused=True, entropy=True, pack=False):
         def run(model, ids, mask, p):
             with torch.autocast(ids.device.type, dtype=torch.bfloat16):
                 return get_per_token_logps_and_entropies(model, ids, mask, p, with_entropy=entropy,
-                                                         share_prompts=share, fused_head=fused)
+                                                         share_prompts=share, fused_head=fused, pack=pack)
+        run.scoring = Scoring(share_prompts=share, packing=pack)
         return run
 
     def plain(model, ids, mask, p):
@@ -57,8 +68,14 @@ def variants():
         return logps, None
 
     assert Scoring().share_prompts  # the trainer's default, which "ours" mirrors
+    plain.scoring = Scoring(share_prompts=False)
     return {"ours": ours(), "ours, no entropy": ours(entropy=False), "ours, no shared prompts": ours(share=False),
-            "ours, no fused head": ours(fused=False), "plain": plain}
+            "ours, packed": ours(share=False, pack=True), "ours, no fused head": ours(fused=False), "plain": plain}
+
+
+def positions(fn, ids, mask, p, micro: int) -> int:
+    """Token positions the variant's forwards compute over the batch (``Scoring.forward_positions``)."""
+    return sum(fn.scoring.forward_positions(ids[s:s + micro], mask[s:s + micro], p) for s in range(0, ids.shape[0], micro))
 
 
 def time_variant(fn, model, ids, mask, p, micro: int, reps: int) -> tuple[float, float]:
@@ -75,7 +92,9 @@ def time_variant(fn, model, ids, mask, p, micro: int, reps: int) -> tuple[float,
         start = time.perf_counter()
         for s in range(0, ids.shape[0], micro):
             logps, ent = fn(model, ids[s:s + micro], mask[s:s + micro], p)
-            loss = -logps.float().mean() - (ent.float().mean() if ent is not None else 0.0)
+            keep = mask[s:s + micro, p:].float()
+            loss = -(logps.float() * keep).sum() / keep.sum() - ((ent.float() * keep).sum() / keep.sum()
+                                                                  if ent is not None else 0.0)
             loss.backward()
         sync()
         if rep:
@@ -91,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=168, help="benchmarks/gpu.py's pair_sum prompts: ~168 tokens")
     p.add_argument("--completion-len", type=int, default=256)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--ragged", action="store_true", help="completions of varied length, right-padded")
     p.add_argument("--trace-out", type=Path)
     p.add_argument("--cpu", action="store_true", help="the tiny model on the CPU: a check of the script, no figures")
     args = p.parse_args(argv)
@@ -108,17 +128,20 @@ def main(argv: list[str] | None = None) -> int:
                  else random_model(args.model, cache_root() / "random" / args.model, device="cuda"))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     model.config.use_cache = False
-    ids, mask = batch(model.config.vocab_size, args.prompts, args.group, args.prompt_len, args.completion_len, device)
-    tokens = ids.numel()
+    ids, mask = batch(model.config.vocab_size, args.prompts, args.group, args.prompt_len, args.completion_len, device,
+                      ragged=args.ragged)
+    tokens = int(mask.sum())  # real tokens: what tokens/s and MFU count
     params = sum(t.numel() for t in model.parameters())
     print(f"{'tiny' if args.cpu else args.model}: {params / 1e9:.2f}B parameters, {ids.shape[0]} rows x {ids.shape[1]} tokens "
-          f"({args.prompt_len} prompt + {args.completion_len} completion), micro-batch {args.group}, "
+          f"({args.prompt_len} prompt + {args.completion_len if not args.ragged else 'ragged, up to ' + str(args.completion_len)} "
+          f"completion, {tokens} real tokens), micro-batch {args.group}, "
           f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}")
-    print("\n| variant | s per batch | tokens/s | MFU (6 N tokens, 989 TFLOP/s) | peak GiB |\n|---|---|---|---|---|")
+    print("\n| variant | s per batch | tokens/s | MFU (6 N tokens, 989 TFLOP/s) | peak GiB | positions computed |"
+          "\n|---|---|---|---|---|---|")
     for name, fn in variants().items():
         seconds, peak = time_variant(fn, model, ids, mask, args.prompt_len, args.group, args.reps)
         print(f"| {name} | {seconds:.3f} | {tokens / seconds:.0f} | {6 * params * tokens / seconds / 989e12:.1%} "
-              f"| {peak:.1f} |", flush=True)
+              f"| {peak:.1f} | {positions(fn, ids, mask, args.prompt_len, args.group)} |", flush=True)
     if args.trace_out is not None:
         from torch.profiler import ProfilerActivity, profile
 

@@ -234,7 +234,8 @@ def run(out: Path, budget: float, cpu: bool, only: list[str], bench_steps: int |
         log = stages.run(name, args + (["--plan"] if cpu else []), limit)
         bench.append(_tables(log) if not cpu else log[-2000:])
     if "profile" in only:
-        log = stages.run("profile", [py, "benchmarks/update_profile.py", "--model", "qwen2.5-0.5b"]
+        # Ragged completions (as sampled ones are), so the padding-free variant has padding to remove.
+        log = stages.run("profile", [py, "benchmarks/update_profile.py", "--model", "qwen2.5-0.5b", "--ragged"]
                          + (["--cpu", "--prompts", "2", "--group", "4", "--prompt-len", "16", "--completion-len", "16"]
                             if cpu else []), 70)
         bench.append("\n".join(line for line in log.splitlines() if line.startswith("|") or line.startswith("qwen")

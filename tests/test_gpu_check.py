@@ -100,7 +100,7 @@ def test_the_gpu_check_runs_each_stage_on_the_cpu(replica_env, tmp_path):
     summary = (out / "summary.md").read_text()
     for stage in ("tier", "gpu-0.5b", "gpu-1.5b", "profile", "gpu-7b"):
         assert f"| {stage} | passed |" in summary, summary
-    assert "| ours |" in summary  # the profile's table, on the tiny model
+    assert "| ours |" in summary and "| ours, packed |" in summary  # the profile's table, on the tiny model
     assert "## gpu-qwen2.5-7b-lora16" in (out / "gpu-7b.log").read_text()  # 7B: LoRA on one GPU
     assert {p.name for p in out.iterdir()} <= {"summary.md", "tier.log", "gpu-0.5b.log", "gpu-1.5b.log",
                                                "gpu-7b.log", "profile.log", "sides.tar.gz"}

@@ -207,12 +207,32 @@ def test_the_packages_evaluate_on_the_same_responses(monkeypatch):
 
 def test_the_eval_settings():
     source = ["data.source=modebench_pkg:countdown", "rewards=[{name: modebench_pkg}]"]
-    assert compiled(overrides=source).eval.draws == 4
+    assert (compiled(overrides=source).eval.draws, compiled(overrides=source).eval.k) == (4, 8)
     plan = compiled()
-    assert (plan.eval.draws, plan.eval.min_defined_prompts) == (1, 30)
+    assert (plan.eval.k, plan.eval.draws, plan.eval.min_defined_prompts) == (4, 1, 30)
     assert compiled(overrides=[*source, "eval.draws=2", "eval.min_defined_prompts=5"]).eval == type(plan.eval)(
-        num_prompts=plan.eval.num_prompts, k=plan.eval.k, seed=plan.eval.seed, draws=2, min_defined_prompts=5)
+        num_prompts=plan.eval.num_prompts, k=8, seed=plan.eval.seed, draws=2, min_defined_prompts=5)
     for setting, value in (("eval.min_defined_prompts", "0"), ("eval.min_defined_prompts", "null"),
-                           ("eval.draws", "0"), ("eval.draws", "true")):
+                           ("eval.draws", "0"), ("eval.draws", "true"), ("eval.k", "0")):
         with pytest.raises(ConfigError, match=rf"^{setting}: "):  # one line naming the field
             compiled(overrides=[f"{setting}={value}"])
+
+
+def test_in_loop_validation_draws_four_groups_on_modebench_pkg(tiny_model_dir, tmp_path):
+    from maxent_grpo.cli import main
+    from maxent_grpo.training.metrics import read_metrics
+    from tiny_runs import read_jsonl, tiny_overrides
+
+    out = tmp_path / "run"
+    args = tiny_overrides(tiny_model_dir, out, rewards="[{name: modebench_pkg}]", steps=1,
+                          source="modebench_pkg:countdown",
+                          extra=["data.eval_size=4", "eval.every_steps=1", "eval.num_prompts=2", "eval.k=2"])
+    assert main(["train", *args]) == 0
+    row = read_metrics(out / "metrics.jsonl")[-1]
+    assert row["eval/mb/pcmd_prompts"] == 2 and row["eval/mb/verifier_failures"] == 0
+    assert row["eval/mb/pcmd_reportable"] == 0.0  # 2 prompts < 30
+    sampled = [r for r in read_jsonl(out / "eval" / "step-1" / "completions.jsonl") if r["mode"] == "sampled"]
+    assert sorted((r["prompt_index"], r["draw"], r["sample"]) for r in sampled) == [
+        (p, s // 2, s) for p in range(2) for s in range(8)]
+    summary = json.loads((out / "eval" / "step-1" / "summary.json").read_text())
+    assert summary["mb/eval_status"] == "complete"

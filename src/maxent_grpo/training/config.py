@@ -342,8 +342,8 @@ def validate(cfg: TrainConfig) -> None:
     for i, r in enumerate(cfg.rewards):
         _check(bool(r.name), f"rewards[{i}].name", "must not be empty")
         _check(r.timeout_s is None or r.timeout_s > 0, f"rewards[{i}].timeout_s", f"must be > 0, got {r.timeout_s}")
-    _check(cfg.eval.k >= 1, "eval.k", "must be >= 1")
     e = cfg.eval
+    _check(e.k is None or _positive_int(e.k), "eval.k", f"must be a positive int or null, got {e.k!r}")
     _check(e.draws is None or _positive_int(e.draws), "eval.draws", f"must be a positive int or null, got {e.draws!r}")
     _check(_positive_int(e.min_defined_prompts), "eval.min_defined_prompts",
            f"must be a positive int, got {e.min_defined_prompts!r}")

@@ -148,7 +148,7 @@ HELP: dict[str, str] = {
     "checkpoint.save_final": "save a checkpoint when the run ends (false: no final weights, for benchmarks)",
     "eval.every_steps": "validate every N steps on the held-out split (0 = never)",
     "eval.num_prompts": "prompts per validation",
-    "eval.k": "samples per prompt for pass@k",
+    "eval.k": "samples per prompt (per draw) for pass@k; null: 8 on modebench_pkg data (the anchor's), else 4",
     "eval.draws": "groups of k sampled per prompt (ModeBench's draws: mb/ metrics per group, PCMD pooled over "
                   "all draws); null: 4 on modebench_pkg data, else 1",
     "eval.min_defined_prompts": "mb/pcmd is reportable only over at least this many prompts with two or more "

@@ -216,8 +216,9 @@ class CheckpointConfig:
 class EvalConfig:
     every_steps: int = 0
     num_prompts: int = 32
-    k: int = 4
-    # Groups of k drawn per prompt (ALGORITHMS.md §18); null: 4 on modebench_pkg data (the anchor's), else 1.
+    # Samples per group; null: 8 on modebench_pkg data (the anchor's, ALGORITHMS.md §18), else 4.
+    k: int | None = None
+    # Groups of k drawn per prompt (§18); null: 4 on modebench_pkg data (the anchor's), else 1.
     draws: int | None = None
     # ModeBench's PCMD is reportable over at least this many prompts with >= 2 verified answers (§18).
     min_defined_prompts: int = 30

@@ -25,8 +25,15 @@ class EvalPlan:
     min_defined_prompts: int = MIN_DEFINED_PROMPTS
 
 
-# The anchor's evaluation draws 4 groups of k per ModeBench prompt (ALGORITHMS.md §18).
-MODEBENCH_DRAWS = 4
+# The anchor's evaluation draws 4 groups of 8 per ModeBench prompt (ALGORITHMS.md §18); elsewhere one group of 4.
+MODEBENCH_DRAWS, MODEBENCH_K, DEFAULT_K = 4, 8, 4
+
+
+def eval_k(k: int | None, source: str) -> int:
+    """``eval.k``, or its default: :data:`MODEBENCH_K` on ``modebench_pkg:`` data, else :data:`DEFAULT_K`."""
+    if k is not None:
+        return k
+    return MODEBENCH_K if source.startswith(PACKAGE_PREFIX) else DEFAULT_K
 
 
 def eval_draws(draws: int | None, source: str) -> int:

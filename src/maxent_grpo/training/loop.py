@@ -204,14 +204,17 @@ def _policy_update(run: Run, prepared, step: int, timings: dict):
 
 
 def _timed_replay(model, batch, scoring, timings: dict) -> dict[str, float]:
-    """``replay_backward``, its seconds added to ``replay/time_s`` (the device drained first, so the
-    replay's kernels are counted in it, not in the fresh backward after it)."""
+    """``replay_backward``, its seconds added to ``replay/time_s``. On a GPU the device is drained
+    before and after, so the clock holds the replay's kernels and no other's."""
+    device = batch.layout.input_ids.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     try:
         return replay_backward(model, batch, scoring)
     finally:
-        if batch.layout.input_ids.is_cuda:
-            torch.cuda.synchronize(batch.layout.input_ids.device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         timings["replay/time_s"] += time.perf_counter() - t0
 
 

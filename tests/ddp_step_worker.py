@@ -2,7 +2,8 @@
 
 ``python -m torch.distributed.run --standalone --nproc_per_node 2 ddp_step_worker.py MODEL_DIR OUT``
 runs ``grpo_step`` with the rows split over the ranks (two micro-batches each) and writes rank 0's
-parameter update (SGD, lr=1, so it equals minus the gradient) and all-reduce count to ``OUT``.
+parameter update (SGD, lr=1, so it equals minus the gradient) and all-reduce count to ``OUT``; and
+a Dr.GRPO step with verified replay of :data:`REPLAY_GROUPS` (every rank replays the same groups).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from maxent_grpo.core.logprobs import Scoring, get_per_token_logps_and_entropies
 from maxent_grpo.core.losses import ClipSettings
+from maxent_grpo.core.replay import ReplayBatch, replay_layout, replay_scale
 from maxent_grpo.core.step import Comm, LossSpec, MicroBatch, OptimizerUpdate, grpo_step
 
 PROMPT_LEN = 5
@@ -22,6 +24,13 @@ G = 4
 # with one empty completion.
 LENGTHS = (7, 3, 5, 1, 6, 2, 0, 4)
 PROMPT_PADDING = (0, 2, 0, 1, 0, 0, 3, 0)
+# Banked prompts and their exemplars (token ids) for the replay steps: three groups of 2, 1 and 3 modes.
+REPLAY_GROUPS = [((3, 5, 7), [(9, 2), (4, 4, 6, 1)]), ((8, 1), [(5,)]), ((2, 2, 2, 2), [(7, 3, 3), (6,), (1, 9)])]
+
+
+def replay_batch(compute_only: bool = False, rows_per_pass: int = 8) -> ReplayBatch:
+    """The replay work of one step over :data:`REPLAY_GROUPS` (alpha 0.1, G = 4)."""
+    return ReplayBatch(replay_layout(REPLAY_GROUPS, pad_token_id=0), replay_scale(0.1, G), compute_only, rows_per_pass)
 
 
 def load_model(model_dir: str) -> torch.nn.Module:
@@ -129,6 +138,18 @@ def main(model_dir: str, out_path: str) -> None:
                       share_prompts=False)  # the test compares to 1e-10 (see test_step._step)
         saved[name] = {"grads": [b - p.detach() for b, p in zip(before, model.parameters())], "loss": result.loss,
                        "metrics": result.metrics, "all_reduces": len(all_reduces), "buckets": len(set(all_reduces))}
+    # Dr.GRPO with verified replay, as the trainer runs it: the replay backward without the reduction,
+    # the gradients reduced once in the last fresh backward.
+    model = load_model(model_dir)
+    mine = rank_micro_batches(build_rows(model), rank, world)
+    ddp = DataParallelPolicy(model, gradient_as_bucket_view=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    result = grpo_step(ddp, torch.optim.SGD(ddp.parameters(), lr=1.0), mine,
+                       spec(beta=0.0, loss_type="dr_grpo", max_completion_length=COMPLETION_LEN),
+                       Scoring(share_prompts=False), comm=Comm(world, all_reduce_sum, ddp_gradient_sync(ddp)),
+                       update=OptimizerUpdate(), replay=replay_batch())
+    saved["replay"] = {"grads": [b - p.detach() for b, p in zip(before, model.parameters())], "loss": result.loss,
+                       "metrics": result.metrics}
     if rank == 0:
         torch.save(saved, out_path)
 

@@ -83,7 +83,9 @@ else, for reasoning_gym sources, problems generated from another seed that the r
 not train on (with MODEL = RUN/checkpoints/step-N: that its sampler had not drawn by step
 N), or, when it trained on every problem the task has, those, with a warning; else the
 first N rows of data.source, with a warning for those the run trained on. With --config
-RUN/config.yaml and MODEL = RUN/checkpoints/step-N it reproduces RUN/eval/step-N exactly.""",
+RUN/config.yaml and MODEL = RUN/checkpoints/step-N it reproduces RUN/eval/step-N exactly.
+On ModeBench rows summary.json adds ModeBench's mb/ metrics over eval.draws groups of K per
+prompt (4 groups of 8 on modebench_pkg data); an answer its verifier cannot score voids every metric.""",
     )
     ev.add_argument("model", help="model name or path, or a checkpoint folder")
     ev.add_argument("--config", metavar="FILE", help="recipe whose data, rewards and generation settings to use")

@@ -166,6 +166,7 @@ def run_eval(plan: RunPlan, args) -> int:
         summary, records = evaluate_prompts(
             backend, tokenizer, rows, spec, k=k, sampling=plan.batch.sampling,
             system_prompt=plan.batch.system_prompt, few_shot=plan.batch.few_shot, episodes=episodes,
+            draws=plan.eval.draws, min_defined_prompts=plan.eval.min_defined_prompts,
         )
     summary.update(per_task_means(per_prompt_metrics(records, k)))
     summary["model"] = str(args.model)

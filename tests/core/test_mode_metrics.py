@@ -116,7 +116,8 @@ def test_the_eval_summary_has_one_mb_cell_per_task():
     from maxent_grpo.evaluate import modebench_summary
 
     def rec(task, prompt, key, correct=True, mode="sampled", keyed=True):
-        return {"task": task, "prompt_index": prompt, "mode_key": key, "correct": correct, "mode": mode, "keyed": keyed}
+        return {"task": task, "prompt_index": prompt, "mode_key": key, "correct": correct, "mode": mode, "keyed": keyed,
+                "draw": 0, "unscorable": False}
 
     records = [rec("a", 0, "x"), rec("a", 0, "y"), rec("a", 1, "x"), rec("a", 1, None, False),
                rec("a", 0, "x", mode="greedy"), rec(None, 5, None, keyed=False)]

@@ -6,20 +6,22 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from maxent_grpo.core.logprobs import Scoring
-from maxent_grpo.core.replay import ReplayBatch, replay_layout, replay_scale
+from maxent_grpo.core.replay import replay_scale
 from maxent_grpo.core.step import OptimizerUpdate, grpo_step
 
 _spec = importlib.util.spec_from_file_location("ddp_step_worker", Path(__file__).resolve().parents[1] / "ddp_step_worker.py")
 worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(worker)
 
-GROUPS = [((3, 5, 7), [(9, 2), (4, 4, 6, 1)]), ((8, 1), [(5,)]), ((2, 2, 2, 2), [(7, 3, 3), (6,), (1, 9)])]
+GROUPS = worker.REPLAY_GROUPS
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,7 @@ def _reference_replay_gradient(model, scale):
 
 
 def _batch(compute_only=False, rows_per_pass=8):
-    return ReplayBatch(replay_layout(GROUPS, pad_token_id=0), replay_scale(0.1, 4), compute_only, rows_per_pass)
+    return worker.replay_batch(compute_only, rows_per_pass)
 
 
 def test_the_update_adds_the_scaled_replay_gradient(base_model):
@@ -84,3 +86,52 @@ def test_the_control_is_the_replay_off_update_bit_for_bit(base_model):
     assert all(torch.equal(a, b) for a, b in zip(fresh, control))
     assert result.metrics["replay/applied_loss"] == 0.0 and result.metrics["replay/raw_loss"] > 0
     assert result.metrics["replay/compute_only"] == 1.0
+
+
+def test_the_replay_pass_is_the_trainers_to_time(base_model):
+    """``replay_pass`` runs the replay once per step (the trainer times it: ``replay/time_s``), and the
+    trainer's timed pass gives the update and metrics of the plain one, with its seconds counted."""
+    from maxent_grpo.training.loop import _timed_replay
+
+    seen, timings = [], {"replay/time_s": 0.0}
+
+    def timed(model, batch, scoring):
+        seen.append(batch)
+        return _timed_replay(model, batch, scoring, timings)
+
+    model = copy.deepcopy(base_model)
+    rows = worker.build_rows(model)
+    batch = _batch()
+    args = (worker.micro_batches(rows, [(0, 4), (4, 8)]),
+            worker.spec(beta=0.0, loss_type="dr_grpo", max_completion_length=worker.COMPLETION_LEN),
+            Scoring(share_prompts=False))
+    result = grpo_step(model, torch.optim.SGD(model.parameters(), lr=1.0), *args, replay=batch, replay_pass=timed)
+    assert seen == [batch] and timings["replay/time_s"] > 0.0
+    plain, with_plain = _update(base_model, batch)
+    assert {k: v for k, v in result.metrics.items() if k.startswith("replay/")} == {
+        k: v for k, v in plain.metrics.items() if k.startswith("replay/")}
+    before = [p.detach() for p in base_model.parameters()]
+    assert all(torch.equal(b - p.detach(), w) for b, p, w in zip(before, model.parameters(), with_plain))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_processes_give_the_single_process_replay_gradient(base_model, tiny_model_dir, tmp_path):
+    """ALGORITHMS.md §17 rule 6: with the fresh rows split over two gloo processes and both replaying
+    the same groups, the update (fresh plus replay) is the one-process update; the replay term counts
+    once, not once per process."""
+    out = tmp_path / "rank0.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(Path(__file__).resolve().parents[1] / "ddp_step_worker.py"), str(tiny_model_dir), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ddp = torch.load(out)["replay"]
+    single, grads = _update(base_model, _batch())
+    _, fresh = _update(base_model)
+    scale = max(float(g.abs().max()) for g in grads)
+    assert max(float((a - b).abs().max()) for a, b in zip(ddp["grads"], grads)) < 1e-10 * scale
+    # The replay term is there, and once: twice it would move the update by a whole replay gradient.
+    assert max(float((a - b).abs().max()) for a, b in zip(grads, fresh)) > 1e-4 * scale
+    for name in ("replay/loss", "replay/applied_loss", "replay/groups", "replay/modes"):
+        assert ddp["metrics"][name] == pytest.approx(single.metrics[name], rel=1e-12), name
+    assert ddp["loss"] == pytest.approx(single.loss, rel=1e-10)

@@ -96,3 +96,27 @@ def test_the_reward_mode_keys_and_an_unscorable_outcome():
     broken["answer"] = {"verifier": "countdown", "numbers": [], "target": 3}
     with pytest.raises(Unscorable, match="invalid_reference"):
         reward(prompts=[None], completions=[good], mbp_task=[json.dumps(broken)])
+
+
+def test_a_batchs_grades_reach_the_verifier_once_per_completion(monkeypatch):
+    from maxent_grpo.tasks.modebench_package import Grades
+
+    calls, real = [], _api.grade
+    monkeypatch.setattr(_api, "grade", lambda task, response: calls.append(response) or real(task, response))
+    rows = package_rows("countdown", size=1, seed=0)
+    good = rows[0]["answer"]
+    grades = Grades()
+    reward = REWARD_FUNCTIONS["modebench_pkg"]()
+    assert reward(prompts=[None] * 3, completions=[good, good, "no"], mbp_task=[rows[0]["mbp_task"]] * 3,
+                  mode_grades=grades) == [1.0, 1.0, 0.0]
+    key = grade(_task(rows[0]), good)["canonical_key"]
+    calls.clear()
+    assert answer_key(rows[0], good, grades) == key and mode_info(rows[0], "no", grades)[0] is None
+    assert calls == [] and grades.calls == 2
+    broken = dict(json.loads(rows[0]["mbp_task"]))
+    broken["answer"] = {"verifier": "countdown", "numbers": [], "target": 3}
+    row = {"mbp_task": json.dumps(broken)}
+    for _ in range(2):  # the unscorable outcome is kept, and raised again without a second call
+        with pytest.raises(Unscorable, match="invalid_reference"):
+            grades.grade(row, good)
+    assert calls == [good] and grades.calls == 3

@@ -29,6 +29,13 @@ def test_a_replay_run_logs_its_bank_and_checkpoints_it(method, tiny_model_dir, t
     for key in ("bank/prompts", "bank/modes", "bank/exemplars", "bank/new_modes", "bank/disagreements",
                 "bank/capacity_dropped", "bank/support_ge2_frac", "time/replay_admission"):
         assert key in rows[-1], key
+    # What replay costs: seconds of its passes (0 while the bank is empty) and its share of the step.
+    for row in rows:
+        assert row["replay/time_s"] >= 0.0 and 0.0 <= row["replay/time_share"] <= 1.0
+        assert ("replay/groups" in row) or row["replay/time_s"] == 0.0
+        if "replay/groups" in row:
+            assert row["replay/time_s"] > 0.0
+        assert row["replay/time_s"] <= row["time/policy"] + row["time/optimizer"]
     state = json.loads((out / "checkpoints" / "step-2" / "trainer_state.json").read_text())
     assert state["replay"]["coef"] == 0.1 and state["replay"]["compute_only"] is False
     assert state["replay"]["bank"]["groups_scored"] == 2 * 2  # two prompts a step, two steps
@@ -50,3 +57,21 @@ def test_replay_without_mode_keys_is_a_config_error(tiny_model_dir, tmp_path, ca
     args = tiny_overrides(tiny_model_dir, tmp_path / "run", rewards="[{name: boxed_accuracy}]", extra=["method=redr"])
     assert main(["train", *args]) != 0
     assert "replay.enabled: needs a task whose verifier gives mode keys" in capsys.readouterr().err
+
+
+def test_each_completion_reaches_the_verifier_once_a_step(tiny_model_dir, tmp_path, monkeypatch):
+    """The reward, the answer keys and replay admission share the batch's grades
+    (``tasks.modebench_package.Grades``): no (task, completion) is graded twice in a step."""
+    api = pytest.importorskip("modebench.api", reason="modebench is not installed (the GPU machine's image)")
+    calls, real = [], api.grade
+
+    def grade(task, response):
+        calls.append((task.id, response))
+        return real(task, response)
+
+    monkeypatch.setattr(api, "grade", grade)
+    out = tmp_path / "run"
+    assert main(["train", *tiny_overrides(tiny_model_dir, out, rewards="[{name: modebench_pkg}]", steps=1,
+                                          source=SOURCE, extra=["method=redr"])]) == 0
+    assert calls and len(calls) == len(set(calls))
+    assert len(calls) <= 2 * 4  # two prompts of four completions: at most one call each

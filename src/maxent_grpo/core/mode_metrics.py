@@ -116,13 +116,14 @@ def cell_summary(values: Sequence[float | None], min_defined_prompts: int = MIN_
 
 
 def modebench_cell(prompts: Sequence[Sequence[Sequence[Attempt]]], *, aggregation: str = POOLED,
-                   min_defined_prompts: int = MIN_DEFINED_PROMPTS) -> dict:
+                   min_defined_prompts: int = MIN_DEFINED_PROMPTS, failed_elsewhere: bool = False) -> dict:
     """The ``mb/`` metrics of one cell: ``prompts[p][d]`` is draw ``d`` (a group of ``k`` attempts)
     of prompt ``p``. accuracy, pass@k and distinct@k are averaged over a prompt's groups, then
-    over prompts; PCMD as :func:`cell_summary`. Any unscorable attempt nulls every value."""
+    over prompts; PCMD as :func:`cell_summary`. Any unscorable attempt nulls every value, and so
+    does ``failed_elsewhere`` (an unscorable attempt in another cell of the same evaluation)."""
     if not prompts or any(not groups or any(not g for g in groups) for groups in prompts):
         raise ValueError("a ModeBench cell needs at least one prompt, each with at least one non-empty group")
-    if any(unscorable for groups in prompts for g in groups for _, _, unscorable in g):
+    if failed_elsewhere or any(unscorable for groups in prompts for g in groups for _, _, unscorable in g):
         return {"accuracy": None, "pass@k": None, "distinct@k": None, "pcmd": None, "defined_prompts": None,
                 "prompts": len(prompts), "standard_error": None, "reportable": False, "status": "verifier_failure"}
 

@@ -287,6 +287,7 @@ def grpo_step(
     comm: Comm = Comm(),
     update: Callable[[torch.nn.Module, torch.optim.Optimizer], torch.Tensor] = OptimizerUpdate(),
     replay: ReplayBatch | None = None,
+    replay_pass: Callable[[torch.nn.Module, ReplayBatch, Scoring], dict[str, float]] = replay_backward,
 ) -> StepResult:
     """Forward/backward every micro-batch under ``spec``, then ``update`` (an :class:`OptimizerUpdate`;
     the trainer passes a timed one: the core keeps no clock).
@@ -296,7 +297,8 @@ def grpo_step(
     the gradients cross ranks once, in the last fresh backward, and the sum does not depend on
     the order. Every rank replays the same groups and the reduction averages, so the term
     counts once whatever the world size (the fresh loss is multiplied by the world size for
-    the same reason). Its metrics join the step's."""
+    the same reason). Its metrics join the step's. ``replay_pass``: :func:`replay_backward`, or the
+    trainer's timed wrapper of it (as ``update``)."""
     _check_micro_batches(micro_batches, spec)
     norm = _step_normalizer(micro_batches, spec, comm)
     policy_loss = POLICY_LOSSES[spec.policy_loss]
@@ -312,7 +314,7 @@ def grpo_step(
     replay_metrics: dict[str, float] = {}
     if replay is not None:
         with nullcontext() if comm.gradient_sync is None else comm.gradient_sync(False):
-            replay_metrics = replay_backward(model, replay, scoring)
+            replay_metrics = replay_pass(model, replay, scoring)
     last = len(micro_batches) - 1
     for i, mb in enumerate(micro_batches):
         # Gradients are reduced over ranks once, in the last micro-batch's backward.

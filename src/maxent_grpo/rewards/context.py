@@ -23,9 +23,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TRL_KEYWORDS", "RewardContext", "TrainerState", "accepted_keywords"]
+__all__ = ["LIBRARY_KEYWORDS", "TRL_KEYWORDS", "RewardContext", "TrainerState", "accepted_keywords"]
 
 TRL_KEYWORDS = ("trainer_state", "environments", "log_extra", "log_metric")
+# This library's own keywords, passed only to a function that names them: ``mode_grades``, the
+# batch's modebench grades (``tasks.modebench_package.Grades``), so each completion is graded once.
+LIBRARY_KEYWORDS = ("mode_grades",)
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class RewardContext:
     environments: list | None = None
     extra_columns: dict[str, list] = field(default_factory=dict)
     extra_metrics: dict[str, list[float]] = field(default_factory=dict)
+    mode_grades: Any = None  # the batch's tasks.modebench_package.Grades (None: none kept)
 
     def log_extra(self, column: str, values: Sequence) -> None:
         if not isinstance(column, str) or not column:
@@ -63,18 +67,20 @@ class RewardContext:
 
     def keywords(self) -> dict[str, Any]:
         return {"trainer_state": self.trainer_state, "environments": self.environments,
-                "log_extra": self.log_extra, "log_metric": self.log_metric}
+                "log_extra": self.log_extra, "log_metric": self.log_metric, "mode_grades": self.mode_grades}
 
     def metric_means(self) -> dict[str, float]:
         return {name: sum(v) / len(v) for name, v in self.extra_metrics.items()}
 
 
 def accepted_keywords(fn: Callable) -> tuple[str, ...]:
-    """The TRL keywords ``fn`` takes: all of them with ``**kwargs``, else the ones it names."""
+    """The TRL keywords ``fn`` takes: all of them with ``**kwargs``, else the ones it names; and the
+    library's own (:data:`LIBRARY_KEYWORDS`) that it names."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a builtin or C callable without a signature: pass none
         return ()
+    own = tuple(k for k in LIBRARY_KEYWORDS if k in params)
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return TRL_KEYWORDS
-    return tuple(k for k in TRL_KEYWORDS if k in params)
+        return TRL_KEYWORDS + own
+    return tuple(k for k in TRL_KEYWORDS if k in params) + own

@@ -24,6 +24,7 @@ from typing import Protocol
 import torch
 
 from maxent_grpo.rollout.backend import RolloutBatch
+from maxent_grpo.tasks.modebench_package import Grades
 
 
 @dataclass
@@ -46,6 +47,10 @@ class RolloutRecord:
     failure: tuple[str, str] | None = None  # (stage, reason)
     # Columns the reward functions added for the completion table (TRL's log_extra), one value per completion.
     extra_columns: dict[str, list] = field(default_factory=dict)
+    # The batch's modebench grades, made by the reward and read again by the answer keys and replay
+    # admission (each completion graded once). A memo only: not saved, and a plane that ships the
+    # record to another process hands over an empty one (the trainer then grades again).
+    grades: Grades = field(default_factory=Grades, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if (self.failure is None) == (self.rollout is None):
@@ -59,7 +64,8 @@ class RolloutRecord:
 
     def to_state(self) -> dict:
         """The record as JSON types (a checkpoint's ``trainer_state.json``); floats round-trip exactly."""
-        state = dataclasses.asdict(self)
+        state = dataclasses.asdict(dataclasses.replace(self, grades=Grades()))
+        del state["grades"]
         state["rewards"] = None if self.rewards is None else {"dtype": str(self.rewards.dtype).removeprefix("torch."),
                                                               "values": self.rewards.tolist()}
         state["failure"] = None if self.failure is None else list(self.failure)

@@ -32,7 +32,7 @@ from typing import Any
 
 from maxent_grpo.tasks.answers import canonical_answer, completion_text, extract_final_answer
 from maxent_grpo.tasks import coloring, countdown, pair_sum
-from maxent_grpo.tasks.modebench_package import row_mode_key as row_mode_key_package
+from maxent_grpo.tasks.modebench_package import Grades, row_mode_key as row_mode_key_package
 
 __all__ = ["EVAL_SEED", "PREFIX", "TASKS", "Task", "mode_info", "modebench_reward", "modebench_rows", "row_mode_key",
            "row_task"]
@@ -170,12 +170,14 @@ def row_mode_key(row: Mapping[str, Any], answer: str | None) -> str | None:
     return TASKS[row["mb_task"]].mode_key(answer, json.loads(row["mb_problem"]))
 
 
-def mode_info(row: Mapping[str, Any], completion: str) -> tuple[str | None, int | None] | None:
+def mode_info(row: Mapping[str, Any], completion: str,
+              grades: Grades | None = None) -> tuple[str | None, int | None] | None:
     """``(mode key or None, number of valid modes or None)`` of a completion for a ModeBench row (this
-    module's or the modebench package's, ``tasks/modebench_package.py``); None for other rows."""
+    module's or the modebench package's, ``tasks/modebench_package.py``); None for other rows.
+    ``grades``: the batch's package grades (:class:`Grades`; None: grade now)."""
     if row.get("mbp_task") is not None:
         answer = json.loads(row["mbp_task"])["answer"]
-        return row_mode_key_package(row, completion), answer.get("num_modes", answer.get("num_solutions"))
+        return row_mode_key_package(row, completion, grades), answer.get("num_modes", answer.get("num_solutions"))
     if "mb_task" not in row or row["mb_task"] is None:
         return None
     problem = json.loads(row["mb_problem"])
@@ -189,11 +191,11 @@ def row_task(row: Mapping[str, Any]) -> str | None:
     return row.get("mb_task")
 
 
-def answer_key(row: Mapping[str, Any], completion: str) -> str | None:
+def answer_key(row: Mapping[str, Any], completion: str, grades: Grades | None = None) -> str | None:
     """What makes two completions one answer: on a ModeBench row its task's mode key (``3 + 4``
     and ``4+3`` are one mode of pair_sum), else the canonical final answer; None without one.
-    SEED's clusters and mode-adaptive xDr's kappa count answers by it."""
-    modes = mode_info(row, completion)
+    SEED's clusters and mode-adaptive xDr's kappa count answers by it. ``grades``: as :func:`mode_info`."""
+    modes = mode_info(row, completion, grades)
     if modes is not None:
         return modes[0]
     answer = extract_final_answer(completion)

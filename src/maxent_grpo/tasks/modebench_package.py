@@ -41,7 +41,7 @@ from dataclasses import asdict
 from fractions import Fraction
 from typing import Any
 
-__all__ = ["DOMAINS", "GENERATED_DOMAINS", "PREFIX", "Unscorable", "grade_row", "make_modebench_pkg_reward",
+__all__ = ["DOMAINS", "GENERATED_DOMAINS", "PREFIX", "Grades", "Unscorable", "grade_row", "make_modebench_pkg_reward",
            "package_rows", "row_mode_key"]
 
 PREFIX = "modebench_pkg:"
@@ -240,21 +240,51 @@ def grade_row(row: Mapping[str, Any], completion: str) -> Mapping[str, Any]:
     return result
 
 
-def row_mode_key(row: Mapping[str, Any], completion: str) -> str | None:
-    """The canonical mode key of a verified completion; None when it is not correct."""
-    return grade_row(row, completion)["canonical_key"]
+class Grades:
+    """One batch's grades, so each (row, completion) reaches the verifier once.
+
+    A batch's completions are graded for the reward, for their answer key (SEED, mode-adaptive
+    xDr) and for replay admission; the caller makes one :class:`Grades` per batch and passes it
+    to each (the reward gets it as the keyword ``mode_grades``). An unscorable outcome is kept
+    too and raised again on every later look-up. ``calls``: the verifier calls made so far."""
+
+    def __init__(self) -> None:
+        self._done: dict[tuple[str, str], Mapping[str, Any] | Unscorable] = {}
+        self.calls = 0
+
+    def grade(self, row: Mapping[str, Any], completion: str) -> Mapping[str, Any]:
+        """:func:`grade_row`, once per (row's task, completion)."""
+        key = (row["mbp_task"], completion)
+        if key not in self._done:
+            self.calls += 1
+            try:
+                self._done[key] = grade_row(row, completion)
+            except Unscorable as err:
+                self._done[key] = err
+        result = self._done[key]
+        if isinstance(result, Unscorable):
+            raise result
+        return result
+
+
+def row_mode_key(row: Mapping[str, Any], completion: str, grades: Grades | None = None) -> str | None:
+    """The canonical mode key of a verified completion; None when it is not correct. ``grades``:
+    the batch's :class:`Grades` (None: grade now)."""
+    return (grade_row(row, completion) if grades is None else grades.grade(row, completion))["canonical_key"]
 
 
 def make_modebench_pkg_reward() -> Callable[..., list[float | None]]:
     """The ``modebench_pkg`` reward: 1.0 iff the package grades the completion ``correct``, 0.0 for
-    ``incorrect``/``malformed``; None on rows that are not package rows; an unscorable outcome raises."""
+    ``incorrect``/``malformed``; None on rows that are not package rows; an unscorable outcome raises.
+    ``mode_grades``: the batch's :class:`Grades`, which the answer keys and replay admission then reuse."""
     from maxent_grpo.tasks.answers import completion_text
 
-    def modebench_pkg(prompts, completions, **columns) -> list[float | None]:
+    def modebench_pkg(prompts, completions, mode_grades: Grades | None = None, **columns) -> list[float | None]:
         tasks = columns.get("mbp_task")
         if tasks is None:
             raise ValueError(f"reward 'modebench_pkg' needs the column mbp_task (data.source: {PREFIX}<domain>)")
-        return [None if task is None else float(grade_row({"mbp_task": task}, completion_text(c))["verified"])
+        grades = Grades() if mode_grades is None else mode_grades
+        return [None if task is None else float(grades.grade({"mbp_task": task}, completion_text(c))["verified"])
                 for task, c in zip(tasks, completions)]
 
     modebench_pkg.__name__ = modebench_pkg.__qualname__ = "modebench_pkg"

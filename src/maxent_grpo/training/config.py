@@ -291,6 +291,10 @@ def _resolve_data_file(source: str, config_dir: Path | None) -> str:
     return source  # the data loader names the missing file
 
 
+def _positive_int(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+
+
 def _check(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: {message}")
@@ -338,7 +342,11 @@ def validate(cfg: TrainConfig) -> None:
     for i, r in enumerate(cfg.rewards):
         _check(bool(r.name), f"rewards[{i}].name", "must not be empty")
         _check(r.timeout_s is None or r.timeout_s > 0, f"rewards[{i}].timeout_s", f"must be > 0, got {r.timeout_s}")
-    _check(cfg.eval.k >= 1, "eval.k", "must be >= 1")
+    e = cfg.eval
+    _check(e.k is None or _positive_int(e.k), "eval.k", f"must be a positive int or null, got {e.k!r}")
+    _check(e.draws is None or _positive_int(e.draws), "eval.draws", f"must be a positive int or null, got {e.draws!r}")
+    _check(_positive_int(e.min_defined_prompts), "eval.min_defined_prompts",
+           f"must be a positive int, got {e.min_defined_prompts!r}")
     known = {*TRACKER_NAMES, "none", "all"}
     for i, name in enumerate(cfg.logging.report_to):
         _check(name in known, f"logging.report_to[{i}]", f"unknown tracker {name!r}{_suggest(name, known)}")

@@ -296,7 +296,17 @@ class CheckpointConfig:
 class EvalConfig:
     every_steps: int = field(default=0, metadata={"help": "validate every N steps on the held-out split (0 = never)"})
     num_prompts: int = field(default=32, metadata={"help": "prompts per validation"})
-    k: int = field(default=4, metadata={"help": "samples per prompt for pass@k"})
+    # Samples per group; null: 8 on modebench_pkg data (the anchor's, ALGORITHMS.md §18), else 4.
+    k: int | None = field(default=None, metadata={"help": (
+        "samples per prompt (per draw) for pass@k; null: 8 on modebench_pkg data (the anchor's), else 4")})
+    # Groups of k drawn per prompt (§18); null: 4 on modebench_pkg data (the anchor's), else 1.
+    draws: int | None = field(default=None, metadata={"help": (
+        "groups of k sampled per prompt (ModeBench's draws: mb/ metrics per group, PCMD pooled over all draws); "
+        "null: 4 on modebench_pkg data, else 1")})
+    # ModeBench's PCMD is reportable over at least this many prompts with >= 2 verified answers (§18).
+    min_defined_prompts: int = field(default=30, metadata={"help": (
+        "mb/pcmd is reportable only over at least this many prompts with two or more verified answers "
+        "(ModeBench's rule)")})
 
 
 METHOD_HELP = ("training method, one of maxent_grpo.methods: " + ", ".join(sorted(METHODS))

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from maxent_grpo.core.entropy_control import update_entropy_coef
 from maxent_grpo.core.reference_sync import due, mix_into_reference
+from maxent_grpo.core.replay import replay_backward
 from maxent_grpo.core.step import OptimizerUpdate, grpo_step
 from maxent_grpo.errors import UserError
 from maxent_grpo.kill_points import kill_point
@@ -143,6 +144,8 @@ def _update_and_log(run: Run, prepared, record, step: int, t_start: float, cpu_s
     update_controllers(ctx.weighting, view, kl, step)
 
     timings["time/total"] = time.perf_counter() - t_start
+    if "replay/time_s" in timings:  # what verified replay costs: its passes and its admission, of the whole step
+        timings["replay/time_share"] = (timings["replay/time_s"] + timings["time/replay_admission"]) / timings["time/total"]
     timings["step_cpu_time"] = time.process_time() - cpu_start
     extra = {f"skipped/{k}": float(v) for k, v in ctx.skips.items()}
     if lost is None and run.eval_rows and plan.schedule.eval_due(step):
@@ -188,6 +191,7 @@ def _policy_update(run: Run, prepared, step: int, timings: dict):
         result = grpo_step(
             run.train_model, run.optimizer, micro_batches, spec,
             plan.scoring, comm=run.comm, update=timed_update, replay=replay,
+            replay_pass=lambda model, batch, scoring: _timed_replay(model, batch, scoring, timings),
         )
     result.metrics.update(bank_metrics)
     # What one policy pass over the batch computes, against its real tokens (padding, shared prompts, packing).
@@ -205,15 +209,31 @@ def _policy_update(run: Run, prepared, step: int, timings: dict):
     return result
 
 
+def _timed_replay(model, batch, scoring, timings: dict) -> dict[str, float]:
+    """``replay_backward``, its seconds added to ``replay/time_s``. On a GPU the device is drained
+    before and after, so the clock holds the replay's kernels and no other's."""
+    device = batch.layout.input_ids.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    try:
+        return replay_backward(model, batch, scoring)
+    finally:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        timings["replay/time_s"] += time.perf_counter() - t0
+
+
 def _replay(run: Run, prepared, timings: dict):
     """Verified mode replay (training/replay.py): admit this step's groups, then this step's replay
     batch (None while the bank is empty) and the bank's metrics. ``({}``, None) without replay."""
     if run.bank is None:
         return None, {}
+    timings["replay/time_s"] = 0.0  # the replay forward/backward (0 while the bank is empty): _timed_replay
     t0 = time.perf_counter()
     comp, packed = prepared.reward_comp, prepared.packed
     metrics = admit_batch(run.bank, prepared.rows, prepared.rollout, comp.per_function[:, 0],
-                          packed.completion_mask.sum(dim=1) > 0, run.ctx.dist)
+                          packed.completion_mask.sum(dim=1) > 0, run.ctx.dist, prepared.grades)
     # The pad id the batch itself was packed with (pipeline.pack_rollout); its positions are masked anyway.
     replay = replay_batch(run.bank, run.plan.replay, prepared.rollout.num_generations, run.ctx.tokenizer.pad_token_id,
                           packed.input_ids.device, run.plan.micro_batch_size)

@@ -22,6 +22,7 @@ from maxent_grpo.core.advantages import NonBinaryRewardError, combine_rewards, z
 from maxent_grpo.core.step import MicroBatch
 from maxent_grpo.methods import RewardScalingInputs, TargetInputs
 from maxent_grpo.tasks.modebench import answer_key
+from maxent_grpo.tasks.modebench_package import Grades, Unscorable
 from maxent_grpo.rewards.maxent import (
     RewardComputation,
     WeightingSettings,
@@ -100,6 +101,7 @@ class PreparedBatch:
     timings: dict[str, float]
     extra_columns: dict[str, list] = field(default_factory=dict)  # the reward functions' log_extra columns
     teacher_logps: torch.Tensor | None = None  # [N, T] the teacher's (on-policy distillation)
+    grades: Grades = field(default_factory=Grades)  # the batch's modebench grades (replay admission reads them)
 
     @property
     def grouped_completions(self) -> list[list[str]]:
@@ -217,9 +219,10 @@ class _Scored:
     context: RewardContext
 
 
-def _score_round(ctx: PipelineContext, sampled: Sampled, state: TrainerState, timings: dict) -> _Scored:
+def _score_round(ctx: PipelineContext, sampled: Sampled, state: TrainerState, timings: dict,
+                 grades: Grades) -> _Scored:
     t0 = time.perf_counter()
-    context = RewardContext(sampled.rollout.num_completions, state, sampled.environments)
+    context = RewardContext(sampled.rollout.num_completions, state, sampled.environments, mode_grades=grades)
     try:
         rewards = evaluate_rewards(ctx.reward_spec, *rollout_reward_inputs(sampled.rows, sampled.rollout), context)
     except RewardFunctionError as err:
@@ -245,11 +248,11 @@ def _kept_columns(rounds: list[tuple[_Scored, list[int]]], g: int, n: int) -> di
 
 
 def _rewards_and_rounds(ctx: PipelineContext, first: Sampled, more_rows: Callable[[], list[dict]] | None,
-                        state: TrainerState, timings: dict):
+                        state: TrainerState, timings: dict, grades: Grades):
     """Score ``first``; with dynamic sampling keep only groups whose rewards vary, sampling more
     rounds (from the current weights) until the batch is full (§9). Returns rows, rollout, rewards,
     stats (with the reward functions' ``log_metric`` means) and their ``log_extra`` columns."""
-    scored = _score_round(ctx, first, state, timings)
+    scored = _score_round(ctx, first, state, timings, grades)
     b = ctx.plan.batch
     if not b.dynamic_sampling:
         return (first.rows, first.rollout, scored.per_fn, {**first.stats, **scored.context.metric_means()},
@@ -261,7 +264,7 @@ def _rewards_and_rounds(ctx: PipelineContext, first: Sampled, more_rows: Callabl
         if round_idx > 0:
             if more_rows is None:
                 break
-            scored = _score_round(ctx, _generate(ctx, more_rows(), b.sampling), state, timings)
+            scored = _score_round(ctx, _generate(ctx, more_rows(), b.sampling), state, timings, grades)
         rows, rollout, per_fn = scored.sampled.rows, scored.sampled.rollout, scored.per_fn
         metrics.update(scored.context.metric_means())
         seen += len(rows)
@@ -325,16 +328,17 @@ def complete_rollouts(
     # TRL's trainer_state for the reward functions: the step this batch trains, as a float of epochs too.
     state = TrainerState(global_step=step, max_steps=ctx.plan.schedule.max_steps,
                          epoch=step / ctx.steps_per_epoch if ctx.steps_per_epoch else 0.0)
+    grades = Grades()  # each completion graded once for its reward, answer key and replay admission
     try:
         if isinstance(sampled, SkipBatch):
             raise sampled
-        rows, rollout, per_fn, stats, columns = _rewards_and_rounds(ctx, sampled, more_rows, state, timings)
+        rows, rollout, per_fn, stats, columns = _rewards_and_rounds(ctx, sampled, more_rows, state, timings, grades)
     except SkipBatch as err:
         return RolloutRecord(step=step, version=version, rows=[], rollout=None, rewards=None,
                              failure=(err.stage, err.reason))
     timings["time/generate"] = time.perf_counter() - started - timings["time/reward"]
     return RolloutRecord(step=step, version=version, rows=rows, rollout=rollout, rewards=per_fn, stats=stats,
-                         timings=timings, extra_columns=columns)
+                         timings=timings, extra_columns=columns, grades=grades)
 
 
 def prepare_training_batch(
@@ -366,7 +370,8 @@ def finish_batch(ctx: PipelineContext, record: RolloutRecord) -> PreparedBatch |
         per_fn = per_fn[: common * rollout.num_generations]
         columns = {k: v[: common * rollout.num_generations] for k, v in columns.items()}
     try:
-        batch, failed = _score_and_weight(ctx, rows, rollout, per_fn, record.stats, timings, columns), None
+        batch, failed = _score_and_weight(ctx, rows, rollout, per_fn, record.stats, timings, columns,
+                                          record.grades), None
     except SkipBatch as err:
         batch, failed = None, err
     if ctx.dist.any_rank(failed is not None):
@@ -381,14 +386,18 @@ def _skip(ctx: PipelineContext, failed: SkipBatch | None) -> None:
     return None
 
 
-def _score_and_weight(ctx: PipelineContext, rows, rollout, per_fn, stats, timings, columns) -> PreparedBatch:
+def _score_and_weight(ctx: PipelineContext, rows, rollout, per_fn, stats, timings, columns,
+                      grades: Grades) -> PreparedBatch:
     b, method = ctx.plan.batch, ctx.plan.method
     packed = pack_rollout(rollout, ctx.tokenizer.pad_token_id, device=ctx.dist.device)
     if b.mask_truncated_completions:
         packed.completion_mask[packed.truncated] = 0.0
     g = rollout.num_generations
     t1 = time.perf_counter()
-    keys = [answer_key(rows[i // g], text) for i, text in enumerate(rollout.completion_texts)]
+    try:
+        keys = [answer_key(rows[i // g], text, grades) for i, text in enumerate(rollout.completion_texts)]
+    except Unscorable as err:  # never a wrong answer (ALGORITHMS.md §18): the batch is skipped
+        raise SkipBatch("verifier", str(err)) from err
     seed = None
     if method.reward_scaling is not None:
         try:
@@ -456,4 +465,5 @@ def _score_and_weight(ctx: PipelineContext, rows, rollout, per_fn, stats, timing
         diversity=group_diversity(groups),
         stats=stats,
         timings=timings,
+        grades=grades,
     )

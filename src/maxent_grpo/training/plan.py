@@ -50,7 +50,7 @@ from maxent_grpo.training.sampler import SamplerPlan
 from maxent_grpo.training.schedule import LoggingPlan, Schedule
 from maxent_grpo.training.strategy import STRATEGIES
 from maxent_grpo.training.teacher import TeacherPlan
-from maxent_grpo.training.validation import EvalPlan
+from maxent_grpo.training.validation import EvalPlan, eval_draws, eval_k
 
 
 @dataclass(frozen=True)
@@ -312,7 +312,8 @@ def compile_run(cfg: TrainConfig, machine: Machine) -> RunPlan:
             output_dir=cfg.logging.output_dir, report_to=tuple(cfg.logging.report_to),
             log_completions_every=cfg.logging.log_completions_every, progress_bar=cfg.logging.progress_bar,
         ),
-        eval=EvalPlan(num_prompts=cfg.eval.num_prompts, k=cfg.eval.k, seed=t.seed),
+        eval=EvalPlan(num_prompts=cfg.eval.num_prompts, k=eval_k(cfg.eval.k, d.source), seed=t.seed,
+                      draws=eval_draws(cfg.eval.draws, d.source), min_defined_prompts=cfg.eval.min_defined_prompts),
         weighting=weighting,
         rewards=tuple(cfg.rewards),
         replay=cfg.replay,

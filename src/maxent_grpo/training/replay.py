@@ -25,6 +25,7 @@ import torch
 from maxent_grpo.core.mode_bank import ModeBank
 from maxent_grpo.core.replay import ReplayBatch, replay_layout, replay_scale
 from maxent_grpo.tasks.modebench import mode_info
+from maxent_grpo.tasks.modebench_package import Grades
 from maxent_grpo.training.distributed import Dist
 
 __all__ = ["ReplayConfig", "admit_batch", "bank_from_state", "bank_state", "check_replay", "replay_batch"]
@@ -66,13 +67,14 @@ class _Group:
     responses: list[list[int]]
 
 
-def _groups(rows: Sequence[dict], rollout, deciding: torch.Tensor, active: torch.Tensor) -> list[_Group]:
+def _groups(rows: Sequence[dict], rollout, deciding: torch.Tensor, active: torch.Tensor,
+            grades: Grades | None) -> list[_Group]:
     g = rollout.num_generations
     out = []
     for p, row in enumerate(rows):
         keys = []
         for i in range(p * g, (p + 1) * g):
-            info = mode_info(row, rollout.completion_texts[i])
+            info = mode_info(row, rollout.completion_texts[i], grades)
             if info is None:
                 raise ValueError("replay needs mode keys: this row's task has none (use data.source modebench_pkg: "
                                  "or modebench:)")
@@ -85,12 +87,13 @@ def _groups(rows: Sequence[dict], rollout, deciding: torch.Tensor, active: torch
 
 
 def admit_batch(bank: ModeBank, rows: Sequence[dict], rollout, deciding: torch.Tensor, active: torch.Tensor,
-                dist: Dist) -> dict[str, float]:
+                dist: Dist, grades: Grades | None = None) -> dict[str, float]:
     """Admit this step's fresh groups (every rank's, in rank order); return the ``bank/*`` metrics.
 
     ``deciding`` ``[N]``: the deciding reward of each completion (NaN: not scored, counts as 0);
-    ``active`` ``[N]``: the completion has a token in the loss."""
-    groups = dist.gather_objects(_groups(rows, rollout, deciding, active))
+    ``active`` ``[N]``: the completion has a token in the loss; ``grades``: the batch's modebench
+    grades, so that admission grades no completion again (None: grade here)."""
+    groups = dist.gather_objects(_groups(rows, rollout, deciding, active, grades))
     new = disagreements = 0
     for grp in groups:
         stats = bank.admit_group(grp.prompt_ids, grp.keys, grp.rewards, grp.active, grp.responses)

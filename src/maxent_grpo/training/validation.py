@@ -7,17 +7,40 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from maxent_grpo.core.mode_metrics import MIN_DEFINED_PROMPTS
 from maxent_grpo.rollout.data_plane import DataPlane, RolloutRecord
+from maxent_grpo.tasks.modebench_package import PREFIX as PACKAGE_PREFIX
 from maxent_grpo.evaluate import eval_seed, evaluate_prompts, per_prompt_metrics, per_task_means, write_eval_outputs
 
 
 @dataclass(frozen=True)
 class EvalPlan:
-    """``eval:``: how many held-out prompts, how many samples each, and the run's seed (the sampling's)."""
+    """``eval:``: how many held-out prompts, how many samples each (``draws`` groups of ``k``), the
+    run's seed (the sampling's) and ModeBench's reportable threshold."""
 
     num_prompts: int
     k: int
     seed: int
+    draws: int = 1
+    min_defined_prompts: int = MIN_DEFINED_PROMPTS
+
+
+# The anchor's evaluation draws 4 groups of 8 per ModeBench prompt (ALGORITHMS.md §18); elsewhere one group of 4.
+MODEBENCH_DRAWS, MODEBENCH_K, DEFAULT_K = 4, 8, 4
+
+
+def eval_k(k: int | None, source: str) -> int:
+    """``eval.k``, or its default: :data:`MODEBENCH_K` on ``modebench_pkg:`` data, else :data:`DEFAULT_K`."""
+    if k is not None:
+        return k
+    return MODEBENCH_K if source.startswith(PACKAGE_PREFIX) else DEFAULT_K
+
+
+def eval_draws(draws: int | None, source: str) -> int:
+    """``eval.draws``, or its default: :data:`MODEBENCH_DRAWS` on ``modebench_pkg:`` data, else 1."""
+    if draws is not None:
+        return draws
+    return MODEBENCH_DRAWS if source.startswith(PACKAGE_PREFIX) else 1
 
 
 def _through_plane(plane: DataPlane, partition: str, record: RolloutRecord) -> RolloutRecord:
@@ -52,7 +75,7 @@ def validate(run, step: int) -> dict[str, float]:
         try:
             summary, records = evaluate_prompts(
                 run.ctx.backend, run.ctx.tokenizer, rows, run.ctx.reward_spec,
-                k=e.k, sampling=plan.batch.sampling,
+                k=e.k, sampling=plan.batch.sampling, draws=e.draws, min_defined_prompts=e.min_defined_prompts,
                 system_prompt=plan.batch.system_prompt, few_shot=plan.batch.few_shot, episodes=run.ctx.episodes,
                 carry=lambda record: _through_plane(run.rollouts.plane, f"val/{step}", replace(record, step=step,
                                                                                                 version=step)),

@@ -194,7 +194,8 @@ def test_per_prompt_metrics_count_modes_not_strings():
 
     def rec(i, s, answer, key, correct, mode="sampled"):
         return {"prompt_index": i, "sample": s, "mode": mode, "task": "pair_sum", "score": float(correct),
-                "correct": correct, "answer": answer, "mode_key": key, "num_valid": 3, "keyed": True}
+                "correct": correct, "answer": answer, "mode_key": key, "num_valid": 3, "keyed": True,
+                "draw": 0, "unscorable": False}
 
     # Prompt 0 (n = 7, 3 modes): "3 + 4" and "4 + 3" are one mode, "2 + 5" another, one wrong.
     records = [rec(0, 0, "3 + 4", "3+4", True), rec(0, 1, "4 + 3", "3+4", True), rec(0, 2, "2 + 5", "2+5", True),

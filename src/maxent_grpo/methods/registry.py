@@ -151,6 +151,12 @@ class Method:
         if self.settings is not None and not dataclasses.is_dataclass(self.settings):
             raise ValueError(f"method {self.name!r}: settings must be a dataclass")
 
+    @property
+    def trains_on_advantages(self) -> bool:
+        """Whether the policy term is on the group advantages (False: on listwise target weights, which
+        zeroed advantages would not switch off)."""
+        return self.weighting != "listwise"
+
     def plan(self, inputs: PlanInputs) -> MethodPlan:
         loss = self.loss(inputs)
         if not self.kl_in_token_loss:

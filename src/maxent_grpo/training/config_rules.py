@@ -115,9 +115,9 @@ def _check_teacher(cfg: TrainConfig) -> None:
     if t.rewards:
         return
     require(t.name_or_path is not None, "teacher.rewards", "false needs a teacher (teacher.name_or_path)")
-    weighting = get_method(cfg.method).weighting
-    require(weighting != "listwise", "teacher.rewards",
-            f"false zeroes the advantages, but method {cfg.method}'s policy term is on {weighting} weights; "
+    method = get_method(cfg.method)
+    require(method.trains_on_advantages, "teacher.rewards",
+            f"false zeroes the advantages, but method {cfg.method}'s policy term is on {method.weighting} weights; "
             "use an advantage method (e.g. method: grpo)")
 
 

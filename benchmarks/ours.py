@@ -90,6 +90,9 @@ def ours_config(setting: BenchSetting, model_dir: Path, extra: dict | None = Non
             "temperature": setting.temperature,
             "top_p": 1.0,
             "top_k": 0,
+            # Every side samples in the setting's dtype: our ``auto`` would pick a bf16 copy on a CPU
+            # with native bf16 (training/precision.py), which the other sides do not make.
+            "dtype": None,
         },
         "loss": {
             "loss_type": setting.loss_type,
@@ -108,6 +111,8 @@ def ours_config(setting: BenchSetting, model_dir: Path, extra: dict | None = Non
             "adam_beta2": 0.999,
             "max_grad_norm": 1.0,
             "seed": setting.seed,
+            # bf16 autocast exactly when the setting is bf16 (as TRL's bf16=), not ``auto``'s machine rule.
+            "autocast_bf16": setting.bf16,
             # Checkpointing recomputes each layer, which a shared prompt's KV cache cannot be.
             **({"gradient_checkpointing": True, "share_prompts": False} if setting.gradient_checkpointing else {}),
         },

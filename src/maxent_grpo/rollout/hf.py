@@ -35,7 +35,6 @@ from transformers import (
 )
 
 from maxent_grpo.core.completion_logits import cache_kwarg
-from maxent_grpo.core.logprobs import selective_logps
 from maxent_grpo.rollout.backend import Completion, PromptGroup, SamplingParams, TokenPrompts
 
 # Generation settings that reshape the sampling distribution or end rows early
@@ -99,7 +98,12 @@ class _SampledLogps(LogitsProcessor):
         self.steps: list[torch.Tensor] = []
 
     def _take(self, tokens: torch.Tensor) -> None:
-        self.steps.append(selective_logps(self.held, tokens, temperature=self.temperature)[0])
+        # One step's [rows, V] logits with no graph: a plain log_softmax and gather is 3-6x faster here
+        # than the chunked autograd function (selective_logps, built for [B, T, V] with a backward), and
+        # the ids need no range check (generate drew them from these logits).
+        held = self.held.to(torch.promote_types(self.held.dtype, torch.float32))
+        logps = torch.log_softmax(held / self.temperature, dim=-1)
+        self.steps.append(logps.gather(-1, tokens.long()[:, None])[:, 0])
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.held is not None:

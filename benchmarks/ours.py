@@ -90,9 +90,10 @@ def ours_config(setting: BenchSetting, model_dir: Path, extra: dict | None = Non
             "temperature": setting.temperature,
             "top_p": 1.0,
             "top_k": 0,
-            # Every side samples in the setting's dtype: our ``auto`` would pick a bf16 copy on a CPU
-            # with native bf16 (training/precision.py), which the other sides do not make.
-            "dtype": None,
+            # An fp32 setting samples in fp32 on every side: our ``auto`` would pick a bf16 copy on a CPU
+            # with native bf16 (training/precision.py), which the other sides do not make. A bf16
+            # setting keeps our own bf16 default (``auto``), as TRL keeps its own.
+            "dtype": "auto" if setting.bf16 else None,
         },
         "loss": {
             "loss_type": setting.loss_type,

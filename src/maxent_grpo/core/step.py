@@ -288,6 +288,7 @@ def grpo_step(
     update: Callable[[torch.nn.Module, torch.optim.Optimizer], torch.Tensor] = OptimizerUpdate(),
     replay: ReplayBatch | None = None,
     replay_pass: Callable[[torch.nn.Module, ReplayBatch, Scoring], dict[str, float]] = replay_backward,
+    between_passes: Callable[[], None] | None = None,
 ) -> StepResult:
     """Forward/backward every micro-batch under ``spec``, then ``update`` (an :class:`OptimizerUpdate`;
     the trainer passes a timed one: the core keeps no clock).
@@ -298,7 +299,9 @@ def grpo_step(
     the order. Every rank replays the same groups and the reduction averages, so the term
     counts once whatever the world size (the fresh loss is multiplied by the world size for
     the same reason). Its metrics join the step's. ``replay_pass``: :func:`replay_backward`, or the
-    trainer's timed wrapper of it (as ``update``)."""
+    trainer's timed wrapper of it (as ``update``). ``between_passes``: called before each micro-batch's
+    forward and before its backward, when the previous pass's tensors are freed (the trainer hands
+    freed host memory back to the OS there, ``training/host_memory.py``); it must not touch the model."""
     _check_micro_batches(micro_batches, spec)
     norm = _step_normalizer(micro_batches, spec, comm)
     policy_loss = POLICY_LOSSES[spec.policy_loss]
@@ -317,6 +320,8 @@ def grpo_step(
             replay_metrics = replay_pass(model, replay, scoring)
     last = len(micro_batches) - 1
     for i, mb in enumerate(micro_batches):
+        if between_passes is not None:
+            between_passes()
         # Gradients are reduced over ranks once, in the last micro-batch's backward.
         with nullcontext() if comm.gradient_sync is None else comm.gradient_sync(i == last):
             logp, ent = scoring.logps(model, mb.input_ids, mb.attention_mask, mb.prompt_length, with_entropy=True)
@@ -376,6 +381,8 @@ def grpo_step(
             if spec.entropy_coef > 0:
                 bonus = entropy_bonus(ent, mask, vocab_size, spec.loss_type, norm)
                 contribution = contribution - spec.entropy_coef * bonus
+            if between_passes is not None:
+                between_passes()
             (contribution * comm.world_size).backward()
 
             values = (contribution, policy_part, kl_sum, (ent * mask).sum(), bonus, distill_sum)

@@ -192,6 +192,7 @@ def _policy_update(run: Run, prepared, step: int, timings: dict):
             run.train_model, run.optimizer, micro_batches, spec,
             plan.scoring, comm=run.comm, update=timed_update, replay=replay,
             replay_pass=lambda model, batch, scoring: _timed_replay(model, batch, scoring, timings),
+            between_passes=run.release_host_memory,
         )
     result.metrics.update(bank_metrics)
     # What one policy pass over the batch computes, against its real tokens (padding, shared prompts, packing).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from maxent_grpo.training.replay import bank_from_state, bank_state
 from maxent_grpo.training.config import save_config
 from maxent_grpo.training.data import load_rows, row_episodes
 from maxent_grpo.training.distributed import Dist, log_device
+from maxent_grpo.training.host_memory import host_memory_release
 from maxent_grpo.training.pipeline import PipelineContext
 from maxent_grpo.training.plan import RunPlan, describe_rollout_correction
 from maxent_grpo.training.policy import build_optimizer, load_policy, load_reference, reference_scorer
@@ -80,6 +82,8 @@ class Run:
     # The separate reference model (None: no reference, or LoRA's adapters-off base); loss.sync_ref_model
     # moves it toward the policy, and it is then saved with every checkpoint.
     reference: torch.nn.Module | None = None
+    # Hands freed host memory back to the OS between the policy's passes (None on a GPU): training/host_memory.py.
+    release_host_memory: Callable[[], None] | None = None
 
     @property
     def plan(self) -> RunPlan:
@@ -205,7 +209,7 @@ def build_run(
         strategy=strategy, eval_rows=eval_rows, lock=lock,
         bank=ModeBank(plan.replay.capacity, plan.replay.groups_per_step) if plan.replay.enabled else None,
         entropy_state=EntropyCoefState(plan.method.loss.entropy_coef) if plan.adaptive_entropy is not None else None,
-        reference=ref_model,
+        reference=ref_model, release_host_memory=host_memory_release(dist.device.type),
     )
     if ckpt is not None:
         _resume(run, ckpt)

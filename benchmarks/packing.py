@@ -4,9 +4,9 @@ seconds per step, seconds in the policy phase, and the token positions one polic
 
     python benchmarks/packing.py --setting smollm2-64 --reps 2 --threads 2
 
-Each repetition runs the three variants one after the other (A B C A B C), each in a fresh process,
+Each repetition runs the four variants one after the other (A B C D A B C D), each in a fresh process,
 so a busy machine slows them alike; the first step of each run is the warm-up and is left out.
-Generation is the same in all three (it shares prompts whenever the CPU default does), so every
+Generation is the same in all four (it shares prompts whenever the CPU default does), so every
 variant trains on the same completions at its first step.
 """
 
@@ -30,6 +30,7 @@ VARIANTS = {
     "padded": {"training": {"share_prompts": False, "packing": False}},
     "shared prompts": {"training": {"share_prompts": True, "packing": False}},
     "packed": {"training": {"share_prompts": False, "packing": True}},
+    "shared prompts, packed completions": {"training": {"share_prompts": True, "packing": True}},
 }
 
 

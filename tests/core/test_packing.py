@@ -31,6 +31,18 @@ def _mask(spans, width):
     return mask
 
 
+def _shared_rows(model):
+    """The worker's rows with every group of ``G`` rows given its first row's prompt (ragged
+    completions of 7, 3, 5, 1 and 6, 2, 0, 4 tokens: one is empty)."""
+    rows = worker.build_rows(model)
+    ids, attn = rows["input_ids"].clone(), rows["attention_mask"].clone()
+    for i in range(ids.shape[0]):
+        head = i - i % worker.G
+        ids[i, : worker.PROMPT_LEN] = ids[head, : worker.PROMPT_LEN]
+        attn[i, : worker.PROMPT_LEN] = attn[head, : worker.PROMPT_LEN]
+    return {**rows, "input_ids": ids, "attention_mask": attn}
+
+
 # ---------------------------------------------------------------- the plan
 
 
@@ -138,6 +150,50 @@ def test_packed_logps_entropies_and_gradients_equal_the_padded_forward(tiny_mode
         assert float((x - y).abs().max()) <= 1e-12 * float(y.abs().max())
 
 
+@pytest.mark.parametrize("impl, fused_head", [("sdpa", True), ("sdpa", False), ("eager", True)])
+def test_completions_packed_behind_shared_prompts_equal_the_shared_padded_forward(tiny_model_dir, impl, fused_head):
+    """Each distinct prompt once, its completions packed behind its KV cache: the log-probs,
+    entropies and gradients of the shared-prompt forward over padded completions (the same prompt
+    work, the same sums over the rows that share it), and the plain padded forward's values."""
+    model = _model(tiny_model_dir, impl)
+    rows = _shared_rows(model)
+    ids, mask, cmask = rows["input_ids"], rows["attention_mask"], rows["completion_mask"]
+    assert len(set(map(tuple, ids[:, : worker.PROMPT_LEN].tolist()))) == ids.shape[0] // worker.G
+    assert bool((cmask.sum(1) < cmask.shape[1]).any())  # ragged completions: padding to remove
+    g = torch.Generator().manual_seed(5)
+    a, b = (torch.randn(cmask.shape, generator=g, dtype=torch.float64) for _ in range(2))
+
+    def run(pack, share):
+        model.zero_grad()
+        lp, h = get_per_token_logps_and_entropies(model, ids, mask, worker.PROMPT_LEN, temperature=0.7,
+                                                  share_prompts=share, pack=pack, fused_head=fused_head)
+        (cmask * (a * lp + b * h)).sum().backward()
+        return lp.detach() * cmask, h.detach() * cmask, [p.grad.clone() for p in model.parameters()]
+
+    both, shared, plain = run(True, True), run(False, True), run(False, False)
+    for x, y in zip(both[:2], shared[:2]):
+        torch.testing.assert_close(x, y, atol=1e-12, rtol=0)
+    for x, y in zip(both[:2], plain[:2]):
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=0)  # HF's RMSNorm rounds through float32
+    assert all(float(t.abs().max()) > 0 for t in shared[2])
+    for x, y in zip(both[2], shared[2]):
+        assert float((x - y).abs().max()) <= 1e-12 * float(y.abs().max())
+
+
+def test_an_empty_completion_keeps_one_slot_and_the_others_their_values(tiny_model_dir):
+    model = _model(tiny_model_dir, "sdpa")
+    rows = _shared_rows(model)
+    ids, mask = rows["input_ids"].clone(), rows["attention_mask"].clone()
+    mask[1, worker.PROMPT_LEN :] = 0  # row 1: no completion token at all
+    with torch.no_grad():
+        both, _ = get_per_token_logps_and_entropies(model, ids, mask, worker.PROMPT_LEN, with_entropy=False,
+                                                    pack=True, share_prompts=True)
+        shared, _ = get_per_token_logps_and_entropies(model, ids, mask, worker.PROMPT_LEN, with_entropy=False,
+                                                      pack=False, share_prompts=True)
+    cmask = mask[:, worker.PROMPT_LEN :].double()
+    torch.testing.assert_close(both * cmask, shared * cmask, atol=1e-12, rtol=0)
+
+
 def test_eager_attention_gets_an_additive_mask_and_the_unpadded_answer(tiny_model_dir):
     """Eager attention adds its mask to the scores; the packed rows must give each row's own,
     unpadded forward (the reference: one row at a time, no padding at all)."""
@@ -169,10 +225,11 @@ def _cases():
     return out
 
 
+@pytest.mark.parametrize("share", [False, True], ids=["rows", "behind_shared_prompts"])
 @pytest.mark.parametrize("spec", _cases())
-def test_every_method_steps_to_the_same_update_packed_or_padded(tiny_model_dir, spec):
+def test_every_method_steps_to_the_same_update_packed_or_padded(tiny_model_dir, spec, share):
     base = worker.load_model(str(tiny_model_dir))
-    rows = worker.build_rows(base)
+    rows = _shared_rows(base) if share else worker.build_rows(base)
     gen = torch.Generator().manual_seed(11)
     n, g = len(worker.LENGTHS), worker.G
     extra = {"listwise_weights": torch.softmax(torch.randn(n // g, g, generator=gen, dtype=torch.float64), -1).reshape(-1)}
@@ -183,7 +240,7 @@ def test_every_method_steps_to_the_same_update_packed_or_padded(tiny_model_dir, 
         model = copy.deepcopy(base)
         before = [p.detach().clone() for p in model.parameters()]
         result = grpo_step(model, torch.optim.SGD(model.parameters(), lr=1.0), mbs, spec,
-                           Scoring(share_prompts=False, packing=packing), update=OptimizerUpdate(None, None))
+                           Scoring(share_prompts=share, packing=packing), update=OptimizerUpdate(None, None))
         return result, [b - p.detach() for b, p in zip(before, model.parameters())]
 
     (r_pack, g_pack), (r_pad, g_pad) = step(True), step(False)
@@ -226,4 +283,8 @@ def test_forward_positions_count_padding_shared_prompts_and_bins():
     assert Scoring(share_prompts=False).forward_positions(ids, mask, 3) == 15
     assert Scoring(share_prompts=True).forward_positions(ids, mask, 3) == 2 * 3 + 3 * 2
     # Real lengths 4, 3, 3, capacity 5 (the padded width): [4], [3], [3] -> 3 bins, the widest 4.
-    assert Scoring(packing=True).forward_positions(ids, mask, 3) == 12
+    assert Scoring(packing=True, share_prompts=False).forward_positions(ids, mask, 3) == 12
+    # Shared prompts, completions packed behind them: 2 distinct prompts x 3 positions; prompt [5, 6]'s
+    # completions (2 and 1 tokens) need two bins of the completion width 2, and the other prompt's empty
+    # completion keeps one slot in a bin of its own: 3 bins x width 2.
+    assert Scoring(packing=True, share_prompts=True).forward_positions(ids, mask, 3) == 2 * 3 + 3 * 2

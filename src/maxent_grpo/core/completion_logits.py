@@ -26,7 +26,9 @@ import inspect
 
 import torch
 
-from maxent_grpo.core.packing import pack_plan, packed_inputs, unpack_completion
+from maxent_grpo.core.packing import (
+    pack_plan, pack_plan_by_group, packed_inputs, prefixed_packed_inputs, unpack_behind_prompt, unpack_completion,
+)
 
 
 @functools.cache
@@ -84,6 +86,45 @@ def _packed_forward(model, input_ids, attention_mask, with_logits):
     no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)
     out = model(**inputs, logits_to_keep=0 if with_logits else no_logits, use_cache=False)
     return out, plan
+
+
+def shares_then_packs(model, input_ids, attention_mask, prompt_length) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(first, inverse)`` of :func:`distinct_prompt_rows` when packing with shared prompts applies:
+    some row repeats a prompt, there are completion positions, and the attention takes a dense mask
+    (flash attention's variable-length kernel has no cached prefix: it packs whole rows instead)."""
+    if input_ids.shape[1] <= prompt_length or _unwrapped(model).config._attn_implementation.startswith("flash"):
+        return None
+    first, inverse = distinct_prompt_rows(input_ids[:, :prompt_length], attention_mask[:, :prompt_length])
+    return (first, inverse) if first.numel() < input_ids.shape[0] else None
+
+
+def completion_pack_plan(attention_mask: torch.Tensor, prompt_length: int, inverse: torch.Tensor):
+    """The completions' :func:`pack_plan_by_group` by shared prompt. An empty completion keeps one
+    slot (its output is never read), so every row has a real token to pack."""
+    completion_mask = attention_mask[:, prompt_length:].clone()
+    completion_mask[:, 0] = 1
+    return pack_plan_by_group(completion_mask, inverse)
+
+
+def _shared_packed_forward(model, input_ids, attention_mask, prompt_length, distinct, with_logits):
+    """Each distinct prompt once (KV cache kept in the graph), then every bin of its completions,
+    packed padding-free, through that cache. Returns the two outputs and the completions' plan."""
+    first, inverse = distinct
+    no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)
+    prompt_mask = attention_mask[first, :prompt_length]
+    prompt = _unwrapped(model)(
+        input_ids=input_ids[first, :prompt_length], attention_mask=prompt_mask,
+        position_ids=position_ids(prompt_mask), logits_to_keep=1 if with_logits else no_logits, use_cache=True,
+    )
+    plan, bin_prompt = completion_pack_plan(attention_mask, prompt_length, inverse)
+    cache = getattr(prompt, cache_kwarg())
+    cache.batch_select_indices(bin_prompt)
+    impl = _unwrapped(model).config._attn_implementation
+    inputs = prefixed_packed_inputs(input_ids[:, prompt_length:], plan, prompt_mask[bin_prompt],
+                                    mask="bool" if impl == "sdpa" else "additive",
+                                    mask_dtype=next(model.parameters()).dtype)
+    rest = model(**inputs, **{cache_kwarg(): cache}, use_cache=True, logits_to_keep=0 if with_logits else no_logits)
+    return prompt, rest, plan, inverse
 
 
 def _forwards(model, input_ids, attention_mask, prompt_length, share_prompts, with_logits):
@@ -145,8 +186,15 @@ def completion_logits(
     ``input_ids`` / ``attention_mask`` are ``[B, L]`` with prompts left-padded to
     ``prompt_length``. The plain path runs one forward (LM head only where needed);
     ``share_prompts`` runs each distinct prompt row once when some row repeats; ``pack`` runs
-    the rows padding-free (and takes precedence over ``share_prompts``).
+    the rows padding-free: with ``share_prompts``, each distinct prompt once and its completions
+    packed behind it (:func:`shares_then_packs`), otherwise whole rows.
     """
+    distinct = shares_then_packs(model, input_ids, attention_mask, prompt_length) if pack and share_prompts else None
+    if distinct is not None:
+        prompt, rest, plan, inverse = _shared_packed_forward(model, input_ids, attention_mask, prompt_length,
+                                                             distinct, with_logits=True)
+        return unpack_behind_prompt(prompt.logits[:, -1], rest.logits, plan, inverse,
+                                    input_ids.shape[1] - prompt_length)
     if pack:
         out, plan = _packed_forward(model, input_ids, attention_mask, with_logits=True)
         return unpack_completion(out.logits, plan, prompt_length, input_ids.shape[1])
@@ -204,6 +252,14 @@ def completion_hidden_states(
     logits at those positions are ``model.get_output_embeddings()(hidden)``.
     """
     captured: list[torch.Tensor] = []
+    distinct = shares_then_packs(model, input_ids, attention_mask, prompt_length) if pack and share_prompts else None
+    if distinct is not None:
+        with _last_hidden_states(model, captured):
+            _, _, plan, inverse = _shared_packed_forward(model, input_ids, attention_mask, prompt_length,
+                                                         distinct, with_logits=False)
+        prompt_hidden, rest_hidden = captured
+        return unpack_behind_prompt(prompt_hidden[:, -1], rest_hidden, plan, inverse,
+                                    input_ids.shape[1] - prompt_length)
     if pack:
         with _last_hidden_states(model, captured):
             _, plan = _packed_forward(model, input_ids, attention_mask, with_logits=False)

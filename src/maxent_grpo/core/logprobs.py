@@ -23,6 +23,7 @@ from maxent_grpo.core.chunked_softmax import (
 from maxent_grpo.core.completion_logits import (
     completion_hidden_states,
     completion_logits,
+    completion_pack_plan,
     distinct_prompt_rows,
     lm_head,
     supports_fused_head,
@@ -159,7 +160,8 @@ def get_per_token_logps_and_entropies(
     ``fused_head``: apply the LM head chunk by chunk (``fused_lm_head``), so the
     ``[B, T, V]`` logits never exist, where the model family allows it
     (``supports_fused_head``); otherwise the model's own logits are used.
-    ``pack``: run the rows padding-free (``core/packing.py``; takes precedence over ``share_prompts``).
+    ``pack``: run the rows padding-free (``core/packing.py``): with ``share_prompts``, each distinct
+    prompt once and its completions packed behind it; otherwise whole rows.
 
     Values at padded completion positions are meaningless; mask them downstream.
     """
@@ -194,8 +196,9 @@ class Scoring:
 
     ``temperature``: the sampling temperature (the logits are divided by it, as the sampler's
     were). ``share_prompts``: each distinct prompt of a batch runs once
-    (``completion_logits``). ``packing``: the rows run padding-free (``core/packing.py``), in place
-    of ``share_prompts``. ``autocast_bf16``: bf16 matmuls over the model's own weights
+    (``completion_logits``). ``packing``: the rows run padding-free (``core/packing.py``); with
+    ``share_prompts`` each distinct prompt runs once and its completions are packed behind it (whole
+    rows are packed under flash attention, which :meth:`forward_positions` does not see). ``autocast_bf16``: bf16 matmuls over the model's own weights
     (``torch.autocast``), around the forward only. ``rows_per_pass``: rows per forward when
     scoring without gradients (:meth:`score_rows`).
     """
@@ -224,6 +227,11 @@ class Scoring:
         """Token positions one :meth:`logps` call runs the model over: ``B * L`` padded, each distinct
         prompt once plus every completion slot with ``share_prompts``, the packed bins with ``packing``."""
         b, length = input_ids.shape
+        if self.packing and self.share_prompts and length > prompt_length:
+            first, inverse = distinct_prompt_rows(input_ids[:, :prompt_length], attention_mask[:, :prompt_length])
+            if len(first) < b:  # the layout completion_logits.shares_then_packs runs
+                return len(first) * prompt_length + completion_pack_plan(
+                    attention_mask, prompt_length, inverse)[0].computed_tokens
         if self.packing:
             return pack_plan(attention_mask).computed_tokens
         if self.share_prompts and length > prompt_length:

@@ -13,6 +13,12 @@ the same function of every row as in the padded batch (the masked keys add exact
 so the completion log-probs, and the loss and gradients built on them, equal the padded
 path's up to the order of floating-point sums.
 
+With shared prompts (:func:`pack_plan_by_group`, :func:`prefixed_packed_inputs`) each distinct
+prompt runs once and only the completions are packed, each bin holding completions of one
+prompt and attending to that prompt's KV cache through a ``[bins, 1, width, P + width]`` mask:
+the prompt is computed once per prompt instead of once per row, and the completions with no
+padding (SmolLM2-135M, 4 prompts x 8 completions of 64 tokens: BENCHMARKS.md §10).
+
 Pure index arithmetic: :func:`pack_plan` decides where each row goes, :func:`packed_inputs`
 builds the model's inputs, :func:`unpack_completion` gathers the outputs that predict each
 completion token back to ``[B, T, ...]`` (padded completion positions get a copy of a real
@@ -25,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PackPlan", "pack_plan", "packed_inputs", "unpack_completion"]
+__all__ = ["PackPlan", "pack_plan", "pack_plan_by_group", "packed_inputs", "prefixed_packed_inputs",
+           "unpack_completion", "unpack_behind_prompt"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,29 @@ def pack_plan(attention_mask: torch.Tensor, capacity: int | None = None) -> Pack
                     offset=torch.tensor(offset_of, device=dev), bins=len(fill), width=max(fill))
 
 
+def pack_plan_by_group(attention_mask: torch.Tensor, group: torch.Tensor,
+                       capacity: int | None = None) -> tuple[PackPlan, torch.Tensor]:
+    """:func:`pack_plan` within each group of rows (``group`` [B]: ids ``0 .. D-1``), so that no bin holds
+    rows of two groups; bins are numbered group by group. Returns the merged plan and each bin's
+    group ``[bins]``."""
+    b = attention_mask.shape[0]
+    if group.shape != (b,):
+        raise ValueError(f"group must be [B] = [{b}], got shape {tuple(group.shape)}")
+    dev = attention_mask.device
+    start, length, bin_of, offset = (torch.zeros(b, dtype=torch.long, device=dev) for _ in range(4))
+    bin_group: list[int] = []
+    width = 0
+    for d in sorted(set(group.tolist())):
+        rows = (group == d).nonzero()[:, 0]
+        plan = pack_plan(attention_mask[rows], capacity)
+        start[rows], length[rows], offset[rows] = plan.start, plan.length, plan.offset
+        bin_of[rows] = plan.bin + len(bin_group)
+        bin_group += [d] * plan.bins
+        width = max(width, plan.width)
+    return (PackPlan(start=start, length=length, bin=bin_of, offset=offset, bins=len(bin_group), width=width),
+            torch.tensor(bin_group, dtype=torch.long, device=dev))
+
+
 def _token_places(plan: PackPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """For every real token of the padded batch: (row, column in the padded row, bin, column in the bin)."""
     rows = torch.repeat_interleave(torch.arange(len(plan.length), device=plan.length.device), plan.length)
@@ -131,3 +161,36 @@ def unpack_completion(packed: torch.Tensor, plan: PackPlan, prompt_length: int, 
     source = (prompt_length - 1 + t).unsqueeze(0) - plan.start.unsqueeze(1)  # [B, T], within the segment
     source = torch.minimum(source, (plan.length - 1).unsqueeze(1)).clamp(min=0)
     return packed[plan.bin.unsqueeze(1), plan.offset.unsqueeze(1) + source]
+
+
+def prefixed_packed_inputs(input_ids: torch.Tensor, plan: PackPlan, prefix_mask: torch.Tensor, *, pad_id: int = 0,
+                           mask: str = "bool", mask_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """:func:`packed_inputs` for bins that continue a cached prefix (a shared prompt): ``prefix_mask``
+    ``[bins, P]`` (1 on each bin's real prefix tokens, left-padded). Positions go on from each bin's
+    prefix length, and every position also attends to its bin's real prefix tokens: the mask is
+    ``[bins, 1, width, P + width]`` (prefix columns first, as the KV cache holds them)."""
+    if mask not in ("bool", "additive"):
+        raise ValueError(f"mask must be 'bool' or 'additive', got {mask!r}")
+    inputs = packed_inputs(input_ids, plan, pad_id=pad_id, mask="bool")
+    prefix = prefix_mask.bool()
+    inputs["position_ids"] = inputs["position_ids"] + prefix.sum(dim=1, keepdim=True)
+    block = inputs["attention_mask"]
+    allowed = torch.cat([prefix[:, None, None, :].expand(-1, 1, plan.width, -1), block], dim=-1)
+    if mask == "additive":
+        dtype = mask_dtype or torch.float32
+        allowed = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min)
+    inputs["attention_mask"] = allowed
+    return inputs
+
+
+def unpack_behind_prompt(prompt_last: torch.Tensor, packed: torch.Tensor, plan: PackPlan, inverse: torch.Tensor,
+                         completion_length: int) -> torch.Tensor:
+    """``[B, T, ...]`` outputs for completions packed behind their shared prompt: at ``t = 0`` the output
+    of the prompt's last position (``prompt_last`` ``[D, ...]``, row ``inverse[b]``), at ``t >= 1`` that of
+    completion token ``t - 1`` in its bin (the completion rows of ``plan`` start at their first token).
+    Positions past a row's last real token take its last real position's output."""
+    t = torch.arange(1, completion_length, device=packed.device)
+    source = torch.minimum((t - 1).unsqueeze(0), (plan.length - 1).unsqueeze(1))
+    rest = packed[plan.bin.unsqueeze(1), plan.offset.unsqueeze(1) + source]
+    return torch.cat([prompt_last[inverse].unsqueeze(1), rest], dim=1)

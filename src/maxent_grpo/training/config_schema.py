@@ -244,9 +244,10 @@ class TrainingConfig:
         "generation prefill and policy/reference forwards run each distinct prompt once (false: once per "
         "row; auto: on the CPU only)")})
     packing: bool = field(default=False, metadata={"help": (
-        "policy, reference and old-policy passes run padding-free: each row's real tokens packed end to end "
-        "into fewer rows (core/packing.py), the same values and gradients as the padded forward; "
-        "in place of share_prompts for these passes (generation still shares prompts)")})
+        "policy, reference and old-policy passes run padding-free (core/packing.py), the same values and "
+        "gradients as the padded forward: with share_prompts, each distinct prompt runs once and its "
+        "completions are packed end to end behind its KV cache; without, each row's real tokens are packed "
+        "into fewer rows (also under flash attention)")})
     # Keep only each decoder layer's input and recompute the layer in the backward: activation
     # memory of one layer instead of all, for about one more forward of compute. Needs
     # share_prompts: false (a shared prompt's KV cache cannot be recomputed).

@@ -11,6 +11,7 @@ computes it), and is timed over ``--reps`` batches after one warm-up, synchronis
 * ``ours``: ``Scoring.logps`` as the trainer calls it (shared prompts, fused LM head, entropies);
 * ``ours, no entropy``; ``ours, no shared prompts``; ``ours, no fused head``;
 * ``ours, packed``: padding-free (``training.packing``), no shared prompts;
+* ``ours, packed behind shared prompts``: each prompt once, its completions packed behind it;
 * ``plain``: one forward over prompt + completion, the logits at the completion positions,
   ``log_softmax`` and a gather (what TRL does), no entropy.
 
@@ -70,7 +71,8 @@ def variants():
     assert Scoring().share_prompts  # the trainer's default, which "ours" mirrors
     plain.scoring = Scoring(share_prompts=False)
     return {"ours": ours(), "ours, no entropy": ours(entropy=False), "ours, no shared prompts": ours(share=False),
-            "ours, packed": ours(share=False, pack=True), "ours, no fused head": ours(fused=False), "plain": plain}
+            "ours, packed": ours(share=False, pack=True), "ours, packed behind shared prompts": ours(pack=True),
+            "ours, no fused head": ours(fused=False), "plain": plain}
 
 
 def positions(fn, ids, mask, p, micro: int) -> int:

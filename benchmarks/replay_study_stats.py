@@ -90,13 +90,13 @@ def arm_mean(df: pd.DataFrame, metric: str) -> tuple[float, float, float, int]:
     return mean, mean - half, mean + half, n
 
 
-def _effect(effects: pd.DataFrame, arm: str, scale: float) -> str:
+def _effect(effects: pd.DataFrame, arm: str, scale: float, p_name: str = "p_holm") -> str:
     if arm not in set(effects["arm"]):
         return "n/a"
     e = effects.set_index("arm").loc[arm]
     digits = 1 if scale == 100 else 2  # points, or the metric's own unit
     return (f"{scale * e.effect:+.{digits}f} [{scale * e.lo:+.{digits}f}, {scale * e.hi:+.{digits}f}] "
-            f"(p_holm {e.p_holm:.2f})")
+            f"({p_name} {e[p_name]:.2f})")
 
 
 def effects(df: pd.DataFrame, metric: str, baseline: str) -> pd.DataFrame:
@@ -131,7 +131,8 @@ def results_table(df: pd.DataFrame, arms: list[str], baseline: str) -> str:
 
 
 def contrasts(df: pd.DataFrame, pairs: list[tuple[str, str]]) -> str:
-    """The replay's own effect: each (treatment, reference) pair alone, same model as the main table."""
+    """The replay's own effect: each (treatment, reference) pair alone, same model as the main table;
+    one comparison per fit, so its p is unadjusted."""
     lines = ["| contrast | Δpass@8 (points) | Δdistinct@8 | ΔPCMD |", "|---|---|---|---|"]
     for arm, ref in pairs:
         pair = df[df["arm"].isin([arm, ref])]
@@ -139,7 +140,7 @@ def contrasts(df: pd.DataFrame, pairs: list[tuple[str, str]]) -> str:
             continue
         cells = [f"{arm} - {ref}"]
         for metric, scale in (("pass@8", 100), ("distinct@8", 1), ("pcmd", 1)):
-            cells.append(_effect(effects(pair, metric, ref), arm, scale))
+            cells.append(_effect(effects(pair, metric, ref), arm, scale, p_name="p"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

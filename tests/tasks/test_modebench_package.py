@@ -120,3 +120,23 @@ def test_a_batchs_grades_reach_the_verifier_once_per_completion(monkeypatch):
         with pytest.raises(Unscorable, match="invalid_reference"):
             grades.grade(row, good)
     assert calls == [good] and grades.calls == 3
+
+
+def test_the_example_turn_is_a_solved_training_problem_before_the_registered_prompt():
+    from modebench.api import make_prompt
+
+    bare = package_rows("graph_coloring", size=3, seed=0, split="eval")
+    shown = package_rows("graph_coloring", size=3, seed=0, split="eval", example=True)
+    assert [r["mbp_task"] for r in shown] == [r["mbp_task"] for r in bare]  # the same problems and grading
+    for row in shown:
+        system, user, assistant, problem = row["prompt"]
+        assert [system, problem] == make_prompt(_task(row))
+        assert (user["role"], assistant["role"]) == ("user", "assistant") and user["content"] != problem["content"]
+        assert assistant["content"].startswith("\\boxed{") and assistant["content"].endswith("}")
+    # The same example on every row; a training problem (never an eval one) that its own answer solves.
+    assert len({json.dumps(r["prompt"][1:3]) for r in shown}) == 1
+    assert shown[0]["prompt"][1]["content"] not in {json.loads(r["mbp_task"])["problem"]
+                                                    for r in package_rows("graph_coloring", size=60, seed=0, split="eval")}
+    with pytest.raises(DataError, match="example: true needs generated tasks"):
+        load_prompt_dataset("modebench_pkg:countdown", size=2, seed=0,
+                            task_kwargs={"generated": False, "example": True})

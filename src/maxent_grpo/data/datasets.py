@@ -144,10 +144,10 @@ def _load_modebench(task: str, size: int | None, seed: int, instruction: str | N
 
 def _load_modebench_package(domain: str, size: int | None, seed: int, task_kwargs):
     kwargs = dict(task_kwargs or {})
-    unknown = sorted(set(kwargs) - {"split", "generated", "level"})
+    unknown = sorted(set(kwargs) - {"split", "generated", "level", "example"})
     if unknown:
-        raise DataError(f"{MODEBENCH_PKG_PREFIX}{domain}: task_kwargs takes split (train | eval), generated (bool) "
-                        f"and level (1-5), got {unknown}")
+        raise DataError(f"{MODEBENCH_PKG_PREFIX}{domain}: task_kwargs takes split (train | eval), generated (bool), "
+                        f"level (1-5) and example (bool), got {unknown}")
     if size is None or size < 1:
         raise DataError(f"size must be a positive int for {MODEBENCH_PKG_PREFIX}{domain} (problems), got {size!r}")
     if importlib.util.find_spec("modebench") is None:
@@ -156,7 +156,8 @@ def _load_modebench_package(domain: str, size: int | None, seed: int, task_kwarg
 
     try:
         rows = package_rows(domain, size=size, seed=seed, split=kwargs.get("split", "train"),
-                            generated=kwargs.get("generated", True), level=kwargs.get("level", 1))
+                            generated=kwargs.get("generated", True), level=kwargs.get("level", 1),
+                            example=kwargs.get("example", False))
     except ValueError as exc:
         raise DataError(str(exc)) from exc
     return Rows(rows)

@@ -13,6 +13,11 @@ Where the tasks come from (``data.task_kwargs``):
   so the package grades them like its own (it labels such runs ``custom``). A problem goes
   to ``split: eval`` by a hash of its reference (one in four), so no eval problem is a
   training problem whatever the seed; the eval split is one fixed list.
+* ``example: true`` (generated tasks only; default false): one solved problem of the domain, a
+  fixed training problem and its reference answer, shown as an earlier chat turn (user: its
+  problem; assistant: ``\\boxed{answer}``) between the system turn and the problem, as the older
+  ``modebench:`` source does. SmolLM2-135M-Instruct rarely writes a boxed answer to the bare
+  package prompt (BENCHMARKS.md §12); the graded response and its key are unchanged.
 * ``generated: false``: the package's frozen splits (every domain, ``level`` 1-5 but 4),
   downloaded once from GitHub into ``$XDG_CACHE_HOME/modebench`` and read with ``datasets``;
   ``mathir`` and ``pantry_plan`` exist only so.
@@ -49,6 +54,7 @@ DOMAINS = ("countdown", "graph_coloring", "python_factors", "mathir", "pantry_pl
 GENERATED_DOMAINS = ("countdown", "graph_coloring", "python_factors")
 UNSCORABLE = ("timeout", "worker_failure", "resource_limit", "invalid_reference")
 EVAL_SEED = 20_261_126  # the generated eval split's fixed draw
+EXAMPLE_SEED = 20_261_127  # the draw of the solved example (a training problem) that example: true shows
 SOURCE = "maxent_grpo_generated_v1"
 
 
@@ -209,10 +215,17 @@ def _frozen(domain: str, split: str, level: int, size: int) -> list[tuple[Any, N
     return [(t, None) for t in tasks]
 
 
+def _solved_turn(domain: str) -> list[dict]:
+    """The example turn: a fixed training problem of ``domain`` (never an eval problem) and its answer."""
+    task, solution = _generated(domain, "train", 1, EXAMPLE_SEED)[0]
+    return [{"role": "user", "content": task.problem}, {"role": "assistant", "content": f"\\boxed{{{solution}}}"}]
+
+
 def package_rows(domain: str, *, size: int, seed: int, split: str = "train", generated: bool = True,
-                 level: int = 1) -> list[dict]:
-    """Rows ``prompt`` (the registered messages), ``answer`` (one valid answer, boxed; None for a frozen
-    task) and ``mbp_task`` (the package Task as JSON)."""
+                 level: int = 1, example: bool = False) -> list[dict]:
+    """Rows ``prompt`` (the registered messages; with ``example``, a solved problem's turn after the
+    system turn), ``answer`` (one valid answer, boxed; None for a frozen task) and ``mbp_task`` (the
+    package Task as JSON)."""
     from modebench.api import make_prompt
 
     if domain not in DOMAINS:
@@ -222,8 +235,16 @@ def package_rows(domain: str, *, size: int, seed: int, split: str = "train", gen
     if generated and (domain not in GENERATED_DOMAINS or level != 1):
         raise ValueError(f"{PREFIX}{domain} level {level} cannot be generated offline (only level 1 of "
                          f"{list(GENERATED_DOMAINS)}); set task_kwargs.generated: false for the frozen split")
+    if example and not generated:
+        raise ValueError(f"{PREFIX}{domain}: example: true needs generated tasks (the solved example is generated)")
     pairs = _generated(domain, split, size, seed) if generated else _frozen(domain, split, level, size)
-    return [{"prompt": make_prompt(task), "answer": None if solution is None else f"\\boxed{{{solution}}}",
+    shown = _solved_turn(domain) if example else []
+
+    def messages(task) -> list[dict]:
+        system, *rest = make_prompt(task)
+        return [system, *shown, *rest]
+
+    return [{"prompt": messages(task), "answer": None if solution is None else f"\\boxed{{{solution}}}",
              "mbp_task": json.dumps(asdict(task), sort_keys=True)} for task, solution in pairs]
 
 

@@ -1,0 +1,139 @@
+"""The verified-replay study (benchmarks/replay_study.py, BENCHMARKS.md §12): its per-prompt ModeBench
+metrics against hand counts, its intervals against an independent formula, its arms, and the smoke
+run (slow)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))  # benchmarks/ is a top-level folder, not part of the package
+
+from benchmarks.replay_study import ARMS, RECIPE, START, main  # noqa: E402
+from benchmarks.replay_study_stats import analyze, arm_mean, effects, load, prompt_metrics  # noqa: E402
+
+
+def _record(prompt, draw, sample, correct, key, mode="sampled", unscorable=False):
+    return {"prompt_index": prompt, "draw": draw, "sample": sample, "mode": mode, "correct": correct,
+            "mode_key": key, "task": "graph_coloring", "unscorable": unscorable}
+
+
+def _prompt(prompt, draws, greedy):
+    """Records of one prompt: ``draws`` lists of (correct, key) per sample, then the greedy one."""
+    out = [_record(prompt, d, d * len(g) + i, c, k) for d, g in enumerate(draws) for i, (c, k) in enumerate(g)]
+    return out + [_record(prompt, 0, 0, greedy, "g" if greedy else None, mode="greedy")]
+
+
+MISS = (False, None)
+
+
+def test_prompt_metrics_by_hand():
+    records = (
+        # Draw 0: A, A and a "correct" row without a key (not verified); draw 1: B. Pooled {A: 2, B: 1}.
+        _prompt(0, [[(True, "A"), (True, "A"), (True, None), MISS], [(True, "B"), MISS, MISS, MISS]], greedy=True)
+        # Nothing verified: PCMD undefined (None), not 0.
+        + _prompt(1, [[MISS] * 4, [MISS] * 4], greedy=False)
+        # One verified answer in each draw, one mode: pooled {C: 2} gives PCMD 0.
+        + _prompt(2, [[(True, "C"), MISS, MISS, MISS], [MISS, MISS, (True, "C"), MISS]], greedy=False)
+    )
+    p0, p1, p2 = prompt_metrics(records)
+    assert (p0["pass@8"], p0["distinct@8"], p0["accuracy"], p0["greedy_pass@1"]) == (1.0, 1.0, 3 / 8, 1.0)
+    assert p0["pcmd"] == pytest.approx(1 - (2 * 1 + 1 * 0) / (3 * 2), abs=1e-15)  # 2/3
+    assert (p1["pass@8"], p1["distinct@8"], p1["accuracy"], p1["pcmd"], p1["greedy_pass@1"]) == (0, 0, 0, None, 0)
+    assert (p2["pass@8"], p2["distinct@8"], p2["pcmd"]) == (1.0, 1.0, 0.0)
+    # pass@8 per draw, averaged: a prompt verified in only one of two draws reads 0.5.
+    half = prompt_metrics(_prompt(3, [[(True, "A"), MISS], [MISS, MISS]], greedy=False))[0]
+    assert half["pass@8"] == 0.5 and half["distinct@8"] == 0.5
+
+
+def _write_run(results: Path, arm: str, seed: int, records: list[dict], steps: list[dict] | None = None):
+    run = results / arm / f"seed{seed}"
+    (run / "eval").mkdir(parents=True)
+    (run / "eval" / "completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if steps is not None:
+        (run / "train_metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in steps))
+    (run / "done.json").write_text(json.dumps({"arm": arm, "seed": seed, "steps": len(steps or []),
+                                               "train_s": 1.0, "eval_s": 1.0, "eval_seed": 0}))
+
+
+def _steps(replay: bool) -> list[dict]:
+    base = {"rewards/modebench_pkg/mean": 0.25, "frac_reward_zero_std": 0.5, "time/total": 10.0}
+    if not replay:
+        return [base, base]
+    return [{**base, "replay/time_s": 0.0, "time/replay_admission": 0.01, "replay/time_share": 0.001,
+             "bank/prompts": 1.0, "bank/modes": 1.0},
+            {**base, "replay/time_s": 2.0, "time/replay_admission": 0.03, "replay/time_share": 0.203,
+             "replay/groups": 1.0, "replay/modes": 2.0, "bank/prompts": 2.0, "bank/modes": 3.0}]
+
+
+def test_analyze_reads_runs_and_gives_prompt_clustered_intervals(tmp_path):
+    results = tmp_path / "results"
+    outcomes = {"dr_grpo": [1, 0, 1, 0], "redr": [1, 1, 1, 0], "redr_control": [1, 0, 1, 0]}
+    for arm, passed in outcomes.items():
+        for seed in (0, 1):
+            records = [r for p, ok in enumerate(passed) for r in _prompt(
+                p, [[(True, f"k{p}"), (bool(ok) and seed == 1, f"j{p}")] if ok else [MISS, MISS]], greedy=False)]
+            _write_run(results, arm, seed, records, _steps(arm != "dr_grpo"))
+    # A run with an unscorable completion is left out whole (ModeBench's failure policy), and named.
+    _write_run(results, "maxrl", 0, [_record(0, 0, 0, False, None, unscorable=True)], _steps(False))
+    df, failed = load(results)
+    assert failed == ["maxrl/seed0"] and set(df["arm"]) == set(outcomes)
+    assert len(df) == 3 * 2 * 4
+    # The mean's interval, independently: prompt means over seeds (redr: 1, 1, 1, 0), t(3) over prompts.
+    mean, lo, hi, n = arm_mean(df[df["arm"] == "redr"], "pass@8")
+    values = [1.0, 1.0, 1.0, 0.0]
+    sd = math.sqrt(sum((v - 0.75) ** 2 for v in values) / 3)
+    assert (mean, n) == (0.75, 4)
+    assert hi - mean == pytest.approx(3.182446305284263 * sd / 2, rel=1e-12)  # t(0.975, 3)
+    assert mean - lo == pytest.approx(hi - mean, rel=1e-12)
+    report = analyze(results, arms=list(ARMS), baseline="dr_grpo")
+    assert "| dr_grpo | 2 |" in report and "(baseline)" in report and "Left out" in report
+    assert "| redr - redr_control |" in report
+    # The control equals the baseline on every observation: effect 0, a zero-width interval.
+    assert "| redr_control | 2 |" in report
+    control = effects(df, "pass@8", "dr_grpo").set_index("arm").loc["redr_control"]
+    assert abs(control.effect) < 1e-12 and abs(control.lo) < 1e-6 and abs(control.hi) < 1e-6
+    # Replay's cost: the step that replayed (2.0 s, share 0.203) apart from the one with an empty bank.
+    assert "| redr | 4 | 2 | 2.000 | 0.020 | 0.203 | 0.102 | 2.000 |" in report
+
+
+def test_every_arm_compiles_on_dr_grpo_with_its_replay_and_advantage():
+    from tiny_runs import compiled
+
+    from maxent_grpo.training.config import load_config
+
+    for arm, overrides in ARMS.items():
+        if arm == START:
+            continue
+        cfg = load_config(RECIPE, overrides)
+        compiled(RECIPE, overrides)  # every check of the compiler passes
+        assert (cfg.loss.loss_type, cfg.loss.scale_rewards, cfg.loss.beta) == ("dr_grpo", "none", 0.0), arm
+        assert cfg.replay.enabled == arm.startswith("redr") or arm == "remax", arm
+        assert cfg.replay.compute_only == (arm == "redr_control"), arm
+        assert (cfg.loss.advantage_estimator == "maxrl") == (arm in ("remax", "maxrl")), arm
+        assert [r.name for r in cfg.rewards] == ["modebench_pkg"]  # binary: MaxRL's requirement, every arm alike
+
+
+@pytest.mark.slow
+def test_smoke_two_arms_two_steps(tmp_path, capsys):
+    pytest.importorskip("modebench.api", reason="modebench is not installed")
+    assert main(["smoke", "--work-dir", str(tmp_path)]) == 0
+    report = capsys.readouterr().out
+    results = tmp_path / "results"
+    for arm in ("dr_grpo", "redr"):
+        run = results / arm / "seed0"
+        assert json.loads((run / "done.json").read_text())["steps"] == 2
+        records = [json.loads(line) for line in (run / "eval" / "completions.jsonl").read_text().splitlines()]
+        assert all("prompt" not in r and r["task"] == "graph_coloring" for r in records)
+        assert len([r for r in records if r["mode"] == "sampled"]) == 2 * 1 * 4  # prompts x draws x k
+    assert "replay/time_s" in (results / "redr" / "seed0" / "train_metrics.jsonl").read_text()
+    assert "| redr | 1 |" in report
+    # Resumable: a second run trains nothing (the files stay as they were).
+    stamps = {p: p.stat().st_mtime_ns for p in results.glob("*/seed0/**/*") if p.is_file()}
+    assert main(["smoke", "--work-dir", str(tmp_path)]) == 0
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps

@@ -500,3 +500,36 @@ def test_backend_learning_row_names_the_lowest_step_reward():
     assert cells[0] == "0.6 -> 0.7"  # five steps: a fifth is one step
     assert cells[3] == "-"  # no log-prob gap logged
     assert cells[-1] == "0.1 (2)"
+
+
+def test_backend_learning_fisher_exact_matches_the_tea_tasting_table():
+    from benchmarks.backend_learning import fisher_exact
+
+    # Fisher's lady tasting tea: 8 cups, 4 of each, 3 of her 4 "milk first" right. Margins 4/4/4/4:
+    # P(k) = C(4,k) C(4,4-k) / C(8,4) = (1, 16, 36, 16, 1) / 70; two-sided: the tables no likelier than k=3.
+    assert fisher_exact(3, 1, 1, 3) == pytest.approx(34 / 70, rel=1e-12)
+    assert fisher_exact(4, 0, 0, 4) == pytest.approx(2 / 70, rel=1e-12)
+    assert fisher_exact(2, 2, 2, 2) == pytest.approx(1.0)
+    # 3 dips of 6 against 0 of 6: P = C(3,k)C(9,6-k)/C(12,6) = (84, 378, 378, 84)/924 for k = 0..3.
+    assert fisher_exact(3, 3, 0, 6) == pytest.approx(168 / 924, rel=1e-12)
+    assert fisher_exact(0, 6, 0, 6) == 1.0
+
+
+def test_backend_learning_counts_bare_zero_reward_answers_and_dips(tmp_path):
+    from benchmarks.backend_learning import bare_answers, comparison
+
+    run = tmp_path / "run"
+    (run / "completions").mkdir(parents=True)
+    rows = [{"reward": 0.0, "length": 2}, {"reward": 0.0, "length": 3}, {"reward": 0.0, "length": 4},
+            {"reward": 0.5, "length": 2}]
+    (run / "completions" / "step-1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # step 2 has no file: (0, 0); only zero-reward answers of at most 3 tokens count.
+    assert bare_answers(run, 2) == [(2, 4), (0, 0)]
+    low = [{"step": 1, "reward": 0.5}, {"step": 2, "reward": 0.1}]
+    high = [{"step": 1, "reward": 0.5}, {"step": 2, "reward": 0.9}]
+    table = [("hf", 0, 0, high, [(0, 32)]), ("hf", 0, 1, high, [(1, 32)]),
+             ("vllm", 0, 0, low, [(3, 32)]), ("vllm", 0, 1, high, [(2, 32)]), ("vllm", 1, 0, low, [(0, 32)])]
+    lines = comparison(table, 0.2)
+    assert lines[0] == "hf:0: 0/2 runs dip below 0.2; step-1 bare answers 1/64"
+    assert lines[1].startswith("vllm:0: 1/2 runs dip below 0.2; step-1 bare answers 5/64 (hf: 0/2, Fisher p 1;")
+    assert lines[2] == "vllm:1: 1/1 runs dip below 0.2; step-1 bare answers 0/32"  # no hf run at max_staleness 1

@@ -38,8 +38,10 @@ from benchmarks.sides import run_side  # noqa: E402
 
 
 def compare(setting: BenchSetting, sides: list[str], reps: int, work_dir: Path,
-            threads: int | None = None, timeout_s: float | None = None) -> dict[str, list[RunResult]]:
-    """``reps`` rotations over ``sides``; returns the runs of each side."""
+            threads: int | None = None, timeout_s: float | None = None,
+            ours_extra: dict | None = None) -> dict[str, list[RunResult]]:
+    """``reps`` rotations over ``sides``; returns the runs of each side. ``ours_extra``: config sections
+    our side (and only ours) gets on top of the setting's."""
     if reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
     unknown = [s for s in sides if s not in SIDES]
@@ -53,7 +55,8 @@ def compare(setting: BenchSetting, sides: list[str], reps: int, work_dir: Path,
         order = sides[rep % len(sides):] + sides[: rep % len(sides)]
         for side in order:
             print(f"[rep {rep + 1}/{reps}] {side} ...", file=sys.stderr, flush=True)
-            result = run_side(side, setting, model_dir, work_dir / f"rep{rep}" / side, env, timeout_s)
+            result = run_side(side, setting, model_dir, work_dir / f"rep{rep}" / side, env, timeout_s,
+                              ours_extra=ours_extra)
             print(f"[rep {rep + 1}/{reps}] {side}: step s {[round(t, 2) for t in result.step_times]}, "
                   f"peak RSS {result.peak_rss_bytes / 2**30:.2f} GiB", file=sys.stderr, flush=True)
             runs[side].append(result)
@@ -80,6 +83,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, help="seconds allowed per child run")
     p.add_argument("--work-dir", type=Path, help="where configs, logs and raw results go (default: a new temp dir)")
     p.add_argument("--json-out", type=Path, help="write the summaries and raw runs here")
+    p.add_argument("--ours-packing", action="store_true",
+                   help="our training.packing on (on the CPU: completions packed behind the shared prompts); "
+                        "TRL's GRPOTrainer and the floor have no counterpart, so theirs stay as they are")
     return p.parse_args(argv)
 
 
@@ -96,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
             print(notes[-1], file=sys.stderr)
     work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="maxent-bench-"))
     load_before = os.getloadavg()
-    runs = compare(setting, sides, args.reps, work_dir, args.threads, args.timeout)
+    ours_extra = {"training": {"packing": True}} if args.ours_packing else None
+    if args.ours_packing:
+        notes.append("ours with training.packing: true")
+    runs = compare(setting, sides, args.reps, work_dir, args.threads, args.timeout, ours_extra=ours_extra)
     load_after = os.getloadavg()
     mismatch = prompt_mismatch(runs)
     if mismatch is not None:

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=float, default=0.01, help="seconds between samples")
     parser.add_argument("--json-out", type=Path, default=None)
     parser.add_argument("--trim", default="", help="experiment: glibc malloc_trim(0) on entering these phases "
-                        "(comma-separated; 'all': every change)")
+                        "(comma-separated; 'all': every change of phase; 'sample': at every sample)")
     parser.add_argument("cli_args", nargs=argparse.REMAINDER, help="-- then the maxent-grpo arguments")
     args = parser.parse_args(argv)
     cli_args = args.cli_args[1:] if args.cli_args[:1] == ["--"] else args.cli_args
@@ -72,8 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     counts: dict[str, int] = {}
     done = threading.Event()
 
-    import ctypes
-    libc = ctypes.CDLL("libc.so.6")
+    from maxent_grpo.training.host_memory import host_memory_release
+
+    release = host_memory_release("cpu") if args.trim else None
+    if args.trim and release is None:
+        parser.error("--trim needs glibc's malloc_trim")
 
     last = [None]
 
@@ -81,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         while not done.is_set():
             frame = sys._current_frames().get(main_id)
             phase = _phase(frame)
-            if phase != last[0] and (args.trim == "all" or phase in args.trim.split(",")):
-                libc.malloc_trim(0)
+            if args.trim == "sample" or (phase != last[0] and (args.trim == "all" or phase in args.trim.split(","))):
+                release()
             last[0] = phase
             rss = _rss("VmRSS")
             peaks[phase] = max(peaks.get(phase, 0), rss)

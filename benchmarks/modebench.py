@@ -195,14 +195,20 @@ def cmd_analyze(args) -> int:
     return 0
 
 
-def cmd_smoke(args) -> int:
-    """Two arms, two steps, the tiny random model: the whole pipeline, run and analyze, in a minute."""
+def smoke_model(work: Path) -> Path:
+    """The tiny random model the smoke runs train, built once under ``work``."""
     from maxent_grpo.tiny import build_tiny_model
 
-    work = args.work_dir
     model_dir = work / "tiny-model"
     if not (model_dir / "config.json").is_file():
         build_tiny_model(model_dir)
+    return model_dir
+
+
+def cmd_smoke(args) -> int:
+    """Two arms, two steps, the tiny random model: the whole pipeline, run and analyze, in a minute."""
+    work = args.work_dir
+    model_dir = smoke_model(work)
     sets = [f"model.name_or_path={model_dir}", "training.max_steps=2", "training.prompts_per_step=3",
             "generation.num_generations=4", "generation.max_new_tokens=8", "training.micro_batch_size=4"]
     ns = argparse.Namespace(

@@ -21,6 +21,9 @@ from pathlib import Path
 
 import torch
 
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 
 def build_batch(rows: list[dict], tokenizer) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``(input_ids, attention_mask, prompt_length)``: prompts left-padded, completions right-padded."""
@@ -43,18 +46,21 @@ def build_batch(rows: list[dict], tokenizer) -> tuple[torch.Tensor, torch.Tensor
 def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from benchmarks.model_paths import resolve_model
     from maxent_grpo.core.logprobs import Scoring
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--completions", type=Path, required=True, help="a run's completions/step-N.jsonl")
-    parser.add_argument("--model", default=str(Path.home() / ".cache/maxent-grpo/models/SmolLM2-135M-Instruct"))
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="a model name benchmarks/model_paths.py "
+                        "knows, or a folder")
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model_dir = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     rows = [json.loads(line) for line in args.completions.read_text().splitlines()]
     ids, mask, p = build_batch(rows, tokenizer)
     mb = args.micro_batch_size

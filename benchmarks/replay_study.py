@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.modebench import _cli, _env, _run, _sets, _slim, _start_model
+from benchmarks.modebench import _cli, _env, _run, _sets, _slim, _start_model, smoke_model
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "modebench_replay.yaml"
@@ -137,14 +137,10 @@ def cmd_analyze(args) -> int:
 
 def cmd_smoke(args) -> int:
     """Two arms, two steps, the tiny random model: the whole pipeline, run and analyze."""
-    from maxent_grpo.tiny import build_tiny_model
-
     from benchmarks.replay_study_stats import analyze
 
     work = args.work_dir
-    model_dir = work / "tiny-model"
-    if not (model_dir / "config.json").is_file():
-        build_tiny_model(model_dir)
+    model_dir = smoke_model(work)
     sets = [f"model.name_or_path={model_dir}", "training.max_steps=2", "generation.num_generations=4",
             "generation.max_new_tokens=8", "training.micro_batch_size=4", "eval.k=4"]
     ns = argparse.Namespace(arms="dr_grpo,redr", seeds="0", config=RECIPE, set=sets, results=work / "results",

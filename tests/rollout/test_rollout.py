@@ -222,29 +222,63 @@ def test_same_seed_same_samples_and_global_rng_untouched(tiny, prompts):
     assert [c.token_ids for g in d for c in g.completions] == [c.token_ids for g in e for c in g.completions]
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 5, 0.8), (1.3, 0, 1.0), (1.0, 3, 1.0), (0.9, 0, 0.6)])
-def test_draws_are_generates_own_and_logps_its_raw_logits(tiny, prompts, temperature, top_k, top_p):
-    """Our warpers after the log-prob recorder draw what generate's own warpers draw under the same
-    seed, and the behaviour log-probs are log_softmax(raw logits / T) of the sampled tokens, as
-    output_logits gives them (the path we replaced, which held every step's logits)."""
-    from transformers import GenerationConfig
+def _warped_reference(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """float64 sampling probabilities from raw logits ``[V]``, written from the definitions in
+    generate's (and vLLM's) order: divide by the temperature; keep the ``top_k`` most probable
+    tokens and renormalise; of those, keep the smallest set of the most probable whose mass
+    reaches ``top_p`` (at least one); renormalise."""
+    p = torch.softmax(logits.double() / temperature, -1)
+    order = torch.argsort(p, descending=True).tolist()
+    if top_k:
+        p[order[top_k:]] = 0.0
+        p = p / p.sum()
+    keep, mass = [], 0.0
+    for i in order:
+        if keep and mass >= top_p:
+            break
+        keep.append(i)
+        mass += float(p[i])
+    q = torch.zeros_like(p)
+    q[keep] = p[keep]
+    return q / q.sum()
 
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 5, 0.8), (1.3, 0, 1.0), (1.0, 3, 1.0), (0.9, 0, 0.6)])
+def test_draws_follow_the_warped_distribution_and_logps_the_raw_one(tiny, prompts, temperature, top_k, top_p):
+    """The first token of 4000 samples of one prompt against float64 probabilities computed from
+    the definitions of temperature, top-k and top-p: no token outside their support, each of the
+    most likely tokens (and the rest together) within 5 standard errors of its probability; the
+    behaviour log-probs are log_softmax(raw logits / T), the unfiltered distribution."""
     model, tok = tiny
-    params = SamplingParams(max_new_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p, seed=11)
-    ours = HFGenerationBackend(model, tok, share_prompts=False).generate(prompts[:1], 3, params)[0].completions
-    ids = tok(prompts[:1], return_tensors="pt").input_ids.repeat(3, 1)
-    config = GenerationConfig(max_new_tokens=10, do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
-                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                              output_logits=True, return_dict_in_generate=True)
-    with torch.random.fork_rng():
-        torch.manual_seed(11)
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
-    new = out.sequences[:, ids.shape[1]:]
-    for row, c in enumerate(ours):
-        n = len(c.token_ids)
-        assert c.token_ids == new[row, :n].tolist()
-        expected = [float(torch.log_softmax(out.logits[t][row].double() / temperature, -1)[new[row, t]]) for t in range(n)]
-        assert c.logps == pytest.approx(expected, abs=1e-5)
+    n = 4000
+    params = SamplingParams(max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p, seed=11)
+    drawn = HFGenerationBackend(model, tok).generate(prompts[:1], n, params)[0].completions
+    ids = tok(prompts[:1], add_special_tokens=False, return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, -1].double()
+    expected = _warped_reference(logits, temperature, top_k, top_p)
+    tokens = torch.tensor([c.token_ids[0] for c in drawn])
+    counts = torch.bincount(tokens, minlength=expected.numel()).double()
+    assert counts[expected == 0].sum() == 0
+    top = torch.argsort(expected, descending=True)[:8]
+    rest = torch.ones_like(expected, dtype=torch.bool)
+    rest[top] = False
+    for observed, p in [*zip(counts[top].tolist(), expected[top].tolist()), (counts[rest].sum(), expected[rest].sum())]:
+        assert abs(observed / n - p) <= 5 * (p * (1 - p) / n) ** 0.5 + 1e-12
+    raw = torch.log_softmax(logits / temperature, -1)
+    assert [c.logps[0] for c in drawn] == pytest.approx(raw[tokens].tolist(), abs=1e-5)
+
+
+def test_draw_is_the_inverse_of_the_cumulative_sum():
+    from maxent_grpo.rollout.hf import draw
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.25, 0.25, 0.0]])
+    cases = {0.0: 1, 0.25: 1, 0.4999: 1, 0.5: 3, 0.7: 3, 0.75: 4, 0.9999: 4, 1.0: 4}  # 1.0: rounding's edge
+    for u, token in cases.items():
+        assert draw(probs, torch.tensor([u])).tolist() == [token], u
+    # rows need not sum to 1, and each row has its own u
+    two = torch.tensor([[2.0, 0.0, 2.0], [0.0, 0.0, 3.0]])
+    assert draw(two, torch.tensor([0.6, 0.0])).tolist() == [2, 2]
 
 
 def test_greedy_is_batch_size_invariant_and_groups_identical(tiny, prompts):
@@ -275,14 +309,18 @@ def test_shared_prefill_samples_what_per_row_prefill_samples(tiny_model_dir, pro
         assert x == pytest.approx(y, abs=1e-10)
 
 
-def test_shared_prefill_is_skipped_when_no_rows_share_a_prompt(tiny, prompts):
+def test_prefill_runs_each_distinct_prompt_once(tiny, prompts):
+    from maxent_grpo.rollout.hf import distinct_rows
+
     model, tok = tiny
-    backend = HFGenerationBackend(model, tok, share_prompts=True)
     ids = tok(prompts, add_special_tokens=False, padding=True, return_tensors="pt")
-    assert backend._shared_prefill(ids["input_ids"], ids["attention_mask"]) is None
+    assert distinct_rows(ids["input_ids"]) is None
     doubled = ids["input_ids"].repeat_interleave(2, 0), ids["attention_mask"].repeat_interleave(2, 0)
-    cache = backend._shared_prefill(*doubled)
-    assert cache.get_seq_length() == ids["input_ids"].shape[1] - 1
+    assert distinct_rows(doubled[0]).tolist() == [0, 0, 1, 1, 2, 2]
+    for share in (True, False):
+        cache = HFGenerationBackend(model, tok, share_prompts=share)._prefill(*doubled)
+        assert cache.get_seq_length() == ids["input_ids"].shape[1] - 1
+        assert cache.layers[0].keys.shape[0] == 6
 
 
 def test_chunked_sampling_logps_match_trainer(tiny, prompts):
@@ -353,14 +391,21 @@ def test_backend_argument_validation(tiny, prompts):
         backend.generate([], 2, SamplingParams(max_new_tokens=2))
 
 
-def test_checkpoint_generation_config_that_reshapes_sampling_is_refused(tiny):
+def test_checkpoint_generation_config_changes_no_draw(tiny, prompts):
+    """Sampling is SamplingParams alone: settings a checkpoint's generation_config carries (which
+    transformers' generate would apply) change nothing."""
     model, tok = tiny
-    model.generation_config.min_p = 0.1
+    params = SamplingParams(max_new_tokens=6)
+    plain = _rollout(tiny, prompts, 2, params, seed=7)
+    config = model.generation_config
+    saved = {k: getattr(config, k) for k in ("min_p", "top_k", "repetition_penalty", "temperature")}
+    config.min_p, config.top_k, config.repetition_penalty, config.temperature = 0.3, 2, 5.0, 0.1
     try:
-        with pytest.raises(ValueError, match="min_p"):
-            HFGenerationBackend(model, tok)
+        changed = _rollout(tiny, prompts, 2, params, seed=7)
     finally:
-        model.generation_config.min_p = None
+        for k, v in saved.items():
+            setattr(config, k, v)
+    assert changed.completion_ids == plain.completion_ids and changed.behaviour_logps == plain.behaviour_logps
 
 
 # ---------------------------------------------------------------- packing (pure)

@@ -1,24 +1,26 @@
-"""Generation with transformers' ``generate`` (KV cache, left padding, batched).
+"""Generation with a transformers causal LM: our own decoding loop over the model's KV cache.
 
-Behaviour log-probs are ``log_softmax(logits / temperature)`` of the raw logits at
-the sampled token, taken by a logits processor (:class:`_SampledLogps`) while
-``generate`` runs: it holds one step's ``[rows, V]`` logits until the next step
-shows which token was drawn. (``output_logits=True`` would hold every step's,
-``rows x steps x V x 4`` bytes: 9.3 GiB for 64 rows of 256 tokens at Qwen2.5's
-vocabulary.) So that the processor sees the raw logits, the sampling warpers
-(temperature, top-k, top-p) are ours, after it, in ``generate``'s own order, and
-``generate`` is given neutral values for them: the same draws as its own warpers.
+Each step runs the model on the rows still going (one new token each, ``logits_to_keep=1``),
+records the behaviour log-prob ``log_softmax(raw logits / temperature)`` of the token it draws,
+and drops the rows that have ended (EOS, a stop string) from the batch and from the cache.
+transformers' ``generate`` keeps every row until the last one ends, padding the finished ones:
+with completions of 3-64 tokens (mean 35, SmolLM2-135M on chain_sum), about half its
+row-steps computed padding (BENCHMARKS.md §10).
 
-Stop strings are detected by our own stopping criterion, and the same record
-decides where a completion is cut afterwards, so "which token completed the
-stop string" has one answer.
+Sampling: the warpers are transformers' own (temperature, top-k, top-p, in ``generate``'s
+order), applied after the log-prob is taken, so the log-probs are of the raw distribution as
+the trainer recomputes it. The draw is by inverse transform: one uniform number per row
+against the float64 cumulative sum of the warped probabilities (a token of probability 0 is
+never drawn). ``torch.multinomial`` (``generate``'s draw) fills a ``[rows, V]`` tensor of
+exponential variates each step instead, 15% of a SmolLM2 decode step on two CPU cores.
 
-Shared prefill (``share_prompts``): the ``G`` rows of a group carry the same
-prompt, and ``generate`` would run the prompt forward once per row. We run it
-once per distinct prompt (all but its last token), copy that KV cache to the
-group's rows, and hand it to ``generate``, which then feeds only the last prompt
-token. Same tokens, same RNG draws; the logits differ from per-row prefill only
-by float rounding.
+Shared prefill (``share_prompts``): the ``G`` rows of a group carry the same prompt. The
+prompt, all but its last token, runs once per distinct prompt and its KV cache is copied to
+the group's rows; the first decoding step feeds the last prompt token. Without it every row
+runs its own prompt. Same draws either way; the logits differ only by float rounding.
+
+Stop strings are found by decoding each row's last few generated tokens after each step; the
+token that completes one ends the row, and is kept.
 """
 
 from __future__ import annotations
@@ -29,98 +31,10 @@ import inspect
 
 import numpy as np
 import torch
-from transformers import (
-    DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList,
-    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
-)
+from transformers import DynamicCache, LogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from maxent_grpo.core.completion_logits import cache_kwarg
 from maxent_grpo.rollout.backend import Completion, PromptGroup, SamplingParams, TokenPrompts
-
-# Generation settings that reshape the sampling distribution or end rows early
-# and that a checkpoint's generation_config could carry into `generate` where we
-# cannot reset them (their "off" value is None, which `generate` fills from the model).
-_UNRESETTABLE = (
-    "max_time",
-    "stop_strings",
-    "min_p",
-    "top_h",
-    "bad_words_ids",
-    "suppress_tokens",
-    "begin_suppress_tokens",
-    "forced_bos_token_id",
-    "forced_eos_token_id",
-    "sequence_bias",
-    "exponential_decay_length_penalty",
-    "guidance_scale",
-    "watermarking_config",
-)
-
-
-class _StopStrings(StoppingCriteria):
-    """Stops a row once the text of its generated tokens contains a stop string.
-
-    Each step decodes only the last ``window`` generated tokens: a stop string of
-    ``b`` bytes completed by the newest token lies within its last ``b`` tokens.
-    ``hit[row]`` is the index of the generated token that completed the first match.
-    """
-
-    def __init__(self, tokenizer, stops: tuple[str, ...], prompt_length: int, rows: int):
-        self.tokenizer = tokenizer
-        self.stops = stops
-        self.prompt_length = prompt_length
-        self.window = max(len(s.encode("utf-8")) for s in stops) + 1
-        self.hit: list[int | None] = [None] * rows
-
-    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        step = input_ids.shape[1] - self.prompt_length - 1
-        start = max(self.prompt_length, input_ids.shape[1] - self.window)
-        tails = self.tokenizer.batch_decode(
-            input_ids[:, start:].tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False
-        )
-        for row, text in enumerate(tails):
-            if self.hit[row] is None and any(s in text for s in self.stops):
-                self.hit[row] = step
-        return torch.tensor([h is not None for h in self.hit], dtype=torch.bool, device=input_ids.device)
-
-
-class _SampledLogps(LogitsProcessor):
-    """Each sampled token's ``log_softmax(raw logits / temperature)``, recorded as ``generate`` runs.
-
-    Called first in every decoding step with the raw logits ``[rows, V]``; the token drawn from
-    them shows up as ``input_ids[:, -1]`` at the next call (and in the returned sequences after
-    the last step, :meth:`finish`). One step's logits are held at a time.
-    """
-
-    def __init__(self, temperature: float):
-        self.temperature = temperature
-        self.held: torch.Tensor | None = None
-        self.steps: list[torch.Tensor] = []
-
-    def _take(self, tokens: torch.Tensor) -> None:
-        # One step's [rows, V] logits with no graph: a plain log_softmax and gather is 3-6x faster here
-        # than the chunked autograd function (selective_logps, built for [B, T, V] with a backward), and
-        # the ids need no range check (generate drew them from these logits).
-        held = self.held.to(torch.promote_types(self.held.dtype, torch.float32))
-        logps = torch.log_softmax(held / self.temperature, dim=-1)
-        self.steps.append(logps.gather(-1, tokens.long()[:, None])[:, 0])
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.held is not None:
-            self._take(input_ids[:, -1])
-        # Held as given, no copy: generate hands each step a fresh tensor, and the warpers after this one
-        # (_warpers: temperature, top-k, top-p) build new ones (test_draws_are_generates_own_... checks it).
-        self.held = scores.detach()
-        return scores
-
-    def finish(self, generated: torch.Tensor) -> torch.Tensor:
-        """``[rows, steps]`` log-probs of ``generated`` (the new tokens of the returned sequences)."""
-        if generated.shape[1]:
-            self._take(generated[:, -1])
-        if len(self.steps) != generated.shape[1]:
-            raise RuntimeError(f"recorded {len(self.steps)} sampling steps for {generated.shape[1]} generated tokens")
-        self.held = None
-        return torch.stack(self.steps, dim=1) if self.steps else torch.zeros((generated.shape[0], 0))
 
 
 def _warpers(params: SamplingParams) -> list[LogitsProcessor]:
@@ -137,17 +51,81 @@ def _warpers(params: SamplingParams) -> list[LogitsProcessor]:
     return out
 
 
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` ``[rows, V]`` (non-negative, each row summing to about 1),
+    by inverse transform sampling: the first index whose float64 cumulative sum exceeds
+    ``u * total``, for ``u`` ``[rows]`` uniform in [0, 1). ``[rows]`` int64."""
+    cdf = probs.to(torch.float64).cumsum_(-1)
+    total = cdf[:, -1:]
+    index = torch.searchsorted(cdf, u.to(torch.float64)[:, None] * total, right=True)[:, 0]
+    over = index == cdf.shape[1]  # u * total rounded up to the total (probability ~2^-53)
+    if bool(over.any()):
+        last = (probs > 0).cumsum(-1).argmax(-1)  # the last token with mass
+        index = torch.where(over, last, index)
+    return index
+
+
+class _Decode:
+    """The rows of one decoding call still going: their batch positions, tokens and log-probs so far."""
+
+    def __init__(self, tokenizer, rows: int, params: SamplingParams, eos_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.params = params
+        self.eos = set(eos_ids)
+        self.live = list(range(rows))  # batch position -> row
+        self.placeholder = False  # every row has ended; one is kept running (synced_gpus)
+        self.tokens: list[list[int]] = [[] for _ in range(rows)]
+        self.logps: list[list[float]] = [[] for _ in range(rows)]
+        self.reasons: list[str | None] = [None] * rows
+        # A stop string of b bytes completed by the newest token lies within its last b tokens.
+        self.window = max((len(s.encode("utf-8")) for s in params.stop), default=0) + 1
+
+    def record(self, tokens: list[int], logps: list[float]) -> list[int]:
+        """Appends each live row's new token; returns the batch positions of the rows that go on."""
+        if self.placeholder:
+            return [0]
+        going = []
+        for b, (row, token, logp) in enumerate(zip(self.live, tokens, logps)):
+            self.tokens[row].append(token)
+            self.logps[row].append(logp)
+            if token in self.eos or self._stopped(row):
+                self.reasons[row] = "stop"
+            elif len(self.tokens[row]) == self.params.max_new_tokens:
+                self.reasons[row] = "length"
+            else:
+                going.append(b)
+        return going
+
+    def _stopped(self, row: int) -> bool:
+        if not self.params.stop:
+            return False
+        tail = self.tokenizer.decode(
+            self.tokens[row][-self.window :], skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+        return any(s in tail for s in self.params.stop)
+
+    def completions(self) -> list[Completion]:
+        out = []
+        for ids, logps, reason in zip(self.tokens, self.logps, self.reasons):
+            if reason is None:
+                raise RuntimeError(f"a row ended after {len(ids)} tokens with no eos, stop string or length")
+            text = self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            out.append(Completion(token_ids=ids, text=text, finish_reason=reason, logps=logps))
+        return out
+
+
 class HFGenerationBackend(TokenPrompts):
     """Samples completions from a transformers causal LM (the policy itself: no weight sync needed).
 
-    ``batch_size``: most sequences per ``generate`` call (None: all at once).
+    ``batch_size``: most sequences per decoding call (None: all at once).
     ``seed``: when given, each call samples under its own seed derived from
     ``seed`` and a call counter, without touching the global RNG; otherwise the
     global torch RNG is used (deterministic under ``torch.manual_seed``).
     In multi-process runs give each rank a different seed.
     ``share_prompts``: prefill each distinct prompt once per call (see the module notes).
     ``synced_gpus``: every rank keeps running forwards until the longest row of any rank
-    has finished (``generate``'s option; needed when the model is sharded with FSDP2).
+    has finished (needed when the model is sharded with FSDP2: each forward gathers the
+    weights from every rank). A rank whose rows have all ended runs one placeholder row.
     """
 
     def __init__(
@@ -165,12 +143,6 @@ class HFGenerationBackend(TokenPrompts):
         eos_ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         if not eos_ids:
             raise ValueError("tokenizer / model generation_config define no eos token")
-        leaking = {k: v for k, v in model.generation_config.to_dict().items() if k in _UNRESETTABLE and v is not None}
-        if leaking:
-            raise ValueError(
-                f"model.generation_config sets {sorted(leaking)}, which would change the sampling distribution "
-                "behind the behaviour log-probs; set them to None"
-            )
         # A generation copy in another dtype (bf16 sampling for an fp32 policy, the way an
         # inference engine holds its own weights); sync_weights refreshes it after each step.
         self.model = model
@@ -186,6 +158,7 @@ class HFGenerationBackend(TokenPrompts):
         self.share_prompts = share_prompts
         self.synced_gpus = synced_gpus
         self._calls = 0
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
     def rollout_phase(self, policy) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()  # nothing to wake or put to sleep
@@ -233,94 +206,92 @@ class HFGenerationBackend(TokenPrompts):
         device = self.model.device
         return _seeded_rng(call_seed, [device.index or 0] if device.type == "cuda" else [])
 
-    def _generation_config(self, params: SamplingParams) -> GenerationConfig:
-        pad = self.tokenizer.pad_token_id
-        # Sampling warpers: neutral here, ours run after _SampledLogps (_warpers).
-        sampling = dict(temperature=1.0, top_p=1.0, top_k=0) if params.do_sample else {}
-        # Neutral values set explicitly: unset ones would be filled from the checkpoint's generation_config.
-        return GenerationConfig(
-            max_new_tokens=params.max_new_tokens,
-            min_new_tokens=0,
-            do_sample=params.do_sample,
-            num_beams=1,
-            num_return_sequences=1,
-            repetition_penalty=1.0,
-            encoder_repetition_penalty=1.0,
-            no_repeat_ngram_size=0,
-            typical_p=1.0,
-            epsilon_cutoff=0.0,
-            eta_cutoff=0.0,
-            eos_token_id=self.eos_ids,
-            pad_token_id=pad,
-            use_cache=True,
-            return_dict_in_generate=True,
-            **sampling,
-        )
-
     def _generate_chunk(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
         pad = self.tokenizer.pad_token_id
         lp = max(len(p) for p in prompt_ids)
         device = self.model.device
         input_ids = torch.tensor([[pad] * (lp - len(p)) + list(p) for p in prompt_ids], dtype=torch.long, device=device)
-        attention_mask = torch.tensor(
-            [[0] * (lp - len(p)) + [1] * len(p) for p in prompt_ids], dtype=torch.long, device=device
-        )
-        stop = _StopStrings(self.tokenizer, params.stop, lp, len(prompt_ids)) if params.stop else None
-        cache = self._shared_prefill(input_ids, attention_mask) if self.share_prompts else None
-        record = _SampledLogps(params.temperature)
-        out = self.model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            generation_config=self._generation_config(params),
-            logits_processor=LogitsProcessorList([record, *_warpers(params)]),
-            stopping_criteria=StoppingCriteriaList([stop]) if stop is not None else None,
-            synced_gpus=self.synced_gpus,
-            **{cache_kwarg(): cache},
-        )
-        generated = out.sequences[:, lp:]
-        logps = record.finish(generated)
-        del out
-        eos = torch.tensor(self.eos_ids, device=generated.device)
-        is_eos = torch.isin(generated, eos)
-        result = []
-        for row, (ids, lps, eos_row) in enumerate(zip(generated.tolist(), logps.tolist(), is_eos.tolist())):
-            cut, reason = len(ids), "length"
-            if True in eos_row:
-                cut, reason = eos_row.index(True) + 1, "stop"
-            hit = stop.hit[row] if stop is not None else None
-            if hit is not None and hit + 1 <= cut:
-                cut, reason = hit + 1, "stop"
-            if reason == "length" and cut != params.max_new_tokens:
-                raise RuntimeError(f"row {row} ended after {cut} tokens with no eos or stop string")
-            token_ids = ids[:cut]
-            text = self.tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-            result.append(Completion(token_ids=token_ids, text=text, finish_reason=reason, logps=lps[:cut]))
-        return result
+        mask = torch.tensor([[0] * (lp - len(p)) + [1] * len(p) for p in prompt_ids], dtype=torch.long, device=device)
+        cache = self._prefill(input_ids, mask)
+        warpers = _warpers(params)
+        state = _Decode(self.tokenizer, len(prompt_ids), params, self.eos_ids)
+        feed = input_ids[:, -1:]  # the last prompt token; then each step's draw
+        keep = {"logits_to_keep": 1} if self._logits_to_keep else {}
+        live = torch.arange(len(prompt_ids), device=device)  # state.live as a tensor
+        while self._going(state):
+            position_ids = mask.sum(-1, keepdim=True) - 1  # left padding: real tokens so far
+            out = self.model(
+                input_ids=feed, attention_mask=mask, position_ids=position_ids, use_cache=True,
+                **{cache_kwarg(): cache}, **keep,
+            )
+            logits = out.logits[:, -1]
+            scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
+            # One uniform number per row of the call every step, used by the rows still going: a row's
+            # draws do not depend on when the others end.
+            u = torch.rand(len(prompt_ids), dtype=torch.float64, device=device)
+            if params.do_sample:
+                warped = scores
+                for warper in warpers:
+                    warped = warper(feed, warped)
+                tokens = draw(torch.softmax(warped, dim=-1), u[live])
+            else:
+                tokens = scores.argmax(dim=-1)
+            logps = torch.log_softmax(scores / params.temperature, dim=-1).gather(-1, tokens[:, None])[:, 0]
+            going = state.record(tokens.tolist(), logps.tolist())
+            if not going and self.synced_gpus:
+                going, state.placeholder = [0], True  # keeps this rank's forwards in step with the others'
+            if len(going) < len(state.live):
+                index = torch.tensor(going, dtype=torch.long, device=device)
+                cache.batch_select_indices(index)
+                mask, tokens, live = mask[index], tokens[index], live[index]
+                state.live = [state.live[b] for b in going]
+            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+            feed = tokens[:, None]
+        return state.completions()
 
-    def _shared_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> DynamicCache | None:
-        """The KV cache of every row's prompt but its last token, computed once per run of equal rows.
+    def _going(self, state: _Decode) -> bool:
+        """Whether to run another step: any row of this call still going (with ``synced_gpus``, of any rank's)."""
+        here = bool(state.live) and not state.placeholder
+        if not self.synced_gpus:
+            return here
+        flag = torch.tensor(1.0 if here else 0.0, device=self.model.device)
+        torch.distributed.all_reduce(flag)
+        return bool(flag.item() > 0)
 
-        ``None`` when no two neighbouring rows share a prompt (nothing to save) or a
-        prompt is a single token (``generate`` needs at least one uncached token).
+    def _prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> DynamicCache:
+        """The KV cache of every row's prompt but its last token.
+
+        With ``share_prompts``, each run of neighbouring rows with the same prompt is computed
+        once and its cache copied to the run's rows (:func:`distinct_rows`).
         """
-        if input_ids.shape[0] < 2 or input_ids.shape[1] < 2:
-            return None
-        starts = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        starts[1:] = (input_ids[1:] != input_ids[:-1]).any(dim=1)
-        if bool(starts.all()):
-            return None
-        owner = torch.cumsum(starts.long(), 0) - 1  # row -> its distinct prompt
-        ids, mask = input_ids[starts, :-1], attention_mask[starts, :-1]
-        # The positions generate gives a left-padded row: count of real tokens so far.
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
-        extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
+        if input_ids.shape[1] < 2:
+            return cache  # one-token prompts: the first decoding step feeds them whole
+        owner = distinct_rows(input_ids) if self.share_prompts else None
+        ids, mask = input_ids[:, :-1], attention_mask[:, :-1]
+        if owner is not None:
+            firsts = torch.ones_like(owner, dtype=torch.bool)
+            firsts[1:] = owner[1:] != owner[:-1]
+            ids, mask = ids[firsts], mask[firsts]
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens so far
+        keep = {"logits_to_keep": 1} if self._logits_to_keep else {}
         self.model(
             input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
-            **{cache_kwarg(): cache}, **extra,
+            **{cache_kwarg(): cache}, **keep,
         )
-        cache.batch_select_indices(owner)
+        if owner is not None:
+            cache.batch_select_indices(owner)
         return cache
+
+
+def distinct_rows(input_ids: torch.Tensor) -> torch.Tensor | None:
+    """``[rows]``: for each row, the index of its run of equal neighbouring rows (prompt-major
+    rows of ``G`` samples each form one run); None when no two neighbours are equal."""
+    starts = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    starts[1:] = (input_ids[1:] != input_ids[:-1]).any(dim=1)
+    if bool(starts.all()):
+        return None
+    return torch.cumsum(starts.long(), 0) - 1
 
 
 @contextlib.contextmanager

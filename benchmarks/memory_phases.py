@@ -20,9 +20,8 @@ from pathlib import Path
 
 # (function name, file name) of a frame -> phase; the innermost match on the stack wins.
 PHASES = {
-    ("_shared_prefill", "hf.py"): "generate: shared prefill",
-    ("generate", "utils.py"): "generate",
-    ("_generate_chunk", "hf.py"): "generate: around HF generate",
+    ("_prefill", "hf.py"): "generate: prompt prefill",
+    ("_generate_chunk", "hf.py"): "generate",
     ("backward", "_tensor.py"): "policy backward",
     ("logps", "logprobs.py"): "policy forward",
     ("step", "adam.py"): "optimizer step",

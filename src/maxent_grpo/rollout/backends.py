@@ -38,7 +38,7 @@ class BackendInputs:
     tokenizer: object
     model_path: str
     sample_dtype: torch.dtype | None  # a sampling copy in this dtype; None: the policy's own
-    batch_size: int | None  # hf: most sequences per generate call
+    batch_size: int | None  # hf: most sequences per decoding call
     share_prompts: bool  # hf: prefill each distinct prompt once
     vllm: VllmConfig
     seed: int

@@ -135,7 +135,7 @@ def _check_environment(cfg: TrainConfig) -> None:
         require(name not in ENVIRONMENTS and name != "tools", f"environment.classes.{name}",
                 "the name is taken by a registered environment; choose another")
     backend = BACKENDS[cfg.generation.backend]
-    # HF generate on a sharded policy is a collective: every rank would have to run as many turns.
+    # HF sampling on a sharded policy is a collective: every rank would have to run as many turns.
     require(backend.owns_weights or not STRATEGIES[cfg.training.strategy].collective_forward, "training.strategy",
             f"multi-turn episodes sampled by {backend.name} are not supported with {cfg.training.strategy} (ranks "
             "would run different numbers of generate calls); use ddp, or generation.backend vllm")
@@ -143,7 +143,7 @@ def _check_environment(cfg: TrainConfig) -> None:
 
 def _check_strategy(cfg: TrainConfig, strategy: type[Strategy], master: str) -> None:
     """What the strategy cannot do (docs/SCALING.md). Under a collective forward (FSDP2) every
-    rank must run the same number of forwards when the policy samples with HF generate."""
+    rank must run the same number of forwards when the policy samples with HF."""
     why = f"with training.strategy={strategy.name}"
     require(strategy.supports_lora or not cfg.model.lora.enabled, "model.lora.enabled",
             f"LoRA is not supported {why}; use training.strategy=ddp")

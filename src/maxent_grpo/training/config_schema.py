@@ -115,7 +115,7 @@ class GenerationConfig:
     stop: list[str] = field(default_factory=list, metadata={"help": "stop strings"})
     max_retry_rounds: int = field(default=2, metadata={"help": (
         "re-ask prompts that came back with fewer than G completions")})
-    batch_size: int | None = field(default=None, metadata={"help": "most sequences per generate call (null = all)"})
+    batch_size: int | None = field(default=None, metadata={"help": "hf: most sequences per decoding call (null = all)"})
     # Sample from a copy of the policy in this dtype (refreshed after every optimizer
     # step); null samples from the policy itself; auto: bfloat16 where the device
     # multiplies it natively, else null (training/precision.py).

@@ -238,7 +238,7 @@ def _precision(cfg: TrainConfig, machine: Machine, master: str) -> Precision:
         autocast_bf16=t.autocast_bf16, share_prompts=t.share_prompts, rollout_correction=cfg.loss.rollout_correction,
         gradient_checkpointing=t.gradient_checkpointing, engine_owns_weights=backend.owns_weights,
         max_staleness=cfg.rollout.max_staleness,
-        # A LoRA policy or an FSDP2 policy sampled by HF generate samples from itself: no copy to make.
+        # A LoRA policy or an FSDP2 policy sampled by HF samples from itself: no copy to make.
         samples_itself=not backend.owns_weights and (
             cfg.model.lora.enabled or STRATEGIES[t.strategy].collective_forward),
     )

@@ -80,7 +80,7 @@ def resolve_precision(
     bfloat16), the rollout correction that follows from them (:func:`sampler_is_trainer`), and shared
     prompts (on the CPU only, and never with activation checkpointing).
 
-    ``samples_itself``: a LoRA or sharded policy sampled by HF generate (no copy to make).
+    ``samples_itself``: a LoRA or sharded policy sampled by HF (no copy to make).
     """
     notes = []
     share = share_prompts

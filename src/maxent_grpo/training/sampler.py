@@ -23,7 +23,7 @@ from maxent_grpo.rollout.settings import VllmConfig
 class SamplerPlan:
     backend: str  # a name rollout/backends.py registers
     sample_dtype: str | None  # a sampling copy in this dtype; None: the policy samples itself
-    batch_size: int | None  # hf: most sequences per generate call
+    batch_size: int | None  # hf: most sequences per decoding call
     share_prompts: bool  # hf: prefill each distinct prompt once
     vllm: VllmConfig
     # A colocated engine with no vllm.max_model_len plans its KV cache from the data's prompts; an

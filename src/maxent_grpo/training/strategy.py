@@ -42,7 +42,7 @@ class Strategy:
     # A reference that follows the policy (loss.sync_ref_model): mixed parameter by parameter and saved
     # with each checkpoint, which needs it whole on each process.
     supports_reference_sync: ClassVar[bool] = True
-    # Every forward of the policy is a collective: HF generate must run in lockstep on
+    # Every forward of the policy is a collective: HF sampling must run in lockstep on
     # every rank, so nothing may make ranks run different numbers of forwards.
     collective_forward: ClassVar[bool] = False
 

@@ -24,7 +24,7 @@ from maxent_grpo.training.metrics import read_metrics
 from tiny_runs import tiny_overrides
 
 SOURCE = "modebench:pair_sum"
-TEACH_STEPS = 60
+TEACH_STEPS = 150
 
 
 @pytest.fixture(scope="module")

@@ -64,6 +64,33 @@ def test_two_fsdp2_processes_give_the_single_process_gradient_and_the_full_weigh
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+def test_sampling_a_sharded_policy_keeps_ranks_in_step_and_samples_what_one_process_samples(tiny_model_dir, tmp_path):
+    """Rank 0 asks for 2 new tokens, rank 1 for 7: rank 0 runs placeholder forwards until rank 1
+    is done (both run the same number), and each rank draws what the unsharded model draws with
+    its seed."""
+    import json
+
+    from fsdp2_sampling_worker import NEW_TOKENS, sample
+    from maxent_grpo.models import load_model_and_tokenizer
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str((Path(__file__).resolve().parents[1] / "fsdp2_sampling_worker.py")), str(tiny_model_dir), str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["forwards"] == ranks[1]["forwards"] > NEW_TOKENS[0] + 1
+    model, tok = load_model_and_tokenizer(tiny_model_dir)
+    for rank, got in enumerate(ranks):
+        expected = sample(model, tok, rank, synced=False)
+        assert [c["ids"] for c in got["completions"]] == [c["ids"] for c in expected]
+        assert [c["reason"] for c in got["completions"]] == [c["reason"] for c in expected]
+        for a, b in zip(got["completions"], expected):
+            assert a["logps"] == pytest.approx(b["logps"], abs=1e-5)
+    assert max(len(c["ids"]) for c in ranks[0]["completions"]) <= NEW_TOKENS[0]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_fsdp2_broadcast_load_gives_the_full_load_step_and_resumes_the_same_weights(tiny_model_dir, tmp_path):
     """Built on the meta device on every rank and filled from rank 0 (issue 21 §4): the same weights,
     first step (loss, grad norm, updated weights) and tied head as every rank loading the whole

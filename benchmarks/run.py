@@ -84,8 +84,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--work-dir", type=Path, help="where configs, logs and raw results go (default: a new temp dir)")
     p.add_argument("--json-out", type=Path, help="write the summaries and raw runs here")
     p.add_argument("--ours-packing", action="store_true",
-                   help="our training.packing on (on the CPU: completions packed behind the shared prompts); "
-                        "TRL's GRPOTrainer and the floor have no counterpart, so theirs stay as they are")
+                   help="our training.packing: true (its auto, the default, already packs on the CPU: completions "
+                        "behind the shared prompts); TRL's GRPOTrainer and the floor have no counterpart")
     return p.parse_args(argv)
 
 

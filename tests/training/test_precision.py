@@ -41,7 +41,7 @@ def test_explicit_settings_are_kept_on_any_hardware():
         plan = _plan(fast, **{"generation.dtype": "bfloat16", "training.autocast_bf16": "true"})
         assert _precision(plan) == ("bfloat16", True)
     sets = {"generation.dtype": "null", "training.autocast_bf16": "false", "loss.rollout_correction": "none",
-            "training.share_prompts": "true"}
+            "training.share_prompts": "true", "training.packing": "false"}
     for cuda in (False, True):  # an explicit share_prompts: kept on CUDA too
         plan = _plan(True, cuda, **sets)
         assert (*_precision(plan), plan.scoring.share_prompts, plan.notes) == (None, False, True, ())
@@ -57,6 +57,21 @@ def test_explicit_settings_are_kept_on_any_hardware():
 def test_share_prompts_auto_is_on_for_the_cpu_only(sets, cuda, expected):
     plan = _plan(False, cuda, **sets)
     assert plan.scoring.share_prompts is expected and plan.sampler.share_prompts is expected
+
+
+@pytest.mark.parametrize("sets, cuda, expected", [
+    ({}, False, True),  # the CPU: completions packed behind the shared prompts
+    ({}, True, False),  # CUDA: no shared prompts, and packed rows alone not timed on a GPU
+    ({"training.gradient_checkpointing": "true"}, False, False),  # no shared prompts
+    ({"training.share_prompts": "true"}, True, True),
+    ({"training.packing": "true"}, True, True),
+    ({"training.packing": "false"}, False, False),
+])
+def test_packing_auto_follows_share_prompts(sets, cuda, expected):
+    plan = _plan(False, cuda, **sets)
+    assert plan.scoring.packing is expected
+    if "training.packing" not in sets:
+        assert f"packing auto: {expected}" in " ".join(plan.notes)
 
 
 def test_share_prompts_true_with_gradient_checkpointing_is_refused_in_one_line():

@@ -243,11 +243,14 @@ class TrainingConfig:
     share_prompts: Literal[True, False, "auto"] = field(default="auto", metadata={"help": (
         "generation prefill and policy/reference forwards run each distinct prompt once (false: once per "
         "row; auto: on the CPU only)")})
-    packing: bool = field(default=False, metadata={"help": (
+    # auto: on wherever share_prompts is (the CPU), where packing the completions behind the shared
+    # prompt cut the policy pass by a fifth at SmolLM2-135M (BENCHMARKS.md §10); off elsewhere, as
+    # packed rows alone have not been timed on a GPU.
+    packing: Literal[True, False, "auto"] = field(default="auto", metadata={"help": (
         "policy, reference and old-policy passes run padding-free (core/packing.py), the same values and "
         "gradients as the padded forward: with share_prompts, each distinct prompt runs once and its "
         "completions are packed end to end behind its KV cache; without, each row's real tokens are packed "
-        "into fewer rows (also under flash attention)")})
+        "into fewer rows (also under flash attention); auto: with share_prompts only")})
     # Keep only each decoder layer's input and recompute the layer in the backward: activation
     # memory of one layer instead of all, for about one more forward of compute. Needs
     # share_prompts: false (a shared prompt's KV cache cannot be recomputed).

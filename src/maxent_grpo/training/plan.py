@@ -235,7 +235,8 @@ def _precision(cfg: TrainConfig, machine: Machine, master: str) -> Precision:
     backend = BACKENDS[g.backend]
     return resolve_precision(
         machine=machine, compute_dtype=cfg.model.dtype, master=master, sample_dtype=g.dtype,
-        autocast_bf16=t.autocast_bf16, share_prompts=t.share_prompts, rollout_correction=cfg.loss.rollout_correction,
+        autocast_bf16=t.autocast_bf16, share_prompts=t.share_prompts, packing=t.packing,
+        rollout_correction=cfg.loss.rollout_correction,
         gradient_checkpointing=t.gradient_checkpointing, engine_owns_weights=backend.owns_weights,
         max_staleness=cfg.rollout.max_staleness,
         # A LoRA policy or an FSDP2 policy sampled by HF samples from itself: no copy to make.
@@ -273,7 +274,7 @@ def compile_run(cfg: TrainConfig, machine: Machine) -> RunPlan:
         method=_compile_method(cfg, precision.rollout_correction),
         scoring=Scoring(temperature=g.temperature, share_prompts=precision.share_prompts,
                         autocast_bf16=precision.autocast_bf16, rows_per_pass=t.micro_batch_size,
-                        packing=t.packing),
+                        packing=precision.packing),
         batch=batch,
         micro_batch_size=t.micro_batch_size,
         num_iterations=t.num_iterations,

@@ -66,19 +66,20 @@ class Precision:
     sample_dtype: str | None  # the sampling copy's dtype; None: the policy samples itself
     autocast_bf16: bool
     share_prompts: bool
+    packing: bool
     rollout_correction: str
     notes: tuple[str, ...]
 
 
 def resolve_precision(
     *, machine: Machine, compute_dtype: str, master: str, sample_dtype: str | None, autocast_bf16: bool | str,
-    share_prompts: bool | str, rollout_correction: str, gradient_checkpointing: bool, samples_itself: bool,
-    engine_owns_weights: bool, max_staleness: int,
+    share_prompts: bool | str, packing: bool | str, rollout_correction: str, gradient_checkpointing: bool,
+    samples_itself: bool, engine_owns_weights: bool, max_staleness: int,
 ) -> Precision:
     """The device-dependent ``auto`` settings: the sampling copy's dtype (bf16 when the machine multiplies
     it natively and the policy is not its own sampler), bf16 autocast (also whenever ``compute_dtype`` is
-    bfloat16), the rollout correction that follows from them (:func:`sampler_is_trainer`), and shared
-    prompts (on the CPU only, and never with activation checkpointing).
+    bfloat16), the rollout correction that follows from them (:func:`sampler_is_trainer`), shared
+    prompts (on the CPU only, and never with activation checkpointing) and packing (with shared prompts).
 
     ``samples_itself``: a LoRA or sharded policy sampled by HF (no copy to make).
     """
@@ -90,6 +91,11 @@ def resolve_precision(
         share = not machine.cuda and not gradient_checkpointing
         notes.append(f"share_prompts auto: {share} (" + (
             "CUDA" if machine.cuda else "activation checkpointing" if gradient_checkpointing else "the CPU") + ")")
+    pack = packing
+    if packing == "auto":
+        pack = share is True
+        notes.append(f"packing auto: {pack} (" + ("completions packed behind the shared prompts" if pack
+                                                 else "share_prompts is off") + ")")
     dtype = sample_dtype
     if sample_dtype == "auto":
         dtype = "bfloat16" if machine.fast_bf16 and not samples_itself else None
@@ -109,7 +115,7 @@ def resolve_precision(
             "the policy samples its own rollouts" if own
             else "the sampler is not the trained weights: its own copy, or earlier weights") + ")")
     return Precision(sample_dtype=dtype, autocast_bf16=autocast is True, share_prompts=share is True,
-                     rollout_correction=correction, notes=tuple(notes))
+                     packing=pack is True, rollout_correction=correction, notes=tuple(notes))
 
 
 def sampler_is_trainer(*, engine_owns_weights: bool, max_staleness: int, sample_dtype: str | None,

@@ -251,8 +251,8 @@ def test_every_method_steps_to_the_same_update_packed_or_padded(tiny_model_dir, 
 
 
 def test_the_setting_reaches_the_scoring_of_every_pass():
-    assert compiled(None, ["training.packing=true"]).scoring.packing
-    assert not compiled(None, []).scoring.packing
+    assert compiled(None, ["training.packing=true", "training.share_prompts=false"]).scoring.packing
+    assert not compiled(None, ["training.packing=false"]).scoring.packing
 
 
 def test_a_run_trains_packed_from_the_command_line(tiny_model_dir, tmp_path):

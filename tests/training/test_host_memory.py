@@ -75,3 +75,29 @@ def test_between_passes_runs_before_each_forward_and_backward_and_changes_nothin
     (loss_a, grads_a), (loss_b, grads_b) = results
     assert loss_a == loss_b
     assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+
+
+def test_the_setting_turns_the_release_on_in_a_run(tiny_model_dir, tmp_path, monkeypatch):
+    """training.release_host_memory (off by default) gives the run the release, called between passes."""
+    import maxent_grpo.training.setup as setup
+    from maxent_grpo.cli import main
+    from tiny_runs import tiny_overrides
+
+    real, calls = setup.host_memory_release, []
+
+    def counting(device_type):
+        release = real(device_type)
+
+        def counted():
+            calls.append(1)
+            if release is not None:
+                release()
+        return counted
+
+    monkeypatch.setattr(setup, "host_memory_release", counting)
+    for flag in ("false", "true"):
+        calls.clear()
+        args = tiny_overrides(tiny_model_dir, tmp_path / flag, rewards="[{name: length, kwargs: {max_length: 100}}]",
+                              steps=1, extra=[f"training.release_host_memory={flag}"])
+        assert main(["train", *args]) == 0
+        assert (len(calls) > 0) is (flag == "true")

@@ -87,6 +87,7 @@ class RunPlan:
     scoring: Scoring
     batch: BatchPlan
     micro_batch_size: int
+    release_host_memory: bool  # training/host_memory.py, before each micro-batch's passes (the CPU)
     num_iterations: int
     max_grad_norm: float | None
     data: DataPlan
@@ -277,6 +278,7 @@ def compile_run(cfg: TrainConfig, machine: Machine) -> RunPlan:
                         packing=precision.packing),
         batch=batch,
         micro_batch_size=t.micro_batch_size,
+        release_host_memory=t.release_host_memory,
         num_iterations=t.num_iterations,
         max_grad_norm=t.max_grad_norm,
         data=DataPlan(

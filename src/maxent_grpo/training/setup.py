@@ -82,7 +82,8 @@ class Run:
     # The separate reference model (None: no reference, or LoRA's adapters-off base); loss.sync_ref_model
     # moves it toward the policy, and it is then saved with every checkpoint.
     reference: torch.nn.Module | None = None
-    # Hands freed host memory back to the OS between the policy's passes (None on a GPU): training/host_memory.py.
+    # Hands freed host memory back to the OS between the policy's passes (training.release_host_memory;
+    # None when off, and on a GPU): training/host_memory.py.
     release_host_memory: Callable[[], None] | None = None
 
     @property
@@ -209,7 +210,8 @@ def build_run(
         strategy=strategy, eval_rows=eval_rows, lock=lock,
         bank=ModeBank(plan.replay.capacity, plan.replay.groups_per_step) if plan.replay.enabled else None,
         entropy_state=EntropyCoefState(plan.method.loss.entropy_coef) if plan.adaptive_entropy is not None else None,
-        reference=ref_model, release_host_memory=host_memory_release(dist.device.type),
+        reference=ref_model,
+        release_host_memory=host_memory_release(dist.device.type) if plan.release_host_memory else None,
     )
     if ckpt is not None:
         _resume(run, ckpt)

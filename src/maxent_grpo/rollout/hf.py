@@ -217,12 +217,13 @@ class HFGenerationBackend(TokenPrompts):
         state = _Decode(self.tokenizer, len(prompt_ids), params, self.eos_ids)
         feed = input_ids[:, -1:]  # the last prompt token; then each step's draw
         keep = {"logits_to_keep": 1} if self._logits_to_keep else {}
+        cache_name = cache_kwarg()
         live = torch.arange(len(prompt_ids), device=device)  # state.live as a tensor
         while self._going(state):
             position_ids = mask.sum(-1, keepdim=True) - 1  # left padding: real tokens so far
             out = self.model(
                 input_ids=feed, attention_mask=mask, position_ids=position_ids, use_cache=True,
-                **{cache_kwarg(): cache}, **keep,
+                **{cache_name: cache}, **keep,
             )
             logits = out.logits[:, -1]
             scores = logits.to(torch.promote_types(logits.dtype, torch.float32))

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -96,19 +97,32 @@ def _slim(src: Path, dest: Path) -> None:
     (dest / "completions.jsonl").write_text("\n".join(lines) + "\n")
 
 
-def run_one(arm: str, seed: int, *, results: Path, work: Path, base: list[str], eval_seeds, env,
-            eval_problems: int = EVAL_PROBLEMS_PER_TASK) -> Path:
-    """Train ``arm`` with ``seed``, evaluate its final model once per eval seed; skip when done."""
+@dataclass(frozen=True)
+class Trained:
+    """One arm and seed, trained: where its results go, its scratch folder and log, its final model."""
+
+    out: Path
+    run_dir: Path
+    log: Path
+    final: Path | str  # the final checkpoint, or the start model's name
+    steps: int
+    train_s: float
+
+
+def train_arm(arm: str, arm_sets: dict, seed: int, *, results: Path, work: Path, base: list[str], env) -> Trained | None:
+    """Train ``arm`` (its ``--set`` overrides ``arm_sets``) with ``seed``, the run's metrics and config kept in
+    ``results/ARM/seedN``; None when that folder holds a ``done.json`` (a finished run is skipped, a cut-off
+    one starts over). The :data:`START` arm is not trained: its final model is the base recipe's."""
     out = results / arm / f"seed{seed}"
     if (out / "done.json").is_file():
-        return out
+        return None
     if out.exists():
         shutil.rmtree(out)  # a run cut off part-way starts over
     out.mkdir(parents=True)
     run_dir = work / arm / f"seed{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
     log = out / "log.txt"
-    overrides = {**ALL_ARMS[arm], "training.seed": seed, "logging.report_to": [], "logging.progress_bar": False,
+    overrides = {**arm_sets, "training.seed": seed, "logging.report_to": [], "logging.progress_bar": False,
                  "checkpoint.save_steps": 0, "eval.every_steps": 0}
     t0 = time.time()
     if arm == START:  # the start model, untrained: evaluated like every arm
@@ -119,7 +133,17 @@ def run_one(arm: str, seed: int, *, results: Path, work: Path, base: list[str], 
         final = run_dir / "checkpoints" / f"step-{steps}"
         shutil.copy(run_dir / "config.yaml", out / "config.yaml")
         shutil.copy(run_dir / "metrics.jsonl", out / "train_metrics.jsonl")
-    train_s = time.time() - t0
+    return Trained(out=out, run_dir=run_dir, log=log, final=final, steps=steps, train_s=time.time() - t0)
+
+
+def run_one(arm: str, seed: int, *, results: Path, work: Path, base: list[str], eval_seeds, env,
+            eval_problems: int = EVAL_PROBLEMS_PER_TASK) -> Path:
+    """Train ``arm`` with ``seed``, evaluate its final model once per eval seed; skip when done."""
+    trained = train_arm(arm, ALL_ARMS[arm], seed, results=results, work=work, base=base, env=env)
+    if trained is None:
+        return results / arm / f"seed{seed}"
+    out, run_dir, log, final, steps, train_s = (trained.out, trained.run_dir, trained.log, trained.final,
+                                                trained.steps, trained.train_s)
     t1 = time.time()
     eval_dirs = [run_dir / f"eval-seed{e}" for e in eval_seeds]
     # Both eval seeds in one child process (one torch start-up); each is exactly `maxent-grpo eval`.

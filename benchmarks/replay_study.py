@@ -26,14 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.modebench import _cli, _env, _run, _sets, _slim, _start_model, smoke_model
+from benchmarks.modebench import START, _cli, _env, _run, _sets, _slim, smoke_model, train_arm
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "modebench_replay.yaml"
 RESULTS = REPO / "benchmarks" / "results" / "modebench_replay"
 DR_GRPO_LOSS = {"loss.loss_type": "dr_grpo", "loss.scale_rewards": "none"}
 
-START = "start_model"  # not trained: the start model's scores under the same evaluation
 # arm -> overrides of the recipe (dotted keys). Every arm sits on Dr.GRPO's loss (the presets of
 # redr, remax and maxrl set it; §16-§17), with beta 0 (the recipe's default).
 ARMS: dict[str, dict] = {
@@ -56,27 +55,11 @@ EVAL_PROBLEMS = 16
 def run_one(arm: str, seed: int, *, results: Path, work: Path, base: list[str], env: dict,
             eval_problems: int = EVAL_PROBLEMS) -> Path:
     """Train ``arm`` with ``seed`` and evaluate its final model; skip when ``done.json`` exists."""
-    out = results / arm / f"seed{seed}"
-    if (out / "done.json").is_file():
-        return out
-    if out.exists():
-        shutil.rmtree(out)  # a run cut off part-way starts over
-    out.mkdir(parents=True)
-    run_dir = work / arm / f"seed{seed}"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    log = out / "log.txt"
-    overrides = {**ARMS[arm], "training.seed": seed, "logging.report_to": [], "logging.progress_bar": False,
-                 "checkpoint.save_steps": 0, "eval.every_steps": 0}
-    t0 = time.time()
-    if arm == START:
-        final, steps = _start_model(base), 0
-    else:
-        _run([_cli(), "train", *base, "--output-dir", str(run_dir), *_sets(overrides)], log, env)
-        steps = max(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*"))
-        final = run_dir / "checkpoints" / f"step-{steps}"
-        shutil.copy(run_dir / "config.yaml", out / "config.yaml")
-        shutil.copy(run_dir / "metrics.jsonl", out / "train_metrics.jsonl")
-    train_s = time.time() - t0
+    trained = train_arm(arm, ARMS[arm], seed, results=results, work=work, base=base, env=env)
+    if trained is None:
+        return results / arm / f"seed{seed}"
+    out, run_dir, log, final, steps, train_s = (trained.out, trained.run_dir, trained.log, trained.final,
+                                                trained.steps, trained.train_s)
     t1 = time.time()
     weights = None if arm == START else hashlib.sha256((final / "model.safetensors").read_bytes()).hexdigest()
     twin = _same_weights(results, seed, weights)

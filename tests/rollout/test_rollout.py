@@ -317,10 +317,17 @@ def test_prefill_runs_each_distinct_prompt_once(tiny, prompts):
     assert distinct_rows(ids["input_ids"]) is None
     doubled = ids["input_ids"].repeat_interleave(2, 0), ids["attention_mask"].repeat_interleave(2, 0)
     assert distinct_rows(doubled[0]).tolist() == [0, 0, 1, 1, 2, 2]
-    for share in (True, False):
-        cache = HFGenerationBackend(model, tok, share_prompts=share)._prefill(*doubled)
-        assert cache.get_seq_length() == ids["input_ids"].shape[1] - 1
-        assert cache.layers[0].keys.shape[0] == 6
+    rows_run = []
+    hook = model.register_forward_pre_hook(lambda _, args, kwargs: rows_run.append(kwargs["input_ids"].shape[0]),
+                                           with_kwargs=True)
+    try:
+        for share in (True, False):
+            cache = HFGenerationBackend(model, tok, share_prompts=share)._prefill(*doubled)
+            assert cache.get_seq_length() == ids["input_ids"].shape[1] - 1
+            assert cache.layers[0].keys.shape[0] == 6
+    finally:
+        hook.remove()
+    assert rows_run == [3, 6]  # shared: each distinct prompt once; not shared: every row
 
 
 def test_chunked_sampling_logps_match_trainer(tiny, prompts):

@@ -89,7 +89,7 @@ def test_max_model_len_defaults_to_the_longest_prompt_plus_the_completion(tiny_m
 
     def inputs(vllm, prompt_tokens):
         return BackendInputs(model=model, tokenizer=tok, model_path=str(tiny_model_dir), sample_dtype=None,
-                             batch_size=None, share_prompts=False, vllm=vllm, seed=0,
+                             batch_size=None, share_prompts=False, compile=False, vllm=vllm, seed=0,
                              max_prompt_tokens=prompt_tokens, max_new_tokens=16)
 
     assert default_max_model_len(inputs(VllmConfig(), longest)) == longest + 16

@@ -41,7 +41,7 @@ def test_explicit_settings_are_kept_on_any_hardware():
         plan = _plan(fast, **{"generation.dtype": "bfloat16", "training.autocast_bf16": "true"})
         assert _precision(plan) == ("bfloat16", True)
     sets = {"generation.dtype": "null", "training.autocast_bf16": "false", "loss.rollout_correction": "none",
-            "training.share_prompts": "true", "training.packing": "false"}
+            "training.share_prompts": "true", "training.packing": "false", "generation.compile": "false"}
     for cuda in (False, True):  # an explicit share_prompts: kept on CUDA too
         plan = _plan(True, cuda, **sets)
         assert (*_precision(plan), plan.scoring.share_prompts, plan.notes) == (None, False, True, ())
@@ -72,6 +72,30 @@ def test_packing_auto_follows_share_prompts(sets, cuda, expected):
     assert plan.scoring.packing is expected
     if "training.packing" not in sets:
         assert f"packing auto: {expected}" in " ".join(plan.notes)
+
+
+@pytest.mark.parametrize("sets, cuda, expected", [
+    ({}, True, True),  # CUDA: static KV cache and CUDA graphs
+    ({}, False, False),  # the CPU: each shape's compile costs more than the step saves
+    ({"model.lora.enabled": "true"}, True, True),  # the adapters are traced like any other module
+    ({"training.strategy": "fsdp2"}, True, False),  # each sharded forward gathers weights from the others
+    ({"generation.compile": "true"}, False, True),  # forced on the CPU (how the tests reach it)
+    ({"generation.compile": "false"}, True, False),
+])
+def test_compile_auto_is_on_for_cuda(sets, cuda, expected):
+    plan = _plan(False, cuda, **sets)
+    assert plan.sampler.compile is expected
+    noted = [n for n in plan.notes if n.startswith("generation.compile auto")]
+    assert noted == ([] if "generation.compile" in sets else [noted[0]]) and (not noted or str(expected) in noted[0])
+
+
+def test_compile_auto_is_off_for_vllm_and_true_is_refused_there():
+    plan = _plan(False, True, **{"generation.backend": "vllm"})
+    assert plan.sampler.compile is False and not any("generation.compile" in n for n in plan.notes)
+    with pytest.raises(ConfigError, match=r"^generation.compile: applies to generation.backend hf"):
+        _plan(False, True, **{"generation.backend": "vllm", "generation.compile": "true"})
+    with pytest.raises(ConfigError, match=r"^generation.compile: true is not supported with training.strategy fsdp2"):
+        _plan(False, True, **{"training.strategy": "fsdp2", "generation.compile": "true"})
 
 
 def test_share_prompts_true_with_gradient_checkpointing_is_refused_in_one_line():

@@ -40,6 +40,7 @@ class BackendInputs:
     sample_dtype: torch.dtype | None  # a sampling copy in this dtype; None: the policy's own
     batch_size: int | None  # hf: most sequences per decoding call
     share_prompts: bool  # hf: prefill each distinct prompt once
+    compile: bool  # hf: static KV cache and a compiled decoding step (rollout/compiled_decode.py)
     vllm: VllmConfig
     seed: int
     world_size: int = 1
@@ -75,7 +76,11 @@ def _check_hf(vllm: VllmConfig, model_path: str) -> None:
 def _build_hf(i: BackendInputs) -> GenerationBackend:
     return HFGenerationBackend(
         i.model, i.tokenizer, batch_size=i.batch_size, dtype=i.sample_dtype, share_prompts=i.share_prompts,
-        synced_gpus=i.synced_gpus,
+        synced_gpus=i.synced_gpus, compile=i.compile,
+        # As rows end, compiled decoding moves the rest to a smaller compiled batch on the CPU, where a
+        # step's cost grows with its rows; on a GPU a step at these batches is bound by reading the weights,
+        # so the batch stays (scripts/gpu_check.py's decode stage times both).
+        shrink=i.model.device.type != "cuda",
     )
 
 

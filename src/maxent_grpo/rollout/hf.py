@@ -34,6 +34,7 @@ import torch
 from transformers import DynamicCache, LogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from maxent_grpo.core.completion_logits import cache_kwarg
+from maxent_grpo.rollout.compiled_decode import DecodeGraphs, batch_bucket, cache_bucket, supports_compile
 from maxent_grpo.rollout.backend import Completion, PromptGroup, SamplingParams, TokenPrompts
 
 
@@ -126,11 +127,16 @@ class HFGenerationBackend(TokenPrompts):
     ``synced_gpus``: every rank keeps running forwards until the longest row of any rank
     has finished (needed when the model is sharded with FSDP2: each forward gathers the
     weights from every rank). A rank whose rows have all ended runs one placeholder row.
+    ``compile``: decode through a static KV cache and a compiled one-token step
+    (``rollout/compiled_decode.py``; CUDA graphs on a GPU); the same draws as the eager loop for the
+    same uniforms, to float rounding. ``shrink``: with ``compile``, rows still going move to a
+    smaller compiled batch as others end (else the batch stays and ended rows run on, unread).
     """
 
     def __init__(
         self, model, tokenizer, *, batch_size: int | None = None, seed: int | None = None,
         dtype: torch.dtype | None = None, share_prompts: bool = True, synced_gpus: bool = False,
+        compile: bool = False, shrink: bool = False,
     ):
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
@@ -159,6 +165,12 @@ class HFGenerationBackend(TokenPrompts):
         self.synced_gpus = synced_gpus
         self._calls = 0
         self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self.graphs = None
+        if compile:
+            if not supports_compile(self.model):
+                raise ValueError("compile: the model has sliding-window or recurrent cache layers; compiled "
+                                 "decoding supports full-attention models only")
+            self.graphs = DecodeGraphs(self.model, cuda_graphs=self.model.device.type == "cuda", shrink=shrink)
 
     def rollout_phase(self, policy) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()  # nothing to wake or put to sleep
@@ -212,35 +224,49 @@ class HFGenerationBackend(TokenPrompts):
         device = self.model.device
         input_ids = torch.tensor([[pad] * (lp - len(p)) + list(p) for p in prompt_ids], dtype=torch.long, device=device)
         mask = torch.tensor([[0] * (lp - len(p)) + [1] * len(p) for p in prompt_ids], dtype=torch.long, device=device)
+        state = _Decode(self.tokenizer, len(prompt_ids), params, self.eos_ids)
+        if self.graphs is not None and lp >= 2:  # one-token prompts have no prefill to place in a static cache
+            self._decode_compiled(input_ids, mask, params, state)
+        else:
+            self._decode_eager(input_ids, mask, params, state)
+        return state.completions()
+
+    def _next(self, logits: torch.Tensor, feed: torch.Tensor, u: torch.Tensor, params: SamplingParams,
+              warpers: list[LogitsProcessor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The live rows' draws from their ``logits`` ``[live, V]`` (``u`` ``[live]``) and each draw's
+        behaviour log-prob under the raw distribution at ``params.temperature``."""
+        scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        if params.do_sample:
+            warped = scores
+            for warper in warpers:
+                warped = warper(feed, warped)
+            tokens = draw(torch.softmax(warped, dim=-1), u)
+        else:
+            tokens = scores.argmax(dim=-1)
+        logps = torch.log_softmax(scores / params.temperature, dim=-1).gather(-1, tokens[:, None])[:, 0]
+        return tokens, logps
+
+    def _decode_eager(self, input_ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams,
+                      state: _Decode) -> None:
+        """Each step over the dynamic cache of the rows still going; ended rows leave it."""
+        rows, device = input_ids.shape[0], input_ids.device
         cache = self._prefill(input_ids, mask)
         warpers = _warpers(params)
-        state = _Decode(self.tokenizer, len(prompt_ids), params, self.eos_ids)
         feed = input_ids[:, -1:]  # the last prompt token; then each step's draw
         keep = {"logits_to_keep": 1} if self._logits_to_keep else {}
         cache_name = cache_kwarg()
-        live = torch.arange(len(prompt_ids), device=device)  # state.live as a tensor
+        live = torch.arange(rows, device=device)  # state.live as a tensor
         while self._going(state):
             position_ids = mask.sum(-1, keepdim=True) - 1  # left padding: real tokens so far
             out = self.model(
                 input_ids=feed, attention_mask=mask, position_ids=position_ids, use_cache=True,
                 **{cache_name: cache}, **keep,
             )
-            logits = out.logits[:, -1]
-            scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
             # One uniform number per row of the call every step, used by the rows still going: a row's
             # draws do not depend on when the others end.
-            u = torch.rand(len(prompt_ids), dtype=torch.float64, device=device)
-            if params.do_sample:
-                warped = scores
-                for warper in warpers:
-                    warped = warper(feed, warped)
-                tokens = draw(torch.softmax(warped, dim=-1), u[live])
-            else:
-                tokens = scores.argmax(dim=-1)
-            logps = torch.log_softmax(scores / params.temperature, dim=-1).gather(-1, tokens[:, None])[:, 0]
-            going = state.record(tokens.tolist(), logps.tolist())
-            if not going and self.synced_gpus:
-                going, state.placeholder = [0], True  # keeps this rank's forwards in step with the others'
+            u = torch.rand(rows, dtype=torch.float64, device=device)
+            tokens, logps = self._next(out.logits[:, -1], feed, u[live], params, warpers)
+            going = self._record(state, tokens, logps)
             if len(going) < len(state.live):
                 index = torch.tensor(going, dtype=torch.long, device=device)
                 cache.batch_select_indices(index)
@@ -248,7 +274,38 @@ class HFGenerationBackend(TokenPrompts):
                 state.live = [state.live[b] for b in going]
             mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
             feed = tokens[:, None]
-        return state.completions()
+
+    def _decode_compiled(self, input_ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams,
+                         state: _Decode) -> None:
+        """Each step one replay of the compiled step of a bucketed shape (``rollout/compiled_decode.py``);
+        the same uniforms and the same sampling as :meth:`_decode_eager`."""
+        rows, lp = input_ids.shape
+        device = input_ids.device
+        graph = self.graphs.get(batch_bucket(rows), cache_bucket(lp + params.max_new_tokens))
+        graph.start(self._prefill(input_ids, mask), mask, input_ids[:, -1])
+        warpers = _warpers(params)
+        feed = input_ids[:, -1:]
+        at = torch.arange(rows, device=device)  # the live rows' batch positions in the graph
+        live = torch.arange(rows, device=device)  # state.live as a tensor
+        while self._going(state):
+            logits = self.graphs.step(graph)[at]
+            u = torch.rand(rows, dtype=torch.float64, device=device)
+            tokens, logps = self._next(logits, feed, u[live], params, warpers)
+            going = self._record(state, tokens, logps)
+            if len(going) < len(state.live):
+                index = torch.tensor(going, dtype=torch.long, device=device)
+                at, tokens, live = at[index], tokens[index], live[index]
+                state.live = [state.live[b] for b in going]
+            graph, at = self.graphs.feed(graph, at, tokens)
+            feed = tokens[:, None]
+
+    def _record(self, state: _Decode, tokens: torch.Tensor, logps: torch.Tensor) -> list[int]:
+        """Records the live rows' draws; the batch positions of the rows that go on (with ``synced_gpus``,
+        one placeholder row once every row has ended)."""
+        going = state.record(tokens.tolist(), logps.tolist())
+        if not going and self.synced_gpus:
+            going, state.placeholder = [0], True  # keeps this rank's forwards in step with the others'
+        return going
 
     def _going(self, state: _Decode) -> bool:
         """Whether to run another step: any row of this call still going (with ``synced_gpus``, of any rank's)."""

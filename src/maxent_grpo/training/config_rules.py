@@ -86,6 +86,12 @@ def check_run(cfg: TrainConfig, machine: Machine, master: str) -> None:
     require(g.dtype in (None, "auto") or not lora or BACKENDS[g.backend].owns_weights, "generation.dtype",
             "a separate generation copy is not supported with model.lora.enabled and generation.backend=hf; "
             "set it to null")
+    require(g.compile is not True or g.backend == "hf", "generation.compile",
+            f"applies to generation.backend hf; vLLM compiles its own graphs (generation.vllm.enforce_eager), "
+            f"got generation.backend {g.backend}")
+    require(g.compile is not True or not strategy.collective_forward, "generation.compile",
+            f"true is not supported with training.strategy {strategy.name}: each sharded forward gathers the "
+            f"weights from every process, which the compiled step does not trace; set it to false or auto")
     require(cfg.eval.every_steps == 0 or cfg.data.eval_size > 0, "eval.every_steps",
             "in-loop validation needs a held-out split: set data.eval_size > 0")
     _check_teacher(cfg)

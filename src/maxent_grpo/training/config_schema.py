@@ -128,6 +128,12 @@ class GenerationConfig:
     backend: Literal[tuple(BACKENDS)] = field(default="hf", metadata={"help": (
         "sampler: hf (transformers generate), vllm (in-process engine per process), vllm_server (a vLLM "
         "server)")})
+    # hf: decode through a static KV cache and a compiled one-token step (rollout/compiled_decode.py;
+    # CUDA graphs on a GPU). auto: on for CUDA; off on the CPU, where the first step of each shape
+    # compiles for seconds to a minute and the compiled step was not faster (BENCHMARKS.md §10).
+    compile: Literal[True, False, "auto"] = field(default="auto", metadata={"help": (
+        "hf: static KV cache and a compiled one-token decoding step (CUDA graphs on a GPU); auto = on for "
+        "CUDA, off on the CPU; true forces it on any device")})
     vllm: VllmConfig = field(default_factory=VllmConfig)
 
 

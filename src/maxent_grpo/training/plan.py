@@ -239,7 +239,8 @@ def _precision(cfg: TrainConfig, machine: Machine, master: str) -> Precision:
         autocast_bf16=t.autocast_bf16, share_prompts=t.share_prompts, packing=t.packing,
         rollout_correction=cfg.loss.rollout_correction,
         gradient_checkpointing=t.gradient_checkpointing, engine_owns_weights=backend.owns_weights,
-        max_staleness=cfg.rollout.max_staleness,
+        max_staleness=cfg.rollout.max_staleness, compile_decoding=g.compile, hf_sampler=g.backend == "hf",
+        sharded=STRATEGIES[t.strategy].collective_forward,
         # A LoRA policy or an FSDP2 policy sampled by HF samples from itself: no copy to make.
         samples_itself=not backend.owns_weights and (
             cfg.model.lora.enabled or STRATEGIES[t.strategy].collective_forward),
@@ -295,7 +296,7 @@ def compile_run(cfg: TrainConfig, machine: Machine) -> RunPlan:
         ),
         sampler=SamplerPlan(
             backend=g.backend, sample_dtype=precision.sample_dtype, batch_size=g.batch_size,
-            share_prompts=precision.share_prompts, vllm=g.vllm,
+            share_prompts=precision.share_prompts, compile=precision.compile_decoding, vllm=g.vllm,
             size_from_prompts=BACKENDS[g.backend].plans_context and g.vllm.max_model_len is None and episodes is None,
             params=sampling, system_prompt=d.system_prompt, few_shot=tuple(d.few_shot),
         ),

@@ -68,13 +68,15 @@ class Precision:
     share_prompts: bool
     packing: bool
     rollout_correction: str
+    compile_decoding: bool
     notes: tuple[str, ...]
 
 
 def resolve_precision(
     *, machine: Machine, compute_dtype: str, master: str, sample_dtype: str | None, autocast_bf16: bool | str,
     share_prompts: bool | str, packing: bool | str, rollout_correction: str, gradient_checkpointing: bool,
-    samples_itself: bool, engine_owns_weights: bool, max_staleness: int,
+    samples_itself: bool, engine_owns_weights: bool, max_staleness: int, compile_decoding: bool | str,
+    hf_sampler: bool, sharded: bool,
 ) -> Precision:
     """The device-dependent ``auto`` settings: the sampling copy's dtype (bf16 when the machine multiplies
     it natively and the policy is not its own sampler), bf16 autocast (also whenever ``compute_dtype`` is
@@ -82,6 +84,8 @@ def resolve_precision(
     prompts (on the CPU only, and never with activation checkpointing) and packing (with shared prompts).
 
     ``samples_itself``: a LoRA or sharded policy sampled by HF (no copy to make).
+    Compiled decoding (``compile_decoding`` auto): on where HF samples on CUDA from a policy that is not
+    sharded (``sharded``: every forward gathers weights from the other processes).
     """
     notes = []
     share = share_prompts
@@ -114,8 +118,17 @@ def resolve_precision(
         notes.append(f"rollout correction auto: {correction} (" + (
             "the policy samples its own rollouts" if own
             else "the sampler is not the trained weights: its own copy, or earlier weights") + ")")
+    compiled = compile_decoding
+    if compile_decoding == "auto":
+        compiled = hf_sampler and machine.cuda and not sharded
+        if hf_sampler:
+            notes.append(f"generation.compile auto: {compiled} (" + (
+                "sharded forwards gather weights" if sharded
+                else "CUDA: static KV cache, CUDA graphs" if machine.cuda
+                else "the CPU: compiling each shape costs more than it saves") + ")")
     return Precision(sample_dtype=dtype, autocast_bf16=autocast is True, share_prompts=share is True,
-                     packing=pack is True, rollout_correction=correction, notes=tuple(notes))
+                     packing=pack is True, rollout_correction=correction, compile_decoding=compiled is True,
+                     notes=tuple(notes))
 
 
 def sampler_is_trainer(*, engine_owns_weights: bool, max_staleness: int, sample_dtype: str | None,

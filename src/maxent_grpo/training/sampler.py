@@ -25,6 +25,7 @@ class SamplerPlan:
     sample_dtype: str | None  # a sampling copy in this dtype; None: the policy samples itself
     batch_size: int | None  # hf: most sequences per decoding call
     share_prompts: bool  # hf: prefill each distinct prompt once
+    compile: bool  # hf: static KV cache and a compiled decoding step
     vllm: VllmConfig
     # A colocated engine with no vllm.max_model_len plans its KV cache from the data's prompts; an
     # episode's context grows past its prompt (tool descriptions, turns): the engine keeps the model's length.
@@ -45,7 +46,7 @@ def build_sampler(
     return BACKENDS[s.backend].build(BackendInputs(
         model=model, tokenizer=tokenizer, model_path=model_path,
         sample_dtype=None if s.sample_dtype is None else parse_dtype(s.sample_dtype), batch_size=s.batch_size,
-        share_prompts=s.share_prompts, vllm=s.vllm, seed=seed, world_size=world_size, is_main=is_main,
+        share_prompts=s.share_prompts, compile=s.compile, vllm=s.vllm, seed=seed, world_size=world_size, is_main=is_main,
         any_rank=any_rank, synced_gpus=synced_gpus, default_sync_dir=sync_dir,
         max_prompt_tokens=longest_prompt_tokens(
             tokenizer, prompts(), system_prompt=s.system_prompt, few_shot=s.few_shot,
@@ -58,5 +59,6 @@ def describe_sampling(s: SamplerPlan) -> str:
     """One line for the start of ``train`` and ``eval``: how completions are sampled."""
     p = s.params
     copy = "the policy itself" if s.sample_dtype is None else f"a {s.sample_dtype} copy"
-    return (f"sampling: {s.backend} from {copy}, temperature {p.temperature:g}, top_p {p.top_p:g}, top_k {p.top_k}, "
+    compiled = " (compiled decoding)" if s.compile else ""
+    return (f"sampling: {s.backend}{compiled} from {copy}, temperature {p.temperature:g}, top_p {p.top_p:g}, top_k {p.top_k}, "
             f"max_new_tokens {p.max_new_tokens}, stop {list(p.stop)}")

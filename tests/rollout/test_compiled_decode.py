@@ -46,13 +46,14 @@ def test_buckets():
 @pytest.mark.parametrize("shrink", [False, True], ids=["fixed-batch", "shrink"])
 def test_compiled_draws_what_the_eager_loop_draws(tiny, shrink):
     """Same seed, so the same uniforms: the same tokens, finish reasons and log-probs (to float rounding)
-    as the eager loop, over calls of two batch sizes and two cache lengths, rows ending at different steps
+    as the eager loop, over calls of three batch sizes and two cache lengths, rows ending at different steps
     (more eos ids, ones the model samples often), and every warper."""
     model, tok = tiny
     prompts = _chat(tok, QUESTIONS)
     free = HFGenerationBackend(model, tok, seed=0).generate(prompts, 2, SamplingParams(max_new_tokens=20))
     markers = [t for t, _ in Counter(t for c in _completions(free) for t in set(c.token_ids)).most_common(3)]
-    calls = [  # (prompts, G, params): 6 rows (batch 8, cache 64), then 9 rows (batch 16, cache 128)
+    calls = [  # (prompts, G, params): 3 rows (batch 4, cache 64), 6 rows (batch 8, cache 64), 9 rows (batch 16, cache 128)
+        (prompts, 1, SamplingParams(max_new_tokens=8)),
         (prompts, 2, SamplingParams(max_new_tokens=20)),
         (_chat(tok, QUESTIONS[::-1]), 3, SamplingParams(max_new_tokens=60, temperature=0.8, top_k=40, top_p=0.9)),
     ]
@@ -61,20 +62,26 @@ def test_compiled_draws_what_the_eager_loop_draws(tiny, shrink):
     try:
         eager = HFGenerationBackend(model, tok, seed=0)
         graphs = HFGenerationBackend(model, tok, seed=0, compile=True, shrink=shrink)
+        ended = []
         for call in calls:
             a, b = _completions(eager.generate(*call)), _completions(graphs.generate(*call))
+            ended += [(len(c.token_ids), c.finish_reason) for c in a]
             assert [c.token_ids for c in b] == [c.token_ids for c in a]
             assert [c.finish_reason for c in b] == [c.finish_reason for c in a]
             for x, y in zip(a, b):
                 assert y.logps == pytest.approx(x.logps, abs=1e-5)
-            lengths = {len(c.token_ids) for c in a}
-            assert len(lengths) > 2 and "stop" in {c.finish_reason for c in a}  # rows end at different steps
+        # rows end at different steps
+        assert len({n for n, _ in ended}) > 4 and "stop" in {reason for _, reason in ended}
     finally:
         model.generation_config.eos_token_id = original
+    # 3 rows to 60 tokens: batch 4 with a cache of 128 (a graph of batch 4 and cache 64 exists)
+    call = (prompts, 1, SamplingParams(max_new_tokens=60))
+    a, b = _completions(eager.generate(*call)), _completions(graphs.generate(*call))
+    assert [c.token_ids for c in b] == [c.token_ids for c in a] and max(len(c.token_ids) for c in a) == 60
     keys = {(k.batch, k.cache_len) for k in graphs.graphs.graphs}
-    assert {(8, 64), (16, 128)} <= keys
+    assert {(4, 64), (8, 64), (16, 128), (4, 128)} <= keys
     # shrink: rows still going moved to smaller batches; else one graph per call shape
-    assert (len(keys) > 2) is shrink
+    assert (len(keys) > 4) is shrink
     assert all(k.dtype == torch.float32 and k.device.type == "cpu" for k in graphs.graphs.graphs)
 
 

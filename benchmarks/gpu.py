@@ -22,6 +22,7 @@ import json
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
@@ -35,7 +36,7 @@ from benchmarks.results import RunResult, prompt_mismatch  # noqa: E402
 from benchmarks.settings import LORA_TARGETS, BenchSetting  # noqa: E402
 from maxent_grpo.training.config import load_config  # noqa: E402
 
-SIDES = ("ours", "trl")
+SIDES = ("ours", "trl", "trl-static")  # trl-static: TRL with cache_implementation static
 PHASES = ("generate", "score", "update")
 GIB = 2**30
 
@@ -115,13 +116,17 @@ def table(setting: BenchSetting, runs: dict[str, RunResult], params: float, peak
         lines.append(f"| {side} | {step:.2f} | " + " | ".join(f"{seconds[p]:.2f}" for p in PHASES)
                      + f" | {tokens:.0f} | " + " | ".join(f"{per_phase[p]:.0f}" for p in PHASES)
                      + f" | {mfu:.1%} | " + " | ".join(f"{peaks[p]:.1f}" for p in PHASES) + " |")
-    if {"ours", "trl"} <= tokens_per_s.keys():
-        lines += ["", f"ours/TRL tokens/s: {tokens_per_s['ours'] / tokens_per_s['trl']:.2f}x"]
+    if "ours" in tokens_per_s and tokens_per_s.keys() & {"trl", "trl-static"}:
+        lines += ["", "ours/TRL tokens/s: " + ", ".join(
+            f"{tokens_per_s['ours'] / tokens_per_s[side]:.2f}x against {side}" for side in ("trl", "trl-static")
+            if side in tokens_per_s)]
     return "\n".join(lines)
 
 
-def run_model(setting: BenchSetting, args: argparse.Namespace, work: Path) -> tuple[dict[str, RunResult], list[str]]:
-    """Each side's result, and one error per side that failed (the other side still runs)."""
+def run_model(setting: BenchSetting, args: argparse.Namespace, work: Path,
+              done: Callable[[dict[str, RunResult]], None]) -> tuple[dict[str, RunResult], list[str]]:
+    """Each side's result, and one error per side that failed (the others still run); ``done`` is
+    called with the results so far after each side that finishes."""
     env = child_env(None)
     model_dir = cache_root() / "random" / setting.model
     # Built in a child on the GPU: this process keeps no CUDA memory the sides would miss.
@@ -142,6 +147,7 @@ def run_model(setting: BenchSetting, args: argparse.Namespace, work: Path) -> tu
             continue
         runs[side] = RunResult.from_json(out)
         runs[side].peak_rss_bytes = child.peak_rss_bytes
+        done(runs)
     return runs, failed
 
 
@@ -150,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plan", action="store_true", help="print what would run and the memory plans, run nothing")
     p.add_argument("--models", default=",".join(random_model_names()),
                    help="comma-separated, of the kept configs (default: all; one that does not fit is skipped)")
-    p.add_argument("--sides", default=",".join(SIDES), help="comma-separated subset of ours,trl")
+    p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated subset of {','.join(SIDES)}")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--prompts-per-step", type=int, default=8)
     p.add_argument("--num-generations", type=int, default=8)
@@ -188,7 +194,12 @@ def main(argv: list[str] | None = None) -> int:
         if not fit:
             print(f"{setting.name}: skipped, our memory plan does not fit {args.gpu_memory_gib:.0f} GiB:\n{text}\n")
             continue
-        runs, side_errors = run_model(setting, args, work / setting.name)
+        shape = Shape.from_config(json.loads((MODEL_CONFIGS / f"{setting.model}.json").read_text()))
+
+        def done(runs, setting=setting, shape=shape):  # the table so far: a stage cut later keeps it
+            print(table(setting, runs, shape.params(), args.peak_tflops) + "\n", flush=True)
+
+        runs, side_errors = run_model(setting, args, work / setting.name, done)
         for line in side_errors:
             print(f"FAILED: {line}", file=sys.stderr, flush=True)
         errors += side_errors
@@ -200,8 +211,6 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 1
         raw[setting.name] = {side: r.__dict__ for side, r in runs.items()}
-        shape = Shape.from_config(json.loads((MODEL_CONFIGS / f"{setting.model}.json").read_text()))
-        print(table(setting, runs, shape.params(), args.peak_tflops) + "\n", flush=True)
     print(f"* medians over steps 2-{args.steps}; raw results in {work}")
     if args.json_out is not None:
         args.json_out.write_text(json.dumps(raw, indent=1))

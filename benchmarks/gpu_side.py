@@ -1,6 +1,7 @@
 """One side (ours or TRL) of ``benchmarks/gpu.py`` on a GPU, with its step split into phases.
 
-Run as ``python -m benchmarks.gpu_side --side ours|trl --setting S.json --model-dir D --out R.json``.
+Run as ``python -m benchmarks.gpu_side --side ours|trl|trl-static --setting S.json --model-dir D --out R.json``
+(``trl-static``: TRL with ``cache_implementation: static``).
 Each side runs in this process, its phase functions wrapped by a :class:`PhaseMeter`:
 
 * generate: HF generation. Ours: ``rollout_queue.produce_rollouts`` (the rewards, string checks,
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.settings import BenchSetting
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--side", choices=("ours", "trl"), required=True)
+    parser.add_argument("--side", choices=("ours", "trl", "trl-static"), required=True)
     parser.add_argument("--setting", type=Path, required=True, help="BenchSetting JSON")
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True, help="RunResult JSON to write")
@@ -133,6 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("gpu_side: no CUDA device")
     setting = BenchSetting.from_json(args.setting)
+    if args.side == "trl-static":
+        setting = setting.replace(trl_cache="static")
     meter = PhaseMeter()
     runner = run_ours if args.side == "ours" else run_trl
     result = runner(setting, args.model_dir, args.out.parent, meter)

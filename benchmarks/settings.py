@@ -55,6 +55,9 @@ class BenchSetting:
     # projection (LORA_TARGETS), alpha 2r, no dropout, the base in the compute dtype. How one GPU
     # trains 7B (benchmarks/gpu.py --lora-r).
     lora_r: int = 0
+    # TRL's GRPOConfig.cache_implementation (None: its default, the dynamic cache; "static": its best
+    # setting for HF generation, which TRL runs uncompiled: it sets disable_compile). TRL's side only.
+    trl_cache: str | None = None
 
     def __post_init__(self) -> None:
         # JSON gives lists back: the pairs are kept as tuples, so a setting read back compares equal.

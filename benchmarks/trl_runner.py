@@ -47,6 +47,7 @@ def grpo_config_kwargs(setting: BenchSetting, output_dir: str) -> dict:
         num_iterations=1,
         num_generations=setting.num_generations,
         max_completion_length=setting.max_new_tokens,
+        cache_implementation=setting.trl_cache,
         temperature=setting.temperature,
         top_p=1.0,
         top_k=0,

@@ -15,14 +15,19 @@ and checks that they and the working tree stay under 40 MiB (the machine takes 6
 
 ``run`` installs the wheels into a temporary site with ``--no-index --no-deps`` (the ``datasets``
 whose ``pyarrow`` requirement the image meets), then runs its stages one after another, each under
-its own time limit so that a cut stage leaves the others' results: the GPU tier (``pytest -m gpu``
-from the repository root), then ``benchmarks/gpu.py`` at 0.5B and at 1.5B (ours and TRL, same
-prompts, same GPU), then ``benchmarks/update_profile.py`` (where the update phase goes); ``--stages
-gpu-7b`` runs 7B with LoRA (a call of its own). It writes ``OUT/summary.md`` (the device, torch and CUDA, each stage's outcome
-and time, the benchmark tables), each stage's log and ``sides.tar.gz`` (the benchmarks' raw JSON and
-every side's log, config and metrics): at most 8 files, what the machine returns.
+its own time limit so that a cut stage leaves the others' results (a benchmark prints its table again
+after each side that finishes). By default, one call inside 8 minutes: the GPU tier (``pytest -m gpu``
+from the repository root), ``benchmarks/decode.py`` at 0.5B (decoding alone: our compiled and eager
+loops against ``generate`` with a dynamic and a static cache), and ``benchmarks/gpu.py`` at 0.5B (ours,
+TRL, and TRL with ``cache_implementation: static``; same prompts, same GPU). A second call:
+``--stages gpu-1.5b,decode-ragged`` (the benchmark at 1.5B; decoding with rows that end at different
+steps, our fixed compiled batch against the shrinking one); ``profile`` runs
+``benchmarks/update_profile.py`` (where the update phase goes), ``gpu-7b`` 7B with LoRA (a call of its
+own). It writes ``OUT/summary.md`` (the device, torch and CUDA, each stage's outcome and time, the
+benchmark tables), each stage's log and ``sides.tar.gz`` (the benchmarks' raw JSON and every side's log,
+config and metrics): the machine returns at most 8 files, so one call runs at most 6 stages.
 ``--cpu`` runs the same stages on a machine without a GPU (the replica test): the tier is then
-skipped by pytest and the benchmark prints its plan.
+skipped by pytest, the benchmark prints its plan and the decode stages run the tiny model.
 """
 
 from __future__ import annotations
@@ -44,11 +49,17 @@ WHEEL_PINS = ("datasets==5.2.0", "datasets==4.8.5", "dill==0.4.1", "multiprocess
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
 SITE = Path("/tmp/maxent-gpu-site")
-STAGES = ("tier", "gpu-0.5b", "gpu-1.5b", "profile", "gpu-7b")
-# What one call runs unless told otherwise: inside 8 minutes on the H100 (BENCHMARKS.md §9 took 71 s for
-# the tier, 145 s and 141 s for the two benchmarks). 7B (LoRA; ~15 GB of random weights written first)
-# is a call of its own: --stages gpu-7b.
-DEFAULT_STAGES = ("tier", "gpu-0.5b", "gpu-1.5b", "profile")
+STAGES = ("tier", "decode", "gpu-0.5b", "gpu-1.5b", "decode-ragged", "profile", "gpu-7b")
+# What one call runs unless told otherwise, inside 8 minutes: on the H100 (BENCHMARKS.md §9) the tier
+# took 71 s and each side of a benchmark about 70 s, most of it starting up (an H200 cut the two-side
+# gpu-0.5b stage at 140 s). The benchmarks now run three sides (ours, TRL, TRL with a static cache), and
+# our side and the decode stage compile their decoding step first (transformers' static-cache
+# generate took 29 s to compile at 0.5B on the H200). The second call: --stages gpu-1.5b,decode-ragged;
+# 7B (LoRA; ~15 GB of random weights written first): --stages gpu-7b.
+DEFAULT_STAGES = ("tier", "decode", "gpu-0.5b")
+# (stage, model, steps, the stage's limit, each side's): the first step of each side is its warm-up.
+BENCHMARKS = (("gpu-0.5b", "qwen2.5-0.5b", 3, 240, 90), ("gpu-1.5b", "qwen2.5-1.5b", 3, 300, 110),
+              ("gpu-7b", "qwen2.5-7b", 3, 480, 170))
 
 
 # ------------------------------------------------------------------ prepare (here)
@@ -180,17 +191,19 @@ def _device_lines(env: dict) -> list[str]:
 
 
 def _tables(log: str) -> str:
-    """The benchmark's markdown tables (from '### ' to the line after its ratio) out of its log."""
-    keep, on = [], False
+    """The benchmarks' markdown tables out of a log: each from its '### ' heading through its rows, its
+    ratio line ('ours/TRL') and its notes ('* '). A table printed again as more sides finish keeps its
+    last printing."""
+    tables: dict[str, list[str]] = {}
+    current = None
     for line in log.splitlines():
         if line.startswith("### "):
-            on = True
-        if on:
-            keep.append(line)
-        if on and (line.startswith("ours/TRL") or line.startswith("* medians")):
-            on = False
-            keep.append("")
-    return "\n".join(keep)
+            current = tables[line] = [line]
+        elif current is not None and (not line.strip() or line.startswith(("|", "ours/TRL", "* "))):
+            current.append(line)
+        else:
+            current = None
+    return "\n".join("\n".join(lines).strip() + "\n" for lines in tables.values())
 
 
 def _pack_logs(work: Path, dest: Path) -> None:
@@ -220,12 +233,18 @@ def run(out: Path, budget: float, cpu: bool, only: list[str], bench_steps: int |
     stages = Stages(out, env, deadline)
     py = sys.executable
     if "tier" in only:
-        stages.run("tier", [py, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-rA", "--durations=0"], 90)
+        stages.run("tier", [py, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-rA", "--durations=0"], 110)
     bench = []
-    # (model, steps, the stage's limit, each side's): the first step of each side is its warm-up.
-    for model, steps, limit, side_limit in (("qwen2.5-0.5b", 3, 140, 65), ("qwen2.5-1.5b", 3, 170, 80),
-                                            ("qwen2.5-7b", 3, 400, 170)):
-        name = f"gpu-{model.split('-')[1]}"
+    # Decoding alone at 0.5B, 64 rows x (168 + 256) tokens: our compiled loop (fixed batch, shrinking),
+    # our eager loop, generate (dynamic and static cache); -ragged: rows ending at different steps.
+    small = ["--cpu", "--model", "tiny", "--rows", "8", "--prompts", "2", "--prompt-len", "16", "--new-tokens", "16"]
+    for name, extra, limit in (("decode", [], 150),
+                               ("decode-ragged", ["--ragged", "256", "--variants", "compiled,compiled-shrink,eager"], 120)):
+        if name in only:
+            log = stages.run(name, [py, "benchmarks/decode.py", "--model", "qwen2.5-0.5b", *extra]
+                             + (small if cpu else []), limit)
+            bench.append(_tables(log))
+    for name, model, steps, limit, side_limit in BENCHMARKS:
         if name not in only:
             continue
         steps = bench_steps or steps

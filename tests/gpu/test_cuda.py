@@ -164,3 +164,23 @@ def test_the_fused_lm_head_matches_log_softmax_at_the_qwen_vocabulary():
           f"(logits alone {logits_bytes / 2**30:.2f} GiB)")
     # Both hold the weight's gradient (V x H float32); the fused head adds a few chunks of rows.
     assert fused < full / 2
+
+
+@pytest.mark.parametrize("shrink", [False, True], ids=["fixed-batch", "shrink"])
+def test_compiled_decoding_on_cuda_draws_what_the_eager_loop_draws(tiny_model_dir, shrink):
+    """Each step a CUDA graph replay: the eager loop's tokens and log-probs for the same uniforms."""
+    from compiled_decode_checks import compiled_draws_what_the_eager_loop_draws
+    from maxent_grpo.models import load_model_and_tokenizer
+
+    model, tok = load_model_and_tokenizer(tiny_model_dir)
+    compiled_draws_what_the_eager_loop_draws(model.cuda().requires_grad_(False), tok, shrink)
+
+
+@pytest.mark.parametrize("copy, bound", [(None, 1e-4), (torch.bfloat16, 0.1)], ids=["policy-itself", "bf16-copy"])
+def test_cuda_graphs_see_every_optimizer_step_and_copy_refresh(tiny_model_dir, copy, bound):
+    """Five AdamW steps at lr 3e-2 (the log-probs move by more than 0.5): the graphs' sampler stays at
+    float32 rounding of the trainer sampling the policy itself, at bf16 rounding from a bf16 copy."""
+    from compiled_decode_checks import compiled_sampler_follows_the_weights
+
+    gaps = compiled_sampler_follows_the_weights(tiny_model_dir, copy, "cuda", bound)
+    print(f"compiled decoding on CUDA ({copy or 'the policy itself'}): sampler/trainer gaps {gaps}")

@@ -91,19 +91,28 @@ def test_the_gpu_benchmark_plans_without_them(replica_env):
     assert "## gpu-qwen2.5-0.5b" in out and "pair_sum" in out
 
 
-def test_the_gpu_check_runs_each_stage_on_the_cpu(replica_env, tmp_path):
-    """``run --cpu``: the tier (collected, skipped without CUDA), the benchmarks' plans and the
-    update profile on the tiny model, each stage under its limit, and the summary written."""
+@pytest.mark.parametrize("stages", ["tier,decode,gpu-0.5b", "gpu-1.5b,decode-ragged,profile,gpu-7b"],
+                         ids=["first-call", "the-rest"])
+def test_the_gpu_check_runs_each_stage_on_the_cpu(replica_env, tmp_path, stages):
+    """``run --cpu``: the tier (collected, skipped without CUDA), the decode stages on the tiny model
+    (compiled decoding included), the benchmarks' plans and the update profile on the tiny model, each
+    stage under its limit, the summary written, and no more than the 8 files the machine returns."""
     out = tmp_path / "out"
-    _run([sys.executable, "scripts/gpu_check.py", "run", str(out), "--cpu", "--no-install", "--budget", "600",
-          "--stages", "tier,gpu-0.5b,gpu-1.5b,profile,gpu-7b"], replica_env)
+    _run([sys.executable, "scripts/gpu_check.py", "run", str(out), "--cpu", "--no-install", "--budget", "900",
+          "--stages", stages], replica_env)
     summary = (out / "summary.md").read_text()
-    for stage in ("tier", "gpu-0.5b", "gpu-1.5b", "profile", "gpu-7b"):
+    for stage in stages.split(","):
         assert f"| {stage} | passed |" in summary, summary
-    assert "| ours |" in summary and "| ours, packed |" in summary  # the profile's table, on the tiny model
-    assert "## gpu-qwen2.5-7b-lora16" in (out / "gpu-7b.log").read_text()  # 7B: LoRA on one GPU
-    assert {p.name for p in out.iterdir()} <= {"summary.md", "tier.log", "gpu-0.5b.log", "gpu-1.5b.log",
-                                               "gpu-7b.log", "profile.log", "sides.tar.gz"}
+    if "decode" in stages.split(","):
+        assert "### Decoding alone" in summary and "| compiled |" in summary and "| generate-static |" in summary
+        assert "| ours, packed |" not in summary
+    if "profile" in stages:
+        assert "| ours |" in summary and "| ours, packed |" in summary  # the profile's table, on the tiny model
+        assert "| compiled-shrink |" in summary and "| generate |" not in summary  # decode-ragged's variants
+        assert "## gpu-qwen2.5-7b-lora16" in (out / "gpu-7b.log").read_text()  # 7B: LoRA on one GPU
+    assert "trl-static" in (out / ("gpu-0.5b.log" if "gpu-0.5b" in stages else "gpu-1.5b.log")).read_text()
+    files = {p.name for p in out.iterdir()}
+    assert files == {"summary.md", "sides.tar.gz", *(f"{s}.log" for s in stages.split(","))} and len(files) <= 8
 
 
 def _wheel(folder: Path, name: str, version: str, tag: str, requires: list[str]) -> Path:

@@ -28,6 +28,7 @@ Only full-attention caches are supported (every layer a ``StaticLayer``): :func:
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from dataclasses import dataclass
@@ -146,12 +147,13 @@ class DecodeGraphs:
         self.graphs: dict[GraphKey, DecodeGraph] = {}
         self.compile_seconds: dict[GraphKey, float] = {}
         self._cache_name = cache_kwarg()
+        self._keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
         self._step = torch.compile(self._forward, fullgraph=True, dynamic=False,
                                    mode="reduce-overhead" if cuda_graphs else None)
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: StaticCache):
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                         logits_to_keep=1, **{self._cache_name: cache})
+                         **self._keep, **{self._cache_name: cache})
         return out.logits[:, -1]
 
     def key(self, batch: int, cache_len: int) -> GraphKey:

@@ -122,15 +122,15 @@ class GenerationConfig:
     dtype: Literal["float32", "bfloat16", "auto"] | None = field(default="auto", metadata={"help": (
         "sample from a copy of the policy in this dtype (null = the policy itself; auto = bfloat16 where "
         "the device runs it natively)")})
-    # The sampler: hf (transformers generate, in process), vllm (one in-process vLLM
+    # The sampler: hf (our decoding loop over the transformers model, in process), vllm (one in-process vLLM
     # engine per process), vllm_server (a vLLM server, e.g. on other GPUs). The choices
     # are the names rollout/backends.py registers.
     backend: Literal[tuple(BACKENDS)] = field(default="hf", metadata={"help": (
-        "sampler: hf (transformers generate), vllm (in-process engine per process), vllm_server (a vLLM "
-        "server)")})
+        "sampler: hf (our decoding loop over the transformers model), vllm (in-process engine per process), "
+        "vllm_server (a vLLM server)")})
     # hf: decode through a static KV cache and a compiled one-token step (rollout/compiled_decode.py;
     # CUDA graphs on a GPU). auto: on for CUDA; off on the CPU, where the first step of each shape
-    # compiles for seconds to a minute and the compiled step was not faster (BENCHMARKS.md §10).
+    # compiles for seconds to minutes and the compiled step was slower (BENCHMARKS.md §13).
     compile: Literal[True, False, "auto"] = field(default="auto", metadata={"help": (
         "hf: static KV cache and a compiled one-token decoding step (CUDA graphs on a GPU); auto = on for "
         "CUDA, off on the CPU; true forces it on any device")})

@@ -304,6 +304,7 @@ def compile_run(cfg: TrainConfig, machine: Machine) -> RunPlan:
             learning_rate=t.learning_rate, lr_scheduler=t.lr_scheduler, warmup_steps=t.warmup_steps,
             weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2),
             total_updates=t.max_steps * t.num_iterations,
+            fused=machine.cuda and not STRATEGIES[t.strategy].collective_forward,
         ),
         rollout=cfg.rollout,
         schedule=Schedule(

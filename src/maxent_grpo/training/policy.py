@@ -43,6 +43,9 @@ class OptimizerPlan:
     weight_decay: float
     betas: tuple[float, float]
     total_updates: int  # max_steps x num_iterations
+    # torch's fused AdamW kernel (a few launches a step, as TRL's adamw_torch_fused): on CUDA, for
+    # parameters that are not sharded (compile_run decides).
+    fused: bool
 
 
 def load_policy(m: ModelPlan, model_path: str, strategy: Strategy):
@@ -93,7 +96,8 @@ def build_optimizer(model: torch.nn.Module, o: OptimizerPlan) -> tuple[torch.opt
         # no decay, so checkpoints of earlier runs (one group) still resume.
         params = [{"params": [p for p in trained if p.ndim >= 2]},
                   {"params": [p for p in trained if p.ndim < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(params, lr=o.learning_rate, betas=o.betas, weight_decay=o.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=o.learning_rate, betas=o.betas, weight_decay=o.weight_decay,
+                                  fused=o.fused or None)
     lr_scheduler = get_scheduler(
         {"constant": "constant_with_warmup"}.get(o.lr_scheduler, o.lr_scheduler),
         optimizer, num_warmup_steps=o.warmup_steps, num_training_steps=o.total_updates,

@@ -371,7 +371,7 @@ TRAINING_ARGUMENTS_FIELDS: dict[str, Mapped | Refused | Ignored] = {
     "adam_beta2": _same("training.adam_beta2", 0.999),
     "adam_epsilon": Refused("AdamW's epsilon is fixed at 1e-8 here", (1e-8,)),
     "max_grad_norm": Mapped(1.0, "training.max_grad_norm", _key("training.max_grad_norm", _max_grad_norm), "0: null (off)"),
-    "optim": Refused("the optimizer is torch's AdamW here", ("adamw_torch", "adamw_torch_fused")),
+    "optim": Refused("the optimizer is torch's AdamW here (its fused kernel on CUDA)", ("adamw_torch", "adamw_torch_fused")),
     "seed": _same("training.seed", 42),
     "data_seed": Refused("the data order follows training.seed here"),
     "bf16": Mapped(None, "training.autocast_bf16", _key("training.autocast_bf16", lambda v: "auto" if v is None else v),

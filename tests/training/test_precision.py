@@ -180,3 +180,12 @@ def test_a_lora_base_is_stored_in_the_compute_dtype_and_its_adapters_train_in_fl
     lora = apply_lora(base, r=4)
     assert {p.dtype for p in lora.parameters() if p.requires_grad} == {torch.float32}
     assert {p.dtype for p in lora.parameters() if not p.requires_grad} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("sets, cuda, fused", [
+    ({}, True, True),  # torch's fused AdamW kernel on CUDA (TRL's adamw_torch_fused)
+    ({}, False, False),  # the CPU: torch's default (foreach)
+    ({"training.strategy": "fsdp2"}, True, False),  # sharded (DTensor) parameters keep the default
+])
+def test_adamw_is_fused_on_cuda_for_unsharded_parameters(sets, cuda, fused):
+    assert _plan(False, cuda, **sets).optimizer.fused is fused

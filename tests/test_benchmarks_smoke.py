@@ -367,7 +367,7 @@ def test_gpu_benchmark_plan_prints_each_setting_and_its_memory_plan_without_a_gp
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert out.startswith("benchmarks/gpu.py would run ours, trl on one GPU of 80 GiB")
+    assert out.startswith("benchmarks/gpu.py would run ours, trl, trl-static on one GPU of 80 GiB")
     names = random_model_names()
     assert names == ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"]
     sections = out.split("\n## ")[1:]

@@ -86,7 +86,15 @@ def test_compile_auto_is_on_for_cuda(sets, cuda, expected):
     plan = _plan(False, cuda, **sets)
     assert plan.sampler.compile is expected
     noted = [n for n in plan.notes if n.startswith("generation.compile auto")]
-    assert noted == ([] if "generation.compile" in sets else [noted[0]]) and (not noted or str(expected) in noted[0])
+    if "generation.compile" in sets:
+        assert noted == []  # explicit: kept, nothing to say
+    else:
+        assert len(noted) == 1 and noted[0].startswith(f"generation.compile auto: {expected} (")
+
+
+def test_nccl_weight_sync_is_not_accepted_and_the_error_names_disk():
+    with pytest.raises(ConfigError, match=r"^generation.vllm.weight_sync: 'nccl' is not one of disk"):
+        _plan(**{"generation.vllm.weight_sync": "nccl"})
 
 
 def test_compile_auto_is_off_for_vllm_and_true_is_refused_there():

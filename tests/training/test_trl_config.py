@@ -134,7 +134,7 @@ def test_trl_loss_types_become_our_method_and_aggregation(loss_type, method, agg
 
 @pytest.mark.parametrize("fields, problem", [
     ({"sync_ref_model": True}, "sync_ref_model: True is refused: a reference that follows the policy"),
-    ({"loss_type": "vespo"}, "loss_type: 'vespo' is not implemented here"),
+    ({"loss_type": "vespo"}, "loss_type: 'vespo' has no counterpart here"),
     ({"beta": 0.1, "use_bias_correction_kl": True}, "use_bias_correction_kl: True is refused"),
     ({"per_device_train_batch_size": 6}, "per_device_train_batch_size: 6 x gradient_accumulation_steps 1 = 6"),
     ({"max_steps": -1}, "max_steps: -1 (train num_train_epochs epochs) needs the dataset's length"),

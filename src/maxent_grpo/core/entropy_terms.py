@@ -1,7 +1,7 @@
 """Entropy terms of the loss (ALGORITHMS.md §3, §6): the step-wide top-entropy token mask
 ("80/20") and the normalised entropy bonus averaged as the loss is. ``core.step`` applies them
-around the registered policy loss. (§6's optional KL-adaptive coefficient is not implemented:
-``loss.entropy_coef`` is a constant.)
+around the registered policy loss. The coefficient is ``loss.entropy_coef``, or the adaptive one
+of ``loss.adaptive_entropy`` (training/loop.py).
 """
 
 from __future__ import annotations

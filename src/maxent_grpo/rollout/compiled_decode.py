@@ -145,7 +145,6 @@ class DecodeGraphs:
         self.shrink = shrink
         self.cuda_graphs = cuda_graphs
         self.graphs: dict[GraphKey, DecodeGraph] = {}
-        self.compile_seconds: dict[GraphKey, float] = {}
         self._cache_name = cache_kwarg()
         self._keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
         self._step = torch.compile(self._forward, fullgraph=True, dynamic=False,
@@ -179,7 +178,6 @@ class DecodeGraphs:
         if not graph.compiled:
             graph.compiled = True
             seconds = time.perf_counter() - start
-            self.compile_seconds[graph.key] = seconds
             k = graph.key
             log.info("compiled decoding: batch %d x cache %d (%s, %s): first step, compiling included, %.1f s",
                      k.batch, k.cache_len, str(k.dtype).removeprefix("torch."), k.device, seconds)

@@ -39,10 +39,11 @@ class VllmConfig:
     # Server backend: where `maxent-grpo serve` (vLLM's OpenAI-compatible server) listens.
     server_url: str = field(default="http://127.0.0.1:8000", metadata={"help": (
         "vllm_server: base URL of the server (maxent-grpo serve)")})
-    # How new weights reach the server: disk (safetensors folder, works anywhere) or
-    # nccl (vLLM's weight-transfer endpoints; GPU only).
-    weight_sync: Literal["disk", "nccl"] = field(default="disk", metadata={"help": (
-        "vllm_server: disk (safetensors folder the server reads) or nccl (GPU only)")})
+    # How new weights reach the server: a safetensors folder it reads (works anywhere). A transfer
+    # over NCCL would need vLLM's weight-transfer API with CUDA on both ends (docs/VLLM.md).
+    weight_sync: Literal["disk"] = field(default="disk", metadata={"help": (
+        "vllm_server: disk (a safetensors folder the server reads); the only sync offered: NCCL transfer "
+        "needs CUDA on trainer and server, untestable here (docs/VLLM.md)")})
     # Folder the disk sync writes into (null: OUTPUT_DIR/vllm_weights); the server must read it.
     sync_dir: str | None = field(default=None, metadata={"help": (
         "vllm_server disk sync: folder for the weights (null = /dev/shm for a server on this machine, "

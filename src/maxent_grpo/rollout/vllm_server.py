@@ -18,8 +18,8 @@ concurrently. Weight sync after each optimizer step:
   removed. The folder must be readable by the server (same machine or shared
   file system); for a server on this machine it defaults to ``/dev/shm``
   (memory, no disk): ``shared_memory_sync_dir``.
-* ``nccl`` (GPU only): vLLM's weight-transfer endpoints over NCCL; not
-  available in this build (docs/VLLM.md says why it was not tested).
+The disk sync is the only one: a transfer over NCCL would need vLLM's weight-transfer API
+with CUDA on both ends (docs/VLLM.md).
 
 Every process sends its own prompts; only the main process pushes weights,
 and ``any_rank`` keeps the others from sampling before the push has finished

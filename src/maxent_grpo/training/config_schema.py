@@ -259,7 +259,7 @@ class TrainingConfig:
         "into fewer rows (also under flash attention); auto: with share_prompts only")})
     # glibc keeps freed heap pages resident; malloc_trim(0) before each micro-batch's forward and
     # backward hands them back (training/host_memory.py). At SmolLM2-135M: peak 0.1-0.2 GiB lower,
-    # the step about 3-5% longer (the pages are faulted in again; BENCHMARKS.md §2, tenth session).
+    # the step about 3-5% longer (the pages are faulted in again; BENCHMARKS.md §2).
     release_host_memory: bool = field(default=False, metadata={"help": (
         "CPU: hand freed heap memory back to the OS before each micro-batch's forward and backward "
         "(a lower peak resident set for a slightly slower step; nothing on a GPU)")})

@@ -147,7 +147,7 @@ _LOSS_TYPES = {"grpo": ("grpo", "grpo"), "bnpo": ("grpo", "bnpo"), "dr_grpo": ("
 
 def _loss_type(value, f) -> dict:
     if value not in _LOSS_TYPES:
-        raise _fail("loss_type", f"{value!r} is not implemented here (the companion issue on peer objectives); "
+        raise _fail("loss_type", f"{value!r} has no counterpart here; "
                     f"supported: {', '.join(_LOSS_TYPES)}")
     method, aggregation = _LOSS_TYPES[value]
     return {"method": method, "loss.loss_type": aggregation}

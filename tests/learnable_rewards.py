@@ -89,3 +89,9 @@ def parity(prompts, completions, completion_ids, **kwargs):
     """1.0 when the completion's token ids sum to an even number, else 0.0: a binary reward that
     varies on random text (MaxRL needs 0/1 rewards)."""
     return [float(sum(ids) % 2 == 0) for ids in completion_ids]
+
+
+def even_first_token(prompts, completions, completion_ids, **kwargs):
+    """1 when the completion's first token id is even, else 0: about half of a random tiny model's
+    completions, so most groups hold both rewarded and unrewarded completions."""
+    return [float(bool(ids) and ids[0] % 2 == 0) for ids in completion_ids]

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from maxent_grpo.core.logprobs import Scoring
-from maxent_grpo.core.losses import LOSS_AGGREGATIONS
+from maxent_grpo.core.losses import LOSS_AGGREGATIONS, ListwiseParams
 from maxent_grpo.core.peer_losses import DppoParams, GmpoParams
 from maxent_grpo.core.rollout_correction import ROLLOUT_CORRECTIONS, mismatch_metrics, rollout_correction_weights
 from maxent_grpo.core.step import POLICY_LOSSES
@@ -40,6 +40,14 @@ FOUR = [(0, 2), (2, 4), (4, 6), (6, 8)]
 LOSS_TYPES = sorted(LOSS_AGGREGATIONS)
 CORRECTED = [m for m in ROLLOUT_CORRECTIONS if m != "none"]
 # Every registered policy loss with every loss_type it is defined for: a loss added later is covered.
+def _params(policy_loss: str):
+    """The loss's own settings record at its defaults; the listwise losses with their clipped term on."""
+    params = POLICY_LOSSES[policy_loss].params
+    if params is ListwiseParams:
+        return ListwiseParams(clip_coef=0.5)
+    return None if params is None else params()
+
+
 CASES = [(name, lt) for name, loss in sorted(POLICY_LOSSES.items())
          for lt in LOSS_TYPES if loss.loss_types is None or lt in loss.loss_types]
 
@@ -100,9 +108,8 @@ def _scale(grads):
 
 @pytest.mark.parametrize(("policy_loss", "loss_type"), CASES)
 def test_behaviour_equal_to_old_is_the_synchronous_step_bit_for_bit(base_model, rows, policy_loss, loss_type):
-    params = POLICY_LOSSES[policy_loss].params
-    cfg = dict(policy_loss=policy_loss, policy_params=None if params is None else params(), loss_type=loss_type,
-               max_completion_length=L_MAX, beta=0.04, epsilon_high=0.28, listwise_clip_coef=0.5)
+    cfg = dict(policy_loss=policy_loss, policy_params=_params(policy_loss), loss_type=loss_type,
+               max_completion_length=L_MAX, beta=0.04, epsilon_high=0.28)
     # Without the behaviour log-probs the step has no correction: the synchronous path.
     sync, g_sync = _step(base_model, _micro_batches({k: v for k, v in rows.items() if k != "behaviour_logps"}, TWO),
                          **cfg)
@@ -194,9 +201,8 @@ def test_one_pass_needs_no_recomputed_anchor(base_model, first_rows, policy_loss
     ``old_logps``: the weights move only after the last micro-batch, so each micro-batch's own
     detached log-probs are the anchor. The step equals the one with the anchor recomputed by a
     separate no-grad forward, for every policy loss's trust region, with a sampler far away."""
-    params = POLICY_LOSSES[policy_loss].params
-    cfg = dict(policy_loss=policy_loss, policy_params=None if params is None else params(), loss_type=loss_type,
-               max_completion_length=L_MAX, beta=0.04, epsilon_high=0.28, listwise_clip_coef=0.5,
+    cfg = dict(policy_loss=policy_loss, policy_params=_params(policy_loss), loss_type=loss_type,
+               max_completion_length=L_MAX, beta=0.04, epsilon_high=0.28,
                rollout_correction="token_truncate", rollout_correction_cap=2.0)
     anchored, g_anchored = _step(base_model, _micro_batches(first_rows, TWO), **cfg)
     own_rows = {k: v for k, v in first_rows.items() if k != "old_logps"}

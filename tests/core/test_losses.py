@@ -8,13 +8,16 @@ from maxent_grpo.core.losses import (
     LOSS_AGGREGATIONS,
     POLICY_LOSSES,
     ClipSettings,
+    ListwiseParams,
     PolicyInputs,
     StepNormalizer,
     aggregate,
     clipped_surrogate,
     kl_penalty,
+    listwise_centered_mle,
     listwise_cross_entropy,
     listwise_weighted_mle,
+    sequence_scores,
 )
 from maxent_grpo.core.entropy_terms import entropy_bonus, top_entropy_mask
 
@@ -308,6 +311,34 @@ def test_listwise_weighted_mle_value_and_gradient():
         listwise_weighted_mle(s, w, active.float(), 2)
 
 
+def test_listwise_centered_mle_value_and_gradient():
+    """-sum_i (w_i - 1/G) s_i per active group: its gradient sums to 0 over each group, and a
+    completion weighted below 1/G is pushed down (d loss / d s_i > 0), unlike the weighted MLE."""
+    s, w, active = _listwise_setup()
+    loss = listwise_centered_mle(s, w, active, 2)
+    want = sum(-sum((wi - 0.25) * si for wi, si in zip(w[g].tolist(), s[g].tolist())) for g in (0, 2)) / 2
+    assert loss.item() == pytest.approx(want, rel=1e-12)
+    loss.backward()
+    expected = -(w.detach() - 0.25) / 2 * active[:, None]
+    torch.testing.assert_close(s.grad, expected)
+    torch.testing.assert_close(s.grad.sum(-1), torch.zeros(3, dtype=F64))
+    below = (w.detach() < 0.25) & active[:, None]
+    assert bool(below.any()) and bool((s.grad[below] > 0).all())
+    # Uniform weights train nothing.
+    s2 = s.detach().clone().requires_grad_(True)
+    listwise_centered_mle(s2, torch.full((3, 4), 0.25, dtype=F64), active, 2).backward()
+    assert torch.equal(s2.grad, torch.zeros_like(s2))
+
+
+def test_sequence_scores_mean_and_sum():
+    logp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, 0.0, 0.0], [0.0, 0.0, 0.0]], dtype=F64)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]], dtype=F64)
+    torch.testing.assert_close(sequence_scores(logp, mask), torch.tensor([-1.5, -0.5, 0.0], dtype=F64))
+    torch.testing.assert_close(sequence_scores(logp, mask, "sum"), torch.tensor([-3.0, -0.5, 0.0], dtype=F64))
+    with pytest.raises(ValueError, match="score"):
+        ListwiseParams(score="max")
+
+
 # ------------------------------------------------------------ policy registry
 
 
@@ -320,7 +351,8 @@ def _inputs(**kw):
 
 
 def test_policy_registry_and_row_weights():
-    assert {"clipped_surrogate", "listwise_cross_entropy", "listwise_weighted_mle"} <= set(POLICY_LOSSES)
+    assert {"clipped_surrogate", "listwise_cross_entropy", "listwise_weighted_mle",
+            "listwise_centered_mle"} <= set(POLICY_LOSSES)
     norm = StepNormalizer(4, 12, 1)
     plain = POLICY_LOSSES["clipped_surrogate"](_inputs(), norm)
     rw = torch.tensor([2.0, 0.0, 1.0, 3.0], dtype=F64)
@@ -332,13 +364,13 @@ def test_policy_registry_and_row_weights():
 def test_listwise_policy_with_clip_term_uses_weight_minus_uniform():
     w = torch.tensor([0.7, 0.3, 0.5, 0.5], dtype=F64)
     active = torch.tensor([True, False])
-    inputs = _inputs(listwise_weights=w, listwise_active=active, listwise_clip_coef=0.5)
+    inputs = _inputs(listwise_weights=w, listwise_active=active, params=ListwiseParams(clip_coef=0.5))
     term = POLICY_LOSSES["listwise_cross_entropy"](inputs, StepNormalizer(4, 12, 1, num_groups=1))
     # on-policy ratio 1: per-token loss = -coef * (w - 1/G), inactive group 0.
     want = -0.5 * torch.tensor([0.2, -0.2, 0.0, 0.0], dtype=F64)[:, None].expand(4, 3)
     torch.testing.assert_close(term.per_token_loss, want)
     with pytest.raises(ValueError, match="listwise_weights"):
-        POLICY_LOSSES["listwise_weighted_mle"](_inputs(), StepNormalizer(4, 12, 1))
+        POLICY_LOSSES["listwise_weighted_mle"](_inputs(params=ListwiseParams()), StepNormalizer(4, 12, 1))
 
 
 def test_reward_entropy_bonus_stays_on_when_equal_rewards_have_a_rounding_std():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from maxent_grpo.core.bounds import SpecError
-from maxent_grpo.core.losses import ClipSettings
+from maxent_grpo.core.losses import ClipSettings, ListwiseParams
 from maxent_grpo.core.logprobs import Scoring
 from maxent_grpo.core.step import Comm, LossSpec, grpo_step
 
@@ -180,11 +180,12 @@ def _listwise_extra():
     return {"listwise_weights": w}
 
 
-@pytest.mark.parametrize("policy_loss", ["listwise_cross_entropy", "listwise_weighted_mle"])
-def test_listwise_matches_reference_and_is_micro_batch_invariant(base_model, rows, policy_loss):
+@pytest.mark.parametrize("score", ["token_mean", "sum"])
+@pytest.mark.parametrize("policy_loss", ["listwise_cross_entropy", "listwise_weighted_mle", "listwise_centered_mle"])
+def test_listwise_matches_reference_and_is_micro_batch_invariant(base_model, rows, policy_loss, score):
     extra = _listwise_extra()
     active = torch.tensor([True, True])
-    cfg = dict(policy_loss=policy_loss)
+    cfg = dict(policy_loss=policy_loss, policy_params=ListwiseParams(score=score))
     one = worker.micro_batches(rows, ONE, **extra)
     one = [dataclasses.replace(one[0], listwise_active=active)]
     two = [dataclasses.replace(mb, listwise_active=active[k : k + 1])
@@ -194,16 +195,20 @@ def test_listwise_matches_reference_and_is_micro_batch_invariant(base_model, row
     r2, g2 = _step(copy.deepcopy(base_model), two, **cfg)
     assert _max_abs_diff(g1, g2) < 1e-10 * _grad_scale(g1)
 
+    # ALGORITHMS.md §4, written out per group: s_i the mean (or sum) of the completion's token
+    # log-probs, then -sum w log softmax(s), -sum w s, or -sum (w - 1/G) s.
     logp, _ = _reference_terms(ref_model, rows)
     w = extra["listwise_weights"].view(2, G)
     loss = 0.0
     for grp in range(2):
-        s = torch.stack([logp[i, : t].sum() / max(t, 1)
+        s = torch.stack([logp[i, : t].sum() / (max(t, 1) if score == "token_mean" else 1)
                          for i, t in enumerate(worker.LENGTHS[grp * G : (grp + 1) * G], start=grp * G)])
         if policy_loss == "listwise_cross_entropy":
             loss = loss - (w[grp] * (s - torch.logsumexp(s, 0))).sum()
-        else:
+        elif policy_loss == "listwise_weighted_mle":
             loss = loss - (w[grp] * s).sum()
+        else:
+            loss = loss - ((w[grp] - 1.0 / G) * s).sum()
     loss = loss / 2
     assert r1.loss == pytest.approx(loss.item(), rel=1e-10)
     assert r2.loss == pytest.approx(loss.item(), rel=1e-10)
@@ -213,7 +218,7 @@ def test_listwise_matches_reference_and_is_micro_batch_invariant(base_model, row
 
 def test_inactive_listwise_group_contributes_nothing(base_model, rows):
     extra = _listwise_extra()
-    cfg = dict(policy_loss="listwise_cross_entropy")
+    cfg = dict(policy_loss="listwise_cross_entropy", policy_params=ListwiseParams())
     both = [dataclasses.replace(mb, listwise_active=torch.tensor([k == 0]))
             for k, mb in enumerate(worker.micro_batches(rows, [(0, 4), (4, 8)], **extra))]
     only = [dataclasses.replace(worker.micro_batches(rows, [(0, 4)], **extra)[0],
@@ -259,7 +264,7 @@ def test_argument_errors(model, rows):
         (mbs, LossSpec(max_completion_length=3), "max_completion_length"),
         ([], LossSpec(), "micro_batches"),
         (mbs[:1] + [dataclasses.replace(mbs[1], num_generations=2)], LossSpec(), "num_generations"),
-        (mbs, LossSpec(policy_loss="listwise_cross_entropy"), "listwise_weights"),
+        (mbs, LossSpec(policy_loss="listwise_cross_entropy", policy_params=ListwiseParams()), "listwise_weights"),
     ]
     for micro_batches, spec, name in cases:
         with pytest.raises(ValueError, match=name):
@@ -274,7 +279,8 @@ def test_argument_errors(model, rows):
         ("max_completion_length", lambda: LossSpec(loss_type="dr_grpo")),
         ("top_entropy_quantile", lambda: LossSpec(top_entropy_quantile=0.0)),
         ("entropy_coef", lambda: LossSpec(entropy_coef=-1.0)),
-        ("listwise_clip_coef", lambda: LossSpec(listwise_clip_coef=-1.0)),
+        ("clip_coef", lambda: ListwiseParams(clip_coef=-1.0)),
+        ("score", lambda: ListwiseParams(score="max")),
         ("policy_params", lambda: LossSpec(policy_params=1.0)),
         ("dual_clip", lambda: ClipSettings(dual_clip=0.5)),
         ("importance_sampling_level", lambda: ClipSettings(importance_sampling_level="seq")),

@@ -12,6 +12,7 @@ from maxent_grpo.core.weighting import (
     listwise_weights,
     mode_adaptive_tau,
     q_distribution,
+    restrict_support,
     weight_entropy,
     xdr_multipliers,
     xdr_utilities,
@@ -320,3 +321,30 @@ def test_mode_adaptive_tau():
         mode_adaptive_tau(-1.0, torch.tensor([1]))
     with pytest.raises(ValueError, match="num_distinct_correct"):
         mode_adaptive_tau(1.0, torch.tensor([-1]))
+
+
+# ---------------------------------------------------------------- restricted support
+
+
+@pytest.mark.parametrize("tau,beta", [(0.5, 0.0), (0.3, 0.2)])
+def test_restricted_support_is_the_closed_form_over_the_kept_completions(tau, beta):
+    """Zeroing the weights outside S and renormalising equals the closed form computed with q
+    restricted to S; a group with no kept completion gets no weight at all."""
+    rewards = [[0.0, 1.5, 0.5, 0.0], [1.5, 1.5, 0.5, 1.0], [0.0, 0.0, 0.0, -1.0]]
+    ref = rand_grid(3, 4, seed=3, scale=5.0)
+    counts = torch.tensor([[3, 12, 7, 2], [5, 6, 7, 8], [1, 2, 3, 4]], dtype=torch.float64)
+    q = torch.tensor([ref_q(r, 1.0, 1e-6) for r in rewards], dtype=torch.float64)
+    support = torch.tensor([[r > 0 for r in row] for row in rewards])
+    w = restrict_support(listwise_weights(q, tau, beta, ref_logp=ref, token_counts=counts), support)
+    for i, row in enumerate(rewards):
+        kept = [j for j, r in enumerate(row) if r > 0]
+        want = [0.0] * 4
+        if kept:
+            sub = ref_listwise([q[i, j].item() for j in kept], tau, beta,
+                               [ref[i, j].item() for j in kept], [counts[i, j].item() for j in kept])
+            for j, v in zip(kept, sub):
+                want[j] = v
+        assert w[i].tolist() == pytest.approx(want, rel=1e-12, abs=1e-15)
+    with pytest.raises(ValueError, match="bool"):
+        restrict_support(w, support.double())
+

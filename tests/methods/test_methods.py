@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from maxent_grpo.core.losses import POLICY_LOSSES
+from maxent_grpo.core.losses import POLICY_LOSSES, ListwiseParams
 from maxent_grpo.core.step import LossSpec
 from maxent_grpo.methods import METHODS, PlanInputs, get_method, method_sections
 from maxent_grpo.methods.registry import Method, register
@@ -46,6 +46,16 @@ def test_no_reference_model_without_a_kl_term(name):
     if method.section == "xdr":  # xDr's length term reads the reference log-probs when lam > 0
         assert method.plan(_inputs(method, lam=0.1)).needs_reference
     assert not method.plan(_inputs(method)).needs_reference
+
+
+@pytest.mark.parametrize("score", ["token_mean", "sum"])
+@pytest.mark.parametrize("loss", ["cross_entropy", "weighted_mle", "centered_mle"])
+def test_listwise_settings_choose_the_loss_and_its_score(loss, score):
+    method = get_method("maxent_listwise")
+    maxent = MaxEntConfig(listwise_loss=loss, listwise_score=score, listwise_clip_coef=0.3)
+    spec = method.plan(dataclasses.replace(_inputs(method), maxent=maxent)).loss
+    assert spec.policy_loss == f"listwise_{loss}"
+    assert spec.policy_params == ListwiseParams(score=score, clip_coef=0.3)
 
 
 def test_a_method_check_names_its_own_section_key():

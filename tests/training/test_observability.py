@@ -187,6 +187,36 @@ def test_listwise_table_weights_are_the_closed_form_maxent_targets(listwise_run)
     assert varied >= 2
 
 
+def test_rewarded_only_weights_are_the_closed_form_over_rewarded_completions(tiny_model_dir, tmp_path):
+    """maxent.zero_weight_unrewarded: q (and so w) restricted to completions with reward > 0; a group
+    whose rewards all agree (none rewarded, or all) trains nothing and shows uniform weights."""
+    out = tmp_path / "run"
+    args = tiny_run_args(tiny_model_dir, out, rewards="[{name: 'learnable_rewards:even_first_token'}]",
+                         num_generations=G, prompts_per_step=PROMPTS,
+                         extra=["method=maxent_listwise", "maxent.zero_weight_unrewarded=true"])
+    assert main(["train", *args]) == 0
+    cfg = {"tau": 0.5, "q_temperature": 1.0, "q_epsilon": 1e-6}
+    mixed = 0
+    for step in (1, 2):
+        for group in _groups(read_jsonl(out / "completions" / f"step-{step}.jsonl")):
+            r = [row["reward"] for row in group]
+            weights = [row["weight"] for row in group]
+            if len(set(r)) == 1:
+                assert weights == pytest.approx([1 / G] * G)
+                continue
+            kept = [i for i, x in enumerate(r) if x > 0]
+            e = [math.exp(r[i] / cfg["q_temperature"]) for i in range(G)]
+            eps = min(cfg["q_epsilon"], 1 / G - 1e-8)
+            q = [(1 - G * eps) * x / math.fsum(e) + eps for x in e]
+            u = [q[i] ** (1 / cfg["tau"]) for i in kept]
+            expected = [0.0] * G
+            for i, x in zip(kept, u):
+                expected[i] = x / math.fsum(u)
+            assert weights == pytest.approx(expected, rel=1e-5, abs=1e-7)
+            mixed += 1
+    assert mixed >= 2
+
+
 # ----------------------------------------------------------------------------- report
 
 

@@ -77,6 +77,8 @@ CASES = {
     "episode-tokens": (["--set", "environment.name=calculator", "--set", "environment.max_episode_tokens=2"],
                        "environment.max_episode_tokens: must be >= the model's tokens over all turns"),
     "negative-timeout": (["--set", "rewards=[{{name: format, timeout_s: -1}}]"], "rewards[0].timeout_s: must be > 0"),
+    # A bound of the listwise losses' own record names the maxent: key it comes from.
+    "listwise-clip": (["--set", "maxent.listwise_clip_coef=-1"], "maxent.listwise_clip_coef: must be >= 0, got -1.0"),
 }
 
 
@@ -130,7 +132,7 @@ def test_help_shows_the_default_runs_values(capsys):
         main(["train", "--help"])
     out = capsys.readouterr().out
     assert f"generation.max_new_tokens  [int, default {TrainConfig().generation.max_new_tokens}]" in out
-    assert "maxent.listwise_loss  [cross_entropy|weighted_mle, default 'weighted_mle']" in out
+    assert "maxent.listwise_loss  [cross_entropy|weighted_mle|centered_mle, default 'weighted_mle']" in out
     assert "7 + 1 = \\\\boxed{8}" in out
 
 

@@ -116,7 +116,6 @@ class LossSpec:
     aggregated by ``loss_type`` with the step's global counts; listwise policy
     losses add their group term; ``entropy_coef`` (alpha, §6) subtracts ``alpha * B``.
     ``policy_params`` is the registered policy loss's own settings record.
-    ``listwise_clip_coef`` weights the optional clipped term with ``a_i = w_i - 1/G``.
     ``max_completion_length`` is required by ``loss_type="dr_grpo"``.
     ``rollout_correction`` / ``rollout_correction_cap``: the importance weight
     between the sampler and the trainer's old policy on the per-token policy
@@ -135,7 +134,6 @@ class LossSpec:
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
     top_entropy_quantile: float = 1.0
-    listwise_clip_coef: float = 0.0
     rollout_correction: str = "none"
     rollout_correction_cap: float = 2.0  # verl's threshold, ALGORITHMS.md §15
     seq_logprob_error_threshold: float | None = None
@@ -158,7 +156,6 @@ class LossSpec:
         check_kl_estimator(self.kl_estimator)
         require(self.entropy_coef >= 0, "entropy_coef", f"must be >= 0, got {self.entropy_coef}")
         check_top_entropy_quantile(self.top_entropy_quantile)
-        require(self.listwise_clip_coef >= 0, "listwise_clip_coef", f"must be >= 0, got {self.listwise_clip_coef}")
         check_rollout_correction(self.rollout_correction, self.rollout_correction_cap)
         check_seq_logprob_error_threshold(self.seq_logprob_error_threshold)
 
@@ -339,7 +336,7 @@ def grpo_step(
                     logp=logp, old_logp=old, mask=mask, policy_mask=policy_mask,
                     advantages=mb.advantages, num_generations=mb.num_generations, clip=spec.clip,
                     row_weights=mb.row_weights, listwise_weights=mb.listwise_weights,
-                    listwise_active=mb.listwise_active, listwise_clip_coef=spec.listwise_clip_coef,
+                    listwise_active=mb.listwise_active,
                     behaviour_logp=mb.behaviour_logps, params=spec.policy_params,
                     correction_weights=correction if policy_loss.applies_correction else None,
                     correction_level=ratio_level,

@@ -126,6 +126,22 @@ def listwise_weights(
     return torch.softmax(logits / denom, dim=-1)
 
 
+def restrict_support(weights: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
+    """Weights ``[P, G]`` renormalised over each group's ``support`` ``[P, G]`` (bool).
+
+    ``w'_i = w_i [i in S] / sum_{j in S} w_j``. Since ``w ∝ q^(1/(tau+beta)) * pi_ref^(beta/(tau+beta))``,
+    this is the closed form with ``q`` restricted to ``S`` (``q_i = 0`` outside it). A group with an
+    empty support gets all zeros: it has no target, and the caller leaves it out of the loss.
+    """
+    _check_grouped("weights", weights)
+    _check_same_shape("support", support, weights, "weights")
+    if support.dtype != torch.bool:
+        raise ValueError(f"support must be a bool tensor, got {support.dtype}")
+    kept = torch.where(support, weights, torch.zeros_like(weights))
+    total = kept.sum(-1, keepdim=True)
+    return torch.where(total > 0, kept / total.clamp_min(torch.finfo(weights.dtype).tiny), kept)
+
+
 def weight_entropy(w: torch.Tensor) -> torch.Tensor:
     """Shannon entropy (nats) of each group's weights, ``[P, G] -> [P]``, with ``0 log 0 = 0``."""
     _check_grouped("w", w)

@@ -121,7 +121,8 @@ class RunPlan:
 # The LossSpec / ClipSettings field each loss key of the config sets (the rest are loss.<field>).
 _KEYS = {
     "epsilon_low": "loss.epsilon",
-    "listwise_clip_coef": "maxent.listwise_clip_coef",
+    "clip_coef": "maxent.listwise_clip_coef",  # ListwiseParams
+    "score": "maxent.listwise_score",
     "max_completion_length": "generation.max_new_tokens",
 }
 _SPEC_FIELDS = {f.name for f in dataclasses.fields(LossSpec)}

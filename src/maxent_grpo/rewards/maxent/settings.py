@@ -130,11 +130,18 @@ class MaxEntConfig:
     length_normalize_ref: bool = field(default=True, metadata={"help": (
         "divide reference sequence log-probs by length")})
     # Weighted MLE on the listwise targets pushes up each completion by its weight and
-    # never down. The cross-entropy also pushes down completions the policy already
-    # prefers more than their target weight; in the default run, at lr 1e-5, that raised
-    # token entropy and one seed of three lost its gains (BENCHMARKS.md §3).
-    listwise_loss: Literal["cross_entropy", "weighted_mle"] = field(default="weighted_mle", metadata={"help": (
-        "weighted_mle (default: pushes each completion up by its weight) or cross_entropy")})
+    # never down, short ones most per token (ALGORITHMS.md §4). The cross-entropy also pushes
+    # down completions the policy already prefers more than their target weight; centered_mle
+    # pushes down every completion weighted below uniform. BENCHMARKS.md §3 compares them.
+    listwise_loss: Literal["cross_entropy", "weighted_mle", "centered_mle"] = field(default="weighted_mle", metadata={
+        "help": ("weighted_mle (default: -sum w_i s_i, pushes each completion up by its weight), cross_entropy "
+                 "(-sum w_i log softmax(s)_i) or centered_mle (-sum (w_i - 1/G) s_i: completions weighted below "
+                 "uniform are pushed down)")})
+    listwise_score: Literal["token_mean", "sum"] = field(default="token_mean", metadata={"help": (
+        "the sequence score s_i the listwise loss fits: the mean token log-prob (default) or their sum")})
+    zero_weight_unrewarded: bool = field(default=False, metadata={"help": (
+        "completions with reward <= 0 get target weight 0 (q restricted to rewarded completions); a group "
+        "with none rewarded trains nothing")})
     keep_zero_variance_groups: bool = field(default=False, metadata={"help": (
         "train on groups whose rewards are all equal")})
     listwise_clip_coef: float = field(default=0.0, metadata={"help": (

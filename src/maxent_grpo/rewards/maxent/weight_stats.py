@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from maxent_grpo.core.logprobs import per_token_logp
-from maxent_grpo.core.weighting import listwise_weights, weight_entropy
+from maxent_grpo.core.weighting import listwise_weights, restrict_support, weight_entropy
 from maxent_grpo.rewards.maxent.reward_stats import RewardComputation
 from maxent_grpo.rewards.maxent.shapes import grouped
 from maxent_grpo.rewards.maxent.settings import WeightingSettings
@@ -154,12 +154,14 @@ def compute_weight_stats(
     ref_stats: ReferenceLogprobs | None,
     weighting_cfg: WeightingSettings,
     active: torch.Tensor | None = None,
+    support: torch.Tensor | None = None,
 ) -> WeightStats:
     """Listwise weights for the batch from its q and the reference log-probs (detached).
 
     ``ref_stats`` may be ``None`` only when ``beta = 0`` (no reference model).
     ``active[P]`` marks the groups that enter the listwise loss (None: all); the others
-    get uniform weights and are left out of the entropy statistics.
+    get uniform weights and are left out of the entropy statistics. ``support[P, G]`` (bool;
+    None: every completion) restricts each group's weights to the completions it marks.
     """
     g = reward_comp.num_generations
     ref_logp = token_counts = None
@@ -172,4 +174,6 @@ def compute_weight_stats(
             raise ValueError(f"ref_stats must cover the batch's {reward_comp.total.shape[0]} completions, "
                              f"got {ref_stats.ref_logp_sum.shape[0]}")
     weights = weight_matrix_from_q(reward_comp.q, ref_logp, token_counts, weighting_cfg)
+    if support is not None:
+        weights = restrict_support(weights, support)
     return _weight_stats(weights, active)

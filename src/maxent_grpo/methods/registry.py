@@ -75,6 +75,10 @@ class RewardScalingInputs:
     num_generations: int
 
 
+# What the collapse warning (training/collapse.py) suggests, unless the method says otherwise.
+COLLAPSE_ADVICE = "a lower training.learning_rate, or loss.loss_type=dr_grpo (no per-sequence length normalisation)"
+
+
 @dataclass(frozen=True)
 class MethodPlan:
     """What the run trains with, from the method: plain values and the method's hooks.
@@ -93,6 +97,7 @@ class MethodPlan:
     weighting: str
     targets: Callable[[TargetInputs], MethodTargets]
     reward_scaling: Callable[[RewardScalingInputs], SeedGrpoInputs] | None = None
+    collapse_advice: str = COLLAPSE_ADVICE  # the settings the collapse warning names
 
     @property
     def logs_controllers(self) -> bool:
@@ -144,6 +149,7 @@ class Method:
     check: Callable[[PlanInputs], list[tuple[str, str]]] = no_checks
     targets: Callable[[PlanInputs], Callable[[TargetInputs], MethodTargets]] = lambda inputs: no_targets
     reward_scaling: Callable[[PlanInputs], Callable[[RewardScalingInputs], SeedGrpoInputs]] | None = None
+    collapse_advice: str = COLLAPSE_ADVICE  # the settings the collapse warning (training/collapse.py) names
 
     def __post_init__(self) -> None:
         if (self.section is None) != (self.settings is None):
@@ -165,6 +171,7 @@ class Method:
             name=self.name, family=self.family, loss=loss, needs_reference=self.needs_reference(inputs),
             kl_in_token_loss=self.kl_in_token_loss, weighting=self.weighting, targets=self.targets(inputs),
             reward_scaling=None if self.reward_scaling is None else self.reward_scaling(inputs),
+            collapse_advice=self.collapse_advice,
         )
 
 

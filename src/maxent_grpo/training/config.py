@@ -334,6 +334,7 @@ def validate(cfg: TrainConfig) -> None:
     _check(r.wait_timeout_s > 0, "rollout.wait_timeout_s", f"must be > 0, got {r.wait_timeout_s}")
     check_data_plane(r.data_plane)  # its package, before any model loads
     _check_environment(cfg)
+    _check(cfg.logging.collapse_window >= 0, "logging.collapse_window", "must be >= 0 (0: off)")
     _check(cfg.checkpoint.save_steps >= 0, "checkpoint.save_steps", "must be >= 0")
     _check(cfg.checkpoint.save_minutes >= 0, "checkpoint.save_minutes", "must be >= 0")
     _check(t.max_consecutive_skips >= 1, "training.max_consecutive_skips", f"must be >= 1, got {t.max_consecutive_skips}")

@@ -294,6 +294,9 @@ class LoggingConfig:
     log_completions_every: int = field(default=1, metadata={"help": (
         "write a completion table every N steps (0 = never)")})
     progress_bar: bool = field(default=True, metadata={"help": "show the progress bar"})
+    collapse_window: int = field(default=5, metadata={"help": (
+        "warn when, over the last N steps against the N before, token entropy rose while the mean length and "
+        "the reward fell (a collapse onto short answers; training/collapse.py); 0 = off")})
 
 
 @dataclass

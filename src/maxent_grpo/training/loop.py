@@ -24,6 +24,7 @@ from maxent_grpo.errors import UserError
 from maxent_grpo.kill_points import kill_point
 from maxent_grpo.rewards.maxent import controller_state_dict, update_controllers
 from maxent_grpo.training.checkpoint import find_latest_checkpoint
+from maxent_grpo.training.collapse import CollapseWatch
 from maxent_grpo.training.distributed import process_group
 from maxent_grpo.training.interrupt import RunInterrupted, StopSignals
 from maxent_grpo.training.metrics import MetricsLog, log_training_step, read_metrics, summarize_weight_stats
@@ -82,6 +83,7 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
         disable=not (run.plan.logging.progress_bar and ctx.dist.is_main), dynamic_ncols=True,
     )
     step, consecutive_skips, last_save = run.start_step, 0, time.monotonic()
+    collapse = CollapseWatch(run.plan.logging.collapse_window, run.plan.method.collapse_advice)
     while step < schedule.max_steps:
         t_start, cpu_start = time.perf_counter(), time.process_time()
         sampler_before = run.sampler.sampler.state_dict()
@@ -113,6 +115,7 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
             else:
                 consecutive_skips = 0
                 step = _update_and_log(run, prepared, record, step, t_start, cpu_start, metrics_log)
+                _warn_collapse(run, collapse.observe(run.last_metrics), step)
                 bar.update(1)
                 bar.set_postfix(_postfix(run.last_metrics), refresh=False)
             if _stop_requested(run, stop):
@@ -278,6 +281,16 @@ def _count_no_signal(ctx) -> None:
     if n == 1 or n % 10 == 0:
         log.warning("no learning signal: every group's completions got the same reward (%d such batches so far; "
                     "skipped/no_signal in metrics.jsonl)", n)
+
+
+def _warn_collapse(run: Run, line: str | None, step: int) -> None:
+    """The collapse warning (training/collapse.py), on the console and in the trackers; the metrics
+    are reduced over processes, so every rank sees the same signature and the main one says it."""
+    if line is None or not run.ctx.dist.is_main:
+        return
+    log.warning(line)
+    run.trackers.log({"warnings/collapse": 1.0}, step)
+    run.trackers.log_table("warnings", ["step", "warning"], [[step, line]], step)
 
 
 def _stop_requested(run: Run, stop: StopSignals) -> bool:

@@ -317,6 +317,7 @@ def compile_run(cfg: TrainConfig, machine: Machine) -> RunPlan:
         logging=LoggingPlan(
             output_dir=cfg.logging.output_dir, report_to=tuple(cfg.logging.report_to),
             log_completions_every=cfg.logging.log_completions_every, progress_bar=cfg.logging.progress_bar,
+            collapse_window=cfg.logging.collapse_window,
         ),
         eval=EvalPlan(num_prompts=cfg.eval.num_prompts, k=eval_k(cfg.eval.k, d.source), seed=t.seed,
                       draws=eval_draws(cfg.eval.draws, d.source), min_defined_prompts=cfg.eval.min_defined_prompts),

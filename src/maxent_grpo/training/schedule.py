@@ -31,6 +31,7 @@ class LoggingPlan:
     report_to: tuple[str, ...]
     log_completions_every: int  # 0: never
     progress_bar: bool
+    collapse_window: int  # steps per window of the collapse warning (training/collapse.py); 0: off
 
     def completions_due(self, step: int) -> bool:
         return bool(self.log_completions_every) and step % self.log_completions_every == 0

@@ -93,14 +93,14 @@ def test_a_realistic_trl_yaml_becomes_a_config_the_validator_and_compiler_accept
     path = tmp_path / "grpo.yaml"
     path.write_text(REALISTIC)
     cfg, notes = load_trl_config(path)
-    compile_run(cfg, Machine(fast_bf16=True, cuda=True))
+    plan = compile_run(cfg, Machine(fast_bf16=True, cuda=True))
     t, lo, g = cfg.training, cfg.loss, cfg.generation
     # TRL's batch is in completions per process: 16 per forward/backward x 2 accumulated = 32 per step,
     # 8 per prompt -> 4 prompts per process and step here, in micro-batches of 16 completions.
     assert (t.prompts_per_step, t.micro_batch_size, g.num_generations) == (4, 16, 8)
     # TRL's max_steps and save_steps count optimizer updates; a step here is num_iterations updates.
     assert (t.max_steps, t.num_iterations, cfg.checkpoint.save_steps, cfg.checkpoint.save_minutes) == (100, 2, 25, 0.0)
-    assert t.warmup_steps == 20  # ceil(0.1 x 200 updates); our warm-up counts updates too
+    assert (t.warmup_ratio, plan.optimizer.warmup_steps) == (0.1, 20)  # ceil(0.1 x 200 updates), as TRL counts
     # normalize_then_sum: TRL whitens the normalised sum over the batch whatever scale_rewards says.
     assert (cfg.method, lo.loss_type, lo.scale_rewards) == ("grpo", "dr_grpo", "batch")
     keys, _ = convert({**yaml.safe_load(REALISTIC), "multi_objective_aggregation": "sum_then_normalize"})
@@ -137,7 +137,7 @@ def test_trl_loss_types_become_our_method_and_aggregation(loss_type, method, agg
     ({"loss_type": "vespo"}, "loss_type: 'vespo' has no counterpart here"),
     ({"beta": 0.1, "use_bias_correction_kl": True}, "use_bias_correction_kl: True is refused"),
     ({"per_device_train_batch_size": 6}, "per_device_train_batch_size: 6 x gradient_accumulation_steps 1 = 6"),
-    ({"max_steps": -1}, "max_steps: -1 (train num_train_epochs epochs) needs the dataset's length"),
+    ({"max_steps": -1, "num_train_epochs": 2.5}, "num_train_epochs: 2.5: here a run is whole passes over the data"),
     ({"num_iterations": 3}, "max_steps: 4 updates is not a multiple of num_iterations 3"),
     ({"deepspeed": "ds.json"}, "deepspeed: 'ds.json' is refused: no DeepSpeed here"),
     ({"per_device_train_batchsize": 8}, "per_device_train_batchsize: not a field of TRL's GRPOConfig"),
@@ -207,6 +207,41 @@ def test_a_trl_yaml_trains_here_from_another_folder(tmp_path, tiny_model_dir, mo
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved["training"]["prompts_per_step"] == 2 and saved["training"]["micro_batch_size"] == 4
     assert saved["rewards"][0]["name"] == f"{(recipe / 'my_rewards.py').resolve()}:short"
+
+
+def test_a_trl_yaml_without_max_steps_trains_num_train_epochs_passes(tmp_path, tiny_model_dir, caplog):
+    """TRL's default length: max_steps -1, num_train_epochs passes over the prompts. 10 rows, 2 prompts a
+    step (4 completions x 2 accumulated / 2 per prompt) -> 5 steps an epoch, 2 epochs -> 10 steps; the
+    step count reaches reward functions and the LR schedule, and warmup_ratio becomes warm-up updates."""
+    import logging
+
+    recipe = tmp_path / "recipe"
+    recipe.mkdir()
+    (recipe / "epoch_rewards.py").write_text(textwrap.dedent('''
+        def short(completions, trainer_state=None, **kwargs):
+            assert trainer_state.max_steps == 10
+            return [1.0 / (1 + len(c)) for c in completions]
+    '''))
+    (recipe / "rows.jsonl").write_text("".join(json.dumps({"prompt": f"{i} + 2 =", "answer": str(i + 2)}) + "\n"
+                                               for i in range(10)))
+    out = tmp_path / "out"
+    (recipe / "grpo.yaml").write_text(yaml.safe_dump({
+        "model_name_or_path": str(tiny_model_dir), "dataset_name": "rows.jsonl", "output_dir": str(out),
+        "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1, "num_generations": 2,
+        "max_completion_length": 4, "num_train_epochs": 2, "learning_rate": 1e-4, "warmup_ratio": 0.25,
+        "bf16": False, "disable_tqdm": True, "reward_funcs": ["epoch_rewards.short"], "save_strategy": "no",
+    }))
+    with caplog.at_level(logging.INFO, logger="maxent_grpo"):
+        assert main(["train", "--from-trl", str(recipe / "grpo.yaml"), "--set", "generation.dtype=null"]) == 0
+    assert "run length: 10 steps (data.num_epochs=2 passes over 10 training rows, 2 per step)" in caplog.text
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    # transformers' linear schedule over 10 updates with ceil(0.25 x 10) = 3 warm-up updates, logged after
+    # each update k: 1e-4 * k / 3 while warming up, then 1e-4 * (10 - k) / 7.
+    want = [1e-4 * k / 3 if k < 3 else 1e-4 * (10 - k) / 7 for k in range(1, 11)]
+    assert [r["learning_rate"] for r in rows] == pytest.approx(want, rel=1e-9, abs=1e-15)
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert (saved["training"]["max_steps"], saved["data"]["num_epochs"]) == (None, 2)
 
 
 @pytest.mark.parametrize("line, problem", [

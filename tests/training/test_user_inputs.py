@@ -79,6 +79,10 @@ CASES = {
     "negative-timeout": (["--set", "rewards=[{{name: format, timeout_s: -1}}]"], "rewards[0].timeout_s: must be > 0"),
     # A bound of the listwise losses' own record names the maxent: key it comes from.
     "listwise-clip": (["--set", "maxent.listwise_clip_coef=-1"], "maxent.listwise_clip_coef: must be >= 0, got -1.0"),
+    "max-steps-null": (["--set", "training.max_steps=null"],
+                       "training.max_steps: null counts the run in passes over the data: set data.num_epochs"),
+    "two-warm-ups": (["--set", "training.warmup_steps=2", "--set", "training.warmup_ratio=0.1"],
+                     "training.warmup_ratio: give warmup_steps or warmup_ratio, not both"),
 }
 
 

@@ -317,7 +317,9 @@ def validate(cfg: TrainConfig) -> None:
     _check(v.request_timeout_s > 0, "generation.vllm.request_timeout_s", "must be > 0")
     _check(v.server_url.startswith(("http://", "https://")), "generation.vllm.server_url",
            f"must start with http:// or https://, got {v.server_url!r}")
-    _check(t.max_steps >= 1, "training.max_steps", f"must be >= 1, got {t.max_steps}")
+    _check(t.max_steps is None or t.max_steps >= 1, "training.max_steps", f"must be >= 1 or null, got {t.max_steps}")
+    _check(t.max_steps is not None or cfg.data.num_epochs is not None, "training.max_steps",
+           "null counts the run in passes over the data: set data.num_epochs")
     _check(t.dist_timeout_minutes > 0, "training.dist_timeout_minutes", f"must be > 0, got {t.dist_timeout_minutes}")
     _check(t.batch_size is None or t.batch_size > 0, "training.batch_size", f"must be > 0 or null, got {t.batch_size}")
     _check(t.prompts_per_step >= 1, "training.prompts_per_step", f"must be >= 1, got {t.prompts_per_step}")
@@ -326,6 +328,9 @@ def validate(cfg: TrainConfig) -> None:
     _check(t.learning_rate >= 0, "training.learning_rate", "must be >= 0")
     _check(t.num_iterations >= 1, "training.num_iterations", "must be >= 1")
     _check(t.warmup_steps >= 0, "training.warmup_steps", "must be >= 0")
+    _check(0 <= t.warmup_ratio < 1, "training.warmup_ratio", f"must be in [0, 1), got {t.warmup_ratio}")
+    _check(not (t.warmup_ratio and t.warmup_steps), "training.warmup_ratio",
+           "give warmup_steps or warmup_ratio, not both")
     _check(lo.max_gen_batches >= 1, "loss.max_gen_batches", "must be >= 1")
     problem = advantage_settings_problem(lo.advantage_estimator, lo.scale_rewards)
     _check(problem is None, "loss.scale_rewards", (problem or "").removeprefix("scale_rewards "))

@@ -215,7 +215,9 @@ class LossSection:
 
 @dataclass
 class TrainingConfig:
-    max_steps: int = field(default=15, metadata={"help": "optimizer steps"})
+    max_steps: int | None = field(default=15, metadata={"help": (
+        "optimizer steps; null: data.num_epochs passes over the training rows, counted once the data is read "
+        "(TRL's num_train_epochs without max_steps)")})
     # Prompts each process draws per optimizer step (the global batch is this times
     # the number of processes, times num_generations completions).
     prompts_per_step: int = field(default=4, metadata={"help": "prompts per step per process"})
@@ -229,6 +231,9 @@ class TrainingConfig:
     lr_scheduler: Literal["constant", "linear", "cosine"] = field(default="constant", metadata={"help": (
         "constant, linear or cosine (after warm-up)")})
     warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps"})
+    warmup_ratio: float = field(default=0.0, metadata={"help": (
+        "linear warm-up over this fraction of the run's optimizer updates, rounded up (TRL's warmup_ratio); "
+        "instead of warmup_steps")})
     weight_decay: float = field(default=0.0, metadata={"help": (
         "AdamW weight decay on the 2-D weights (biases and norm gains are not decayed, as in HF/TRL)")})
     adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})

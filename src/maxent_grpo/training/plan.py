@@ -16,6 +16,7 @@ trackers, and compared on resume.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -273,7 +274,7 @@ def compile_run(cfg: TrainConfig, machine: Machine) -> RunPlan:
         reward_advantages=cfg.teacher.rewards or cfg.teacher.name_or_path is None,
     )
     lora = m.lora
-    return RunPlan(
+    plan = RunPlan(
         method=_compile_method(cfg, precision.rollout_correction),
         scoring=Scoring(temperature=g.temperature, share_prompts=precision.share_prompts,
                         autocast_bf16=precision.autocast_bf16, rows_per_pass=t.micro_batch_size,
@@ -303,8 +304,8 @@ def compile_run(cfg: TrainConfig, machine: Machine) -> RunPlan:
         ),
         optimizer=OptimizerPlan(
             learning_rate=t.learning_rate, lr_scheduler=t.lr_scheduler, warmup_steps=t.warmup_steps,
-            weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2),
-            total_updates=t.max_steps * t.num_iterations,
+            warmup_ratio=t.warmup_ratio, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2),
+            total_updates=None,
             fused=machine.cuda and not STRATEGIES[t.strategy].collective_forward,
         ),
         rollout=cfg.rollout,
@@ -336,6 +337,31 @@ def compile_run(cfg: TrainConfig, machine: Machine) -> RunPlan:
         source=dataclasses.asdict(cfg),
         notes=precision.notes,
     )
+    return plan if t.max_steps is None else _with_steps(plan, t.max_steps)
+
+
+def with_run_length(plan: RunPlan, train_rows: int, processes: int) -> RunPlan:
+    """The plan completed once the data is read: a run whose config left ``training.max_steps`` null
+    is ``data.num_epochs`` passes of ``train_rows // (prompts_per_step x processes)`` steps (the
+    sampler drops each epoch's last incomplete batch). A plan that has its length is returned as is."""
+    s = plan.schedule
+    if s.max_steps is not None:
+        return plan
+    steps = s.num_epochs * (train_rows // (plan.batch.prompts_per_step * processes))
+    if steps < 1:
+        raise ConfigError(f"training.max_steps: null gives 0 steps: {train_rows} training rows hold no batch of "
+                          f"{plan.batch.prompts_per_step} prompts x {processes} process(es)")
+    return _with_steps(plan, steps)
+
+
+def _with_steps(plan: RunPlan, steps: int) -> RunPlan:
+    """``steps`` optimizer steps: the LR schedule spans their updates, and a ``warmup_ratio`` becomes
+    warm-up updates (rounded up, as transformers does)."""
+    o = plan.optimizer
+    updates = steps * plan.num_iterations
+    warmup = math.ceil(o.warmup_ratio * updates) if o.warmup_ratio else o.warmup_steps
+    return dataclasses.replace(plan, schedule=dataclasses.replace(plan.schedule, max_steps=steps),
+                               optimizer=dataclasses.replace(o, total_updates=updates, warmup_steps=warmup))
 
 
 def with_beta(plan: RunPlan, beta: float) -> LossSpec:

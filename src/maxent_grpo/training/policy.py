@@ -39,10 +39,11 @@ class OptimizerPlan:
 
     learning_rate: float
     lr_scheduler: str
-    warmup_steps: int
+    warmup_steps: int  # updates; with warmup_ratio, set with total_updates (plan.with_run_length)
+    warmup_ratio: float  # 0: warmup_steps as given
     weight_decay: float
     betas: tuple[float, float]
-    total_updates: int  # max_steps x num_iterations
+    total_updates: int | None  # max_steps x num_iterations; None until the run's length is known
     # torch's fused AdamW kernel (a few launches a step, as TRL's adamw_torch_fused): on CUDA, for
     # parameters that are not sharded (compile_run decides).
     fused: bool

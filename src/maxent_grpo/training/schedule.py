@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Schedule:
-    max_steps: int
+    max_steps: int | None  # None: data.num_epochs passes, counted once the data is read (plan.with_run_length)
     max_consecutive_skips: int
     save_steps: int  # 0: by time only
     save_minutes: float  # 0: by steps only

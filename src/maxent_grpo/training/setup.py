@@ -32,7 +32,7 @@ from maxent_grpo.training.data import load_rows, row_episodes
 from maxent_grpo.training.distributed import Dist, log_device
 from maxent_grpo.training.host_memory import host_memory_release
 from maxent_grpo.training.pipeline import PipelineContext
-from maxent_grpo.training.plan import RunPlan, describe_rollout_correction
+from maxent_grpo.training.plan import RunPlan, describe_rollout_correction, with_run_length
 from maxent_grpo.training.policy import build_optimizer, load_policy, load_reference, reference_scorer
 from maxent_grpo.training.rollout_queue import RolloutQueue
 from maxent_grpo.training.run_dir import (
@@ -152,6 +152,8 @@ def build_run(
 
     # Data and rewards first: their errors must come before the slow model load.
     train_ds, eval_rows = load_rows(plan.data, plan.batch.prompts_per_step, dist.world_size)
+    counted = plan.schedule.max_steps is None
+    plan = with_run_length(plan, len(train_ds), dist.world_size)
     episodes = row_episodes(plan.data, train_ds[ENVIRONMENT_COLUMN] if ENVIRONMENT_COLUMN in train_ds.column_names
                             else None)
     reward_spec = build_reward_spec(list(plan.rewards))
@@ -168,6 +170,10 @@ def build_run(
     log.info("method %s: family=%s loss=%s weighting=%s", method.name, method.family, method.loss.policy_loss,
              method.weighting)
     log.info("%s", plan.global_batch(dist.world_size))
+    if counted:
+        log.info("run length: %d steps (data.num_epochs=%d passes over %d training rows, %d per step)",
+                 plan.schedule.max_steps, plan.schedule.num_epochs, len(train_ds),
+                 plan.batch.prompts_per_step * dist.world_size)
     log.info("%s", describe_sampling(plan.sampler))
     log.info("rollout correction: %s", describe_rollout_correction(method.loss))
 

@@ -24,7 +24,10 @@ each, split into forward/backward micro-batches of ``training.micro_batch_size``
 (a group is never split across processes here, so this must divide) and ``micro_batch_size =
 per_device_train_batch_size``. Steps: TRL's ``max_steps``, ``save_steps`` and ``warmup_steps``
 count optimizer updates; our ``training.max_steps`` and ``checkpoint.save_steps`` count rollout
-batches of ``num_iterations`` updates each (our warm-up counts updates, as TRL's).
+batches of ``num_iterations`` updates each (our warm-up counts updates, as TRL's). Without
+``max_steps`` (TRL's default, -1) the run is ``num_train_epochs`` passes over the prompts:
+``training.max_steps: null`` and ``data.num_epochs``, counted once the data is read, as TRL counts
+them; ``warmup_ratio`` stays a ratio of that count.
 """
 
 from __future__ import annotations

@@ -6,8 +6,7 @@ that applies it is training/trl_config.py; its module docstring explains the bat
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,23 +97,30 @@ def _updates_to_steps(field: str, value: int, f) -> int:
 
 
 def _max_steps(value, f) -> dict:
-    if value is None or value <= 0:
-        raise _fail("max_steps", (
-            f"{value} (train num_train_epochs epochs) needs the dataset's length; here the step count is "
-            "laid out before the data is read (the LR schedule spans it): give max_steps"))
+    if value is None or value <= 0:  # TRL's default: num_train_epochs passes, counted once the data is read
+        return {"training.max_steps": None}
     return {"training.max_steps": _updates_to_steps("max_steps", value, f)}
+
+
+def _epochs(value, f) -> dict:
+    if f["max_steps"] is not None and f["max_steps"] > 0:
+        return {}  # max_steps decides, as in transformers
+    if _number(value, 1.0) != int(_number(value, 1.0)) or _number(value, 1.0) < 1:
+        raise _fail("num_train_epochs", f"{value}: here a run is whole passes over the data (>= 1); "
+                    "give a whole number, or max_steps")
+    return {"data.num_epochs": int(_number(value, 1.0))}
 
 
 def _warmup_steps(value, f) -> dict:
     if isinstance(value, float) and 0 < value < 1:  # transformers 5: a float below 1 is a ratio
-        return {"training.warmup_steps": math.ceil(value * f["max_steps"])}
+        return {"training.warmup_ratio": value}
     return {"training.warmup_steps": int(value)}
 
 
 def _warmup_ratio(value, f) -> dict:
-    if not value:
+    if not value or f["warmup_steps"]:  # transformers: warmup_steps > 0 wins
         return {}
-    return {"training.warmup_steps": math.ceil(value * f["max_steps"])}
+    return {"training.warmup_ratio": value}
 
 
 def _save(value, f) -> dict:
@@ -359,13 +365,15 @@ TRAINING_ARGUMENTS_FIELDS: dict[str, Mapped | Refused | Ignored] = {
                                           "prompts = this x gradient_accumulation_steps / num_generations; "
                                           "micro-batch = this (completions)"),
     "gradient_accumulation_steps": Mapped(1, "training.prompts_per_step", _nothing, "read with per_device_train_batch_size"),
-    "max_steps": Mapped(-1, "training.max_steps", _max_steps, "updates / num_iterations; -1 (epochs) refused"),
-    "num_train_epochs": Ignored("used only with max_steps -1, which is refused"),
+    "max_steps": Mapped(-1, "training.max_steps", _max_steps,
+                        "updates / num_iterations; -1: null (num_train_epochs passes over the data)"),
+    "num_train_epochs": Mapped(3.0, "data.num_epochs", _epochs, "with max_steps -1 only; whole passes"),
     "learning_rate": _same("training.learning_rate", 1e-6),
     "lr_scheduler_type": Mapped("linear", "training.lr_scheduler", _scheduler, "linear, cosine, constant_with_warmup"),
     "lr_scheduler_kwargs": Refused("scheduler options have no key here", (None, {})),
-    "warmup_steps": Mapped(0, "training.warmup_steps", _warmup_steps, "updates; a float below 1: a ratio of max_steps"),
-    "warmup_ratio": Mapped(0.0, "training.warmup_steps", _warmup_ratio, "ceil(ratio x max_steps)"),
+    "warmup_steps": Mapped(0, "training.warmup_steps, training.warmup_ratio", _warmup_steps,
+                           "updates; a float below 1: training.warmup_ratio"),
+    "warmup_ratio": Mapped(0.0, "training.warmup_ratio", _warmup_ratio, "ceil(ratio x the run's updates)"),
     "weight_decay": _same("training.weight_decay", 0.0),
     "adam_beta1": _same("training.adam_beta1", 0.9),
     "adam_beta2": _same("training.adam_beta2", 0.999),

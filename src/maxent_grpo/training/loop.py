@@ -27,6 +27,7 @@ from maxent_grpo.training.checkpoint import find_latest_checkpoint
 from maxent_grpo.training.collapse import CollapseWatch
 from maxent_grpo.training.distributed import process_group
 from maxent_grpo.training.interrupt import RunInterrupted, StopSignals
+from maxent_grpo.training.learning_signal import ConstantRewardWatch, no_signal_cause
 from maxent_grpo.training.metrics import MetricsLog, log_training_step, read_metrics, summarize_weight_stats
 from maxent_grpo.training.pipeline import finish_batch
 from maxent_grpo.training.plan import RunPlan, with_beta
@@ -84,6 +85,7 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
     )
     step, consecutive_skips, last_save = run.start_step, 0, time.monotonic()
     collapse = CollapseWatch(run.plan.logging.collapse_window, run.plan.method.collapse_advice)
+    constant_rewards = ConstantRewardWatch()
     while step < schedule.max_steps:
         t_start, cpu_start = time.perf_counter(), time.process_time()
         sampler_before = run.sampler.sampler.state_dict()
@@ -95,7 +97,7 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
             record = run.rollouts.take(step)
             prepared = finish_batch(ctx, record)
             if prepared is not None and not ctx.dist.any_rank(prepared.has_signal):
-                _count_no_signal(ctx)
+                _count_no_signal(run, prepared, step + 1)
         except StopIteration:
             log.info("data exhausted after %d epochs at step %d", schedule.num_epochs, step)
             break
@@ -115,7 +117,11 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
             else:
                 consecutive_skips = 0
                 step = _update_and_log(run, prepared, record, step, t_start, cpu_start, metrics_log)
-                _warn_collapse(run, collapse.observe(run.last_metrics), step)
+                for line in constant_rewards.observe(prepared.reward_comp.per_function, prepared.reward_comp.reward_names):
+                    _warn(run, "constant_reward", line, step)
+                line = collapse.observe(run.last_metrics)
+                if line is not None:
+                    _warn(run, "collapse", line, step)
                 bar.update(1)
                 bar.set_postfix(_postfix(run.last_metrics), refresh=False)
             if _stop_requested(run, stop):
@@ -272,24 +278,28 @@ def _sampler_lost(run: Run, step: int, err: UserError) -> TrainingError:
     return TrainingError(f"the sampler failed after step {step}: {err}; {where}")
 
 
-def _count_no_signal(ctx) -> None:
+def _count_no_signal(run: Run, prepared, step: int) -> None:
     """No group on any rank has rewards that differ: every advantage is 0, so the policy term is
     skipped in effect. The step still runs (KL and entropy terms, the optimizer state, as in TRL)
-    and does not count as a failure: a model that has mastered the task gets such batches too."""
+    and does not count as a failure: a model that has mastered the task gets such batches too.
+    The warning names what this process's batch shows of the cause (training/learning_signal.py)."""
+    ctx = run.ctx
     ctx.skips["no_signal"] += 1
     n = ctx.skips["no_signal"]
     if n == 1 or n % 10 == 0:
-        log.warning("no learning signal: every group's completions got the same reward (%d such batches so far; "
-                    "skipped/no_signal in metrics.jsonl)", n)
+        cause = no_signal_cause(prepared.reward_comp.per_function, prepared.reward_comp.reward_names,
+                                prepared.packed.truncated, run.plan.sampler.params.max_new_tokens)
+        _warn(run, "no_signal", f"no learning signal: every group's completions got the same reward: {cause} "
+              f"({n} such batches so far; skipped/no_signal in metrics.jsonl)", step)
 
 
-def _warn_collapse(run: Run, line: str | None, step: int) -> None:
-    """The collapse warning (training/collapse.py), on the console and in the trackers; the metrics
-    are reduced over processes, so every rank sees the same signature and the main one says it."""
-    if line is None or not run.ctx.dist.is_main:
+def _warn(run: Run, kind: str, line: str, step: int) -> None:
+    """A warning about the run's learning, on the console and in the trackers (``warnings/<kind>`` and
+    the ``warnings`` table), from the main process."""
+    if not run.ctx.dist.is_main:
         return
     log.warning(line)
-    run.trackers.log({"warnings/collapse": 1.0}, step)
+    run.trackers.log({f"warnings/{kind}": 1.0}, step)
     run.trackers.log_table("warnings", ["step", "warning"], [[step, line]], step)
 
 

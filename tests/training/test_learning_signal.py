@@ -1,0 +1,94 @@
+"""Why a run is not learning (training/learning_signal.py): the causes named for a batch without
+learning signal, the constant-reward watch, and each case made to happen on the tiny model."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from maxent_grpo.cli import main
+from maxent_grpo.training.learning_signal import ConstantRewardWatch, constant_value, no_signal_cause
+from tiny_runs import tiny_overrides
+
+NAN = math.nan
+
+
+def test_causes_of_a_batch_without_signal():
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 0.5], [0.0, 1.0], [0.0, 0.5]])
+    names = ("format", "length")
+    cut = torch.tensor([True, True, False, False])
+    assert no_signal_cause(rewards, names, cut, 8) == (
+        "50% of the completions were cut at generation.max_new_tokens=8 (raise it, or shorten the answers the "
+        "prompt asks for); reward 'format' gave every completion 0")
+    # Below half cut, truncation is not named; no constant function: the rewards differ between prompts only.
+    assert no_signal_cause(rewards[:, 1:], names[1:], torch.tensor([True, False, False, False]), 8) == (
+        "each prompt's completions got equal rewards, different between prompts")
+    assert constant_value(torch.tensor([NAN, NAN])) is not None and math.isnan(constant_value(torch.tensor([NAN, NAN])))
+    assert constant_value(torch.tensor([NAN, 1.0])) is None
+
+
+def test_constant_reward_watch():
+    watch = ConstantRewardWatch(patience=3)
+    ones, mixed = torch.tensor([[1.0, 0.0], [1.0, 1.0]]), torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    said = [watch.observe(b, ("a", "b")) for b in (ones, ones, mixed, ones, ones, ones, ones)]
+    # "a" is 1 in every batch: named at the third, and only once; "b" is constant in one batch only
+    # (mixed), which is not a run of three.
+    assert [len(s) for s in said] == [0, 0, 1, 0, 0, 0, 0]
+    assert said[2] == ["reward 'a' gave every completion 1 in each of the last 3 batches: it adds nothing to the "
+                       "advantages (a constant function, or a task the model never solves)"]
+    # A change of value starts the count again; NaN (no reward) is no value.
+    fresh = ConstantRewardWatch(patience=2)
+    assert fresh.observe(torch.tensor([[1.0]]), ("c",)) == []
+    assert fresh.observe(torch.tensor([[2.0]]), ("c",)) == []
+    assert fresh.observe(torch.tensor([[NAN]]), ("c",)) == []
+    assert fresh.observe(torch.tensor([[2.0]]), ("c",)) == []
+    assert len(fresh.observe(torch.tensor([[2.0]]), ("c",))) == 1
+
+
+def _train(tiny_model_dir, out, caplog, rewards, *extra, steps=3, max_new_tokens=8):
+    args = tiny_overrides(tiny_model_dir, out, rewards=rewards, steps=steps, max_new_tokens=max_new_tokens,
+                          extra=["training.learning_rate=0.01", "logging.report_to=[tensorboard]", *extra])
+    with caplog.at_level(logging.WARNING, logger="maxent_grpo"):
+        assert main(["train", *args]) == 0
+    return [r.getMessage() for r in caplog.records]
+
+
+def _tracker_lines(out):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    return [e.tensor_proto.string_val[0].decode() for e in events.Tensors("warnings/text_summary")]
+
+
+def test_every_completion_cut_at_the_length_limit_is_named(tiny_model_dir, tmp_path, caplog):
+    """Two new tokens: the tiny model almost never ends that soon, and a cut answer has no format."""
+    out = tmp_path / "run"
+    lines = _train(tiny_model_dir, out, caplog, "[{name: format}]", max_new_tokens=2, steps=1)
+    said = [x for x in lines if x.startswith("no learning signal")]
+    assert len(said) == 1
+    assert "of the completions were cut at generation.max_new_tokens=2" in said[0]
+    assert "reward 'format' gave every completion 0" in said[0]
+    assert any(said[0] in text for text in _tracker_lines(out))
+
+
+def test_a_reward_equal_for_every_completion_is_named(tiny_model_dir, tmp_path, caplog):
+    out = tmp_path / "run"
+    lines = _train(tiny_model_dir, out, caplog, "[{name: 'learnable_rewards:always_one'}]", steps=1)
+    said = [x for x in lines if x.startswith("no learning signal")]
+    assert len(said) == 1 and "reward 'learnable_rewards:always_one' gave every completion 1" in said[0]
+    assert said[0].endswith("(1 such batches so far; skipped/no_signal in metrics.jsonl)")
+
+
+def test_a_constant_reward_beside_a_varying_one_is_named_once(tiny_model_dir, tmp_path, caplog):
+    """even_first_token varies within groups (a signal every step); always_one adds nothing."""
+    out = tmp_path / "run"
+    lines = _train(tiny_model_dir, out, caplog,
+                   "[{name: 'learnable_rewards:even_first_token'}, {name: 'learnable_rewards:always_one'}]", steps=4)
+    constant = [x for x in lines if x.startswith("reward ")]
+    assert constant == ["reward 'learnable_rewards:always_one' gave every completion 1 in each of the last 3 batches: it adds nothing to "
+                        "the advantages (a constant function, or a task the model never solves)"]
+    assert not any(x.startswith("no learning signal") for x in lines)
+    assert constant[0] in _tracker_lines(out)[0]

@@ -110,7 +110,7 @@ def test_serve_prints_the_server_command(tiny_model_dir, capsys):
                  "--max-num-seqs", "16"]) == 0
     line = capsys.readouterr().out.strip()
     assert line.startswith("VLLM_SERVER_DEV_MODE=1 ")
-    for part in ("-m vllm.entrypoints.openai.api_server", f"--model {tiny_model_dir}", "--port 8123",
+    for part in (f"-m maxent_grpo.rollout.vllm_serve {tiny_model_dir}", "--port 8123",
                  "--logprobs-mode processed_logprobs", "--max-num-seqs 16"):
         assert part in line
 

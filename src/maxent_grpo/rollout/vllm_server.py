@@ -1,7 +1,7 @@
 """Generation by a vLLM server (``generation.backend: vllm_server``): a thin client of vLLM's own API.
 
 The server is vLLM's OpenAI-compatible server, started by ``maxent-grpo serve``
-(``python -m vllm.entrypoints.openai.api_server`` with the flags this client
+(``vllm serve`` with the flags this client
 relies on: ``--logprobs-mode processed_logprobs`` and ``VLLM_SERVER_DEV_MODE=1``
 for the ``/collective_rpc`` and ``/reset_prefix_cache`` endpoints). We write no
 server of our own.
@@ -66,13 +66,13 @@ def server_command(
 ) -> tuple[list[str], dict[str, str]]:
     """The command and environment that start vLLM's server the way this client expects it.
 
-    ``python -m vllm.entrypoints.openai.api_server`` rather than the ``vllm``
-    command, which fails on vLLM's CPU build (a package-metadata lookup);
+    ``vllm serve`` through :mod:`maxent_grpo.rollout.vllm_serve`, which also runs it on vLLM's CPU
+    build (where the ``vllm`` command fails at a package-metadata lookup);
     ``VLLM_SERVER_DEV_MODE=1`` turns on ``/collective_rpc`` and ``/reset_prefix_cache``;
     ``cpu_kv_cache_gib`` sets the CPU build's ``VLLM_CPU_KVCACHE_SPACE``.
     """
     cmd = [
-        python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
+        python, "-m", "maxent_grpo.rollout.vllm_serve", str(model_path),
         "--host", host, "--port", str(port), "--dtype", dtype, "--logprobs-mode", "processed_logprobs",
         *extra,
     ]

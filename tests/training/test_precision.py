@@ -197,3 +197,17 @@ def test_a_lora_base_is_stored_in_the_compute_dtype_and_its_adapters_train_in_fl
 ])
 def test_adamw_is_fused_on_cuda_for_unsharded_parameters(sets, cuda, fused):
     assert _plan(False, cuda, **sets).optimizer.fused is fused
+
+
+@pytest.mark.parametrize("optimizer, cuda, fused", [
+    ("adamw_fused", False, True),  # torch's fused kernel on the CPU too, when asked for
+    ("adamw_8bit", True, False),  # bitsandbytes' own kernel
+])
+def test_the_optimizer_setting_names_the_optimizer(optimizer, cuda, fused):
+    plan = _plan(False, cuda, **{"training.optimizer": optimizer})
+    assert (plan.optimizer.name, plan.optimizer.fused) == (optimizer, fused)
+
+
+def test_a_non_default_optimizer_with_sharded_parameters_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match="^training.optimizer: adamw_8bit is not supported with training.strategy fsdp2"):
+        _plan(False, True, **{"training.strategy": "fsdp2", "training.optimizer": "adamw_8bit"})

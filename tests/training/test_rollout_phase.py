@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from maxent_grpo.training.pipeline import prepare_training_batch
+from maxent_grpo.training.pipeline import finish_batch, produce_rollouts
 from maxent_grpo.training.setup import build_run
 from maxent_grpo.training.validation import validate
 from tiny_runs import compiled, tiny_overrides
@@ -55,7 +55,8 @@ def test_a_step_is_one_phase_around_every_round_and_an_evaluation_is_another(tin
     try:
         recorder = PhaseRecorder(run.ctx.backend)
         run.ctx.backend = recorder
-        assert prepare_training_batch(run.ctx, run.sampler.next_batch(), run.sampler.next_batch) is None
+        record = produce_rollouts(run.ctx, run.sampler.next_batch(), run.sampler.next_batch, step=0, version=0)
+        assert finish_batch(run.ctx, record) is None
         assert run.ctx.skips["dynamic_sampling"] == 1
         assert recorder.phases == [[2, 2, 2]]  # three rounds of the step's 2 prompts, one phase
         validate(run, 1)

@@ -140,6 +140,7 @@ def test_trl_loss_types_become_our_method_and_aggregation(loss_type, method, agg
     ({"max_steps": -1, "num_train_epochs": 2.5}, "num_train_epochs: 2.5: here a run is whole passes over the data"),
     ({"num_iterations": 3}, "max_steps: 4 updates is not a multiple of num_iterations 3"),
     ({"deepspeed": "ds.json"}, "deepspeed: 'ds.json' is refused: no DeepSpeed here"),
+    ({"optim": "adafactor"}, "optim: 'adafactor' is refused: here training.optimizer is adamw, adamw_fused or adamw_8bit"),
     ({"per_device_train_batchsize": 8}, "per_device_train_batchsize: not a field of TRL's GRPOConfig"),
 ])
 def test_a_refused_field_is_named_in_one_line(fields, problem):
@@ -149,6 +150,14 @@ def test_a_refused_field_is_named_in_one_line(fields, problem):
         convert({**base, **fields})
     assert str(err.value).startswith(problem)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("optim, ours", [("adamw_torch", "adamw"), ("adamw_torch_fused", "adamw"),
+                                         ("adamw_8bit", "adamw_8bit"), ("adamw_bnb_8bit", "adamw_8bit")])
+def test_trls_optim_becomes_the_optimizer(optim, ours):
+    keys, _ = convert({"model_name_or_path": "m", "dataset_name": "d", "reward_funcs": ["think_format_reward"],
+                       "max_steps": 4, "optim": optim})
+    assert keys["training.optimizer"] == ours
 
 
 def test_trls_defaults_are_accepted_where_a_refused_field_asks_for_nothing():

@@ -18,7 +18,6 @@ from maxent_grpo.core.bounds import require
 from maxent_grpo.core.losses import (
     check_advantages,
     clip_metrics,
-    ClipSettings,
     LossMetric,
     policy_token_term,
     PolicyInputs,

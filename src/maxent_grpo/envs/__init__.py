@@ -9,8 +9,7 @@ from maxent_grpo.envs.protocol import (
     ENVIRONMENTS,
     Environment,
     StepResult,
-    get_environment,
     register_environment,
 )
 
-__all__ = ["ENVIRONMENT_COLUMN", "ENVIRONMENTS", "Environment", "StepResult", "get_environment", "register_environment"]
+__all__ = ["ENVIRONMENT_COLUMN", "ENVIRONMENTS", "Environment", "StepResult", "register_environment"]

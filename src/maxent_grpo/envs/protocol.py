@@ -80,12 +80,6 @@ def register_environment(name: str) -> Callable[[EnvironmentFactory], Environmen
     return deco
 
 
-def get_environment(name: str) -> EnvironmentFactory:
-    if name not in ENVIRONMENTS:
-        raise KeyError(f"no environment {name!r}; registered: {', '.join(sorted(ENVIRONMENTS)) or 'none'}")
-    return ENVIRONMENTS[name]
-
-
 @dataclass(frozen=True)
 class RowEnvironments:
     """Which environment each dataset row plays: its ``environment`` column, else ``default``."""

@@ -44,7 +44,8 @@ class VllmConfig:
     weight_sync: Literal["disk"] = field(default="disk", metadata={"help": (
         "vllm_server: disk (a safetensors folder the server reads); the only sync offered: NCCL transfer "
         "needs CUDA on trainer and server, untestable here (docs/VLLM.md)")})
-    # Folder the disk sync writes into (null: OUTPUT_DIR/vllm_weights); the server must read it.
+    # Folder the disk sync writes into; the server must read it. null: /dev/shm for a server on this
+    # machine (vllm_server.shared_memory_sync_dir), else OUTPUT_DIR/vllm_weights.
     sync_dir: str | None = field(default=None, metadata={"help": (
         "vllm_server disk sync: folder for the weights (null = /dev/shm for a server on this machine, "
         "else OUTPUT_DIR/vllm_weights)")})

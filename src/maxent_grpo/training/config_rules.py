@@ -92,6 +92,9 @@ def check_run(cfg: TrainConfig, machine: Machine, master: str) -> None:
     require(g.compile is not True or not strategy.collective_forward, "generation.compile",
             f"true is not supported with training.strategy {strategy.name}: each sharded forward gathers the "
             f"weights from every process, which the compiled step does not trace; set it to false or auto")
+    require(t.optimizer == "adamw" or not strategy.collective_forward, "training.optimizer",
+            f"{t.optimizer} is not supported with training.strategy {strategy.name} (sharded DTensor "
+            "parameters); use adamw")
     require(cfg.eval.every_steps == 0 or cfg.data.eval_size > 0, "eval.every_steps",
             "in-loop validation needs a held-out split: set data.eval_size > 0")
     _check_teacher(cfg)

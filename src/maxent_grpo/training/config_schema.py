@@ -228,6 +228,10 @@ class TrainingConfig:
     micro_batch_size: int = field(default=8, metadata={"help": (
         "sequences per forward/backward (gradient accumulation splits the step)")})
     learning_rate: float = field(default=1e-5, metadata={"help": "AdamW learning rate"})
+    optimizer: Literal["adamw", "adamw_fused", "adamw_8bit"] = field(default="adamw", metadata={"help": (
+        "adamw (torch's; its fused kernel on CUDA for unsharded parameters), adamw_fused (torch's fused "
+        "kernel on any device), adamw_8bit (bitsandbytes' AdamW8bit: the moments in 8 bits, CPU and CUDA; "
+        "pip install 'maxent-grpo[optim8bit]')")})
     lr_scheduler: Literal["constant", "linear", "cosine"] = field(default="constant", metadata={"help": (
         "constant, linear or cosine (after warm-up)")})
     warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps"})

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from maxent_grpo.data.datasets import load_prompt_dataset, split_train_eval
-from maxent_grpo.data.prompts import FewShotExample
 from maxent_grpo.envs import ENVIRONMENT_COLUMN
 from maxent_grpo.envs.episodes import EpisodeLimits, EpisodePlay
 from maxent_grpo.envs.settings import EnvironmentConfig, row_environments
@@ -32,8 +31,6 @@ class DataPlan:
     instruction: str | None
     prompt_column: str
     answer_column: str
-    system_prompt: str | None
-    few_shot: tuple[FewShotExample, ...]
     eval_size: int
     num_epochs: int | None
     shuffle: bool

@@ -1,11 +1,12 @@
-"""Batch preparation (seed ``maxent_grpo.training.pipeline``).
+"""Batch preparation (seed ``maxent_grpo.training.pipeline``), in two halves.
 
-``prepare_training_batch`` runs, in order: generation (with retries and, for
-DAPO, dynamic sampling), rewards, reward statistics (advantages, q, SEED
-scales), the optional reward-side entropy bonus, reference scoring, and the
-method's weighting; it returns a :class:`PreparedBatch`, or ``None`` when a
-stage failed (the reason is counted in ``ctx.skips`` and logged). Any failure
-inside a stage raises :class:`SkipBatch`; nothing is silently trained on.
+:func:`produce_rollouts` (the producer, run by the rollout queue now or ``rollout.max_staleness``
+steps ahead): generation (with retries and, for DAPO, dynamic sampling) and rewards, into a
+:class:`RolloutRecord`. :func:`finish_batch` (the trainer, at the step): reward statistics
+(advantages, q, SEED scales), the optional reward-side entropy bonus, reference scoring and the
+method's weighting; it returns a :class:`PreparedBatch`, or ``None`` when a stage failed (the reason
+is counted in ``ctx.skips`` and logged). Any failure inside a stage raises :class:`SkipBatch`;
+nothing is silently trained on.
 """
 
 from __future__ import annotations
@@ -102,12 +103,6 @@ class PreparedBatch:
     extra_columns: dict[str, list] = field(default_factory=dict)  # the reward functions' log_extra columns
     teacher_logps: torch.Tensor | None = None  # [N, T] the teacher's (on-policy distillation)
     grades: Grades = field(default_factory=Grades)  # the batch's modebench grades (replay admission reads them)
-
-    @property
-    def grouped_completions(self) -> list[list[str]]:
-        g = self.rollout.num_generations
-        texts = self.rollout.completion_texts
-        return [texts[i : i + g] for i in range(0, len(texts), g)]
 
     @property
     def has_signal(self) -> bool:
@@ -339,16 +334,6 @@ def complete_rollouts(
     timings["time/generate"] = time.perf_counter() - started - timings["time/reward"]
     return RolloutRecord(step=step, version=version, rows=rows, rollout=rollout, rewards=per_fn, stats=stats,
                          timings=timings, extra_columns=columns, grades=grades)
-
-
-def prepare_training_batch(
-    ctx: PipelineContext,
-    rows: list[dict],
-    more_rows: Callable[[], list[dict]] | None = None,
-) -> PreparedBatch | None:
-    """Return a :class:`PreparedBatch`, or ``None`` when a stage failed (counted in ``ctx.skips``):
-    the synchronous path, sampled by the current weights."""
-    return finish_batch(ctx, produce_rollouts(ctx, rows, more_rows, step=0, version=0))
 
 
 def finish_batch(ctx: PipelineContext, record: RolloutRecord) -> PreparedBatch | None:

@@ -287,7 +287,7 @@ def compile_run(cfg: TrainConfig, machine: Machine) -> RunPlan:
         data=DataPlan(
             source=d.source, split=d.split, size=d.size, seed=t.seed, task_kwargs=dict(d.task_kwargs),
             instruction=d.instruction, prompt_column=d.prompt_column, answer_column=d.answer_column,
-            system_prompt=d.system_prompt, few_shot=tuple(d.few_shot), eval_size=d.eval_size,
+            eval_size=d.eval_size,
             num_epochs=d.num_epochs, shuffle=d.shuffle, environment=cfg.environment, episodes=episodes,
         ),
         model=ModelPlan(
@@ -306,7 +306,9 @@ def compile_run(cfg: TrainConfig, machine: Machine) -> RunPlan:
             learning_rate=t.learning_rate, lr_scheduler=t.lr_scheduler, warmup_steps=t.warmup_steps,
             warmup_ratio=t.warmup_ratio, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2),
             total_updates=None,
-            fused=machine.cuda and not STRATEGIES[t.strategy].collective_forward,
+            name=t.optimizer,
+            fused=t.optimizer == "adamw_fused" or (
+                t.optimizer == "adamw" and machine.cuda and not STRATEGIES[t.strategy].collective_forward),
         ),
         rollout=cfg.rollout,
         schedule=Schedule(

@@ -35,7 +35,8 @@ class ModelPlan:
 
 @dataclass(frozen=True)
 class OptimizerPlan:
-    """AdamW and its learning-rate schedule over every update of the run."""
+    """The optimizer (AdamW: torch's, fused or not, or bitsandbytes' 8-bit) and its learning-rate
+    schedule over every update of the run."""
 
     learning_rate: float
     lr_scheduler: str
@@ -44,6 +45,7 @@ class OptimizerPlan:
     weight_decay: float
     betas: tuple[float, float]
     total_updates: int | None  # max_steps x num_iterations; None until the run's length is known
+    name: str  # training.optimizer: adamw, adamw_fused or adamw_8bit (bitsandbytes' AdamW8bit)
     # torch's fused AdamW kernel (a few launches a step, as TRL's adamw_torch_fused): on CUDA, for
     # parameters that are not sharded (compile_run decides).
     fused: bool
@@ -97,8 +99,16 @@ def build_optimizer(model: torch.nn.Module, o: OptimizerPlan) -> tuple[torch.opt
         # no decay, so checkpoints of earlier runs (one group) still resume.
         params = [{"params": [p for p in trained if p.ndim >= 2]},
                   {"params": [p for p in trained if p.ndim < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(params, lr=o.learning_rate, betas=o.betas, weight_decay=o.weight_decay,
-                                  fused=o.fused or None)
+    if o.name == "adamw_8bit":
+        # The moments in 8 bits (block-wise quantised; tensors under 4096 elements stay 32-bit), on the
+        # CPU and CUDA. Imported here: bitsandbytes is an optional dependency.
+        import bitsandbytes
+
+        optimizer = bitsandbytes.optim.AdamW8bit(params, lr=o.learning_rate, betas=o.betas,
+                                                 weight_decay=o.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=o.learning_rate, betas=o.betas, weight_decay=o.weight_decay,
+                                      fused=o.fused or None)
     lr_scheduler = get_scheduler(
         {"constant": "constant_with_warmup"}.get(o.lr_scheduler, o.lr_scheduler),
         optimizer, num_warmup_steps=o.warmup_steps, num_training_steps=o.total_updates,

@@ -133,6 +133,19 @@ def _save(value, f) -> dict:
     return {"checkpoint.save_steps": _updates_to_steps("save_steps", value, f), "checkpoint.save_minutes": 0.0}
 
 
+# TRL's (transformers') optim values -> training.optimizer. Our adamw takes the fused kernel wherever
+# transformers' adamw_torch_fused would (CUDA) unless the parameters are sharded.
+_OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_8bit": "adamw_8bit",
+               "adamw_bnb_8bit": "adamw_8bit"}
+
+
+def _optim(value, f) -> dict:
+    if value not in _OPTIMIZERS:
+        raise _fail("optim", f"{value!r} is refused: here training.optimizer is adamw, adamw_fused or adamw_8bit "
+                    f"(TRL's {', '.join(_OPTIMIZERS)})")
+    return {"training.optimizer": _OPTIMIZERS[value]}
+
+
 _SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"}
 
 
@@ -379,7 +392,8 @@ TRAINING_ARGUMENTS_FIELDS: dict[str, Mapped | Refused | Ignored] = {
     "adam_beta2": _same("training.adam_beta2", 0.999),
     "adam_epsilon": Refused("AdamW's epsilon is fixed at 1e-8 here", (1e-8,)),
     "max_grad_norm": Mapped(1.0, "training.max_grad_norm", _key("training.max_grad_norm", _max_grad_norm), "0: null (off)"),
-    "optim": Refused("the optimizer is torch's AdamW here (its fused kernel on CUDA)", ("adamw_torch", "adamw_torch_fused")),
+    "optim": Mapped("adamw_torch_fused", "training.optimizer", _optim,
+                    "adamw_torch(_fused): adamw (fused on CUDA where unsharded); adamw_8bit / adamw_bnb_8bit: adamw_8bit"),
     "seed": _same("training.seed", 42),
     "data_seed": Refused("the data order follows training.seed here"),
     "bf16": Mapped(None, "training.autocast_bf16", _key("training.autocast_bf16", lambda v: "auto" if v is None else v),

@@ -97,14 +97,6 @@ class RewardComputation:
         return self.q.shape[0]
 
     @property
-    def q_grouped(self) -> torch.Tensor:
-        return self.q
-
-    @property
-    def advantages_grouped(self) -> torch.Tensor:
-        return self.advantages.view(-1, self.num_generations)
-
-    @property
     def frac_zero_std(self) -> float:
         return float(self.zero_std.to(torch.float64).mean())
 

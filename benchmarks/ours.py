@@ -106,6 +106,7 @@ def ours_config(setting: BenchSetting, model_dir: Path, extra: dict | None = Non
             "prompts_per_step": setting.prompts_per_step,
             "micro_batch_size": setting.micro_batch_size,
             "learning_rate": setting.learning_rate,
+            "optimizer": setting.optimizer,
             "lr_scheduler": "constant",
             "weight_decay": 0.0,
             "adam_beta1": 0.9,

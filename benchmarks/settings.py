@@ -31,6 +31,9 @@ class BenchSetting:
     beta: float = 0.0
     loss_type: str = "dapo"
     learning_rate: float = 1e-6
+    # The optimizer on every side: adamw (ours: training.optimizer adamw; TRL: adamw_torch_fused, its
+    # default) or adamw_8bit (bitsandbytes' AdamW8bit on both: ours adamw_8bit, TRL adamw_bnb_8bit).
+    optimizer: str = "adamw"
     bf16: bool = False  # weights (and compute) in bfloat16 on every side
     seed: int = 0  # data (reasoning-gym), sampling and training seed
     steps: int = 3  # optimizer steps per run; the first is the warm-up
@@ -150,6 +153,7 @@ def add_setting_args(parser) -> None:
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--micro-batch-size", type=int)
     parser.add_argument("--learning-rate", type=float)
+    parser.add_argument("--optimizer", choices=("adamw", "adamw_8bit"), help="the optimizer on every side")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                         help="activation checkpointing on every side")
@@ -159,7 +163,7 @@ def add_setting_args(parser) -> None:
 
 def setting_from_args(args) -> BenchSetting:
     fields = ("task", "beta", "bf16", "loss_type", "steps", "dataset_size", "prompts_per_step",
-              "num_generations", "max_new_tokens", "micro_batch_size", "learning_rate", "seed",
+              "num_generations", "max_new_tokens", "micro_batch_size", "learning_rate", "optimizer", "seed",
               "gradient_checkpointing")
     overrides = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
     setting = PRESETS[args.setting].replace(**overrides)

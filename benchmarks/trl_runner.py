@@ -58,7 +58,7 @@ def grpo_config_kwargs(setting: BenchSetting, output_dir: str) -> dict:
         reward_weights=[w for _, w in setting_rewards(setting.digest_reward)],
         learning_rate=setting.learning_rate,
         lr_scheduler_type="constant",
-        optim="adamw_torch_fused",
+        optim={"adamw": "adamw_torch_fused", "adamw_8bit": "adamw_bnb_8bit"}[setting.optimizer],
         weight_decay=0.0,
         adam_beta1=0.9,
         adam_beta2=0.999,

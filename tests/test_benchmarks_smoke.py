@@ -533,3 +533,17 @@ def test_backend_learning_counts_bare_zero_reward_answers_and_dips(tmp_path):
     assert lines[0] == "hf:0: 0/2 runs dip below 0.2; step-1 bare answers 1/64"
     assert lines[1].startswith("vllm:0: 1/2 runs dip below 0.2; step-1 bare answers 5/64 (hf: 0/2, Fisher p 1;")
     assert lines[2] == "vllm:1: 1/1 runs dip below 0.2; step-1 bare answers 0/32"  # no hf run at max_staleness 1
+
+
+def test_optimizer_table_counts_each_state(tiny_model_dir, capsys):
+    """benchmarks/optimizers.py on the tiny model: AdamW's state is 8 bytes a parameter (two float32
+    moments), the 8-bit one's about a quarter of that (tensors under 4096 elements stay 32-bit)."""
+    from benchmarks.optimizers import main as optimizers_main
+
+    assert optimizers_main(["--model", str(tiny_model_dir), "--rounds", "2"]) == 0
+    rows = {line.split("|")[1].strip(): line.split("|")[2:5] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| adamw")}
+    assert set(rows) == {"adamw", "adamw_fused", "adamw_8bit"}
+    per_param = {name: float(cells[1]) for name, cells in rows.items()}
+    assert per_param["adamw"] == per_param["adamw_fused"] == 8.0
+    assert 2.0 <= per_param["adamw_8bit"] < 4.0

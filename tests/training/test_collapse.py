@@ -114,5 +114,6 @@ def test_a_collapsing_run_is_warned_on_the_console_and_in_the_tracker(tiny_model
     events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
     assert [e.step for e in events.Scalars("warnings/collapse")][0] == first
-    text = events.Tensors("warnings/text_summary")
-    assert text[0].step == first and lines[0] in text[0].tensor_proto.string_val[0].decode()
+    # The warnings table holds every warning of the run (a batch without signal may come first).
+    tables = {e.step: e.tensor_proto.string_val[0].decode() for e in events.Tensors("warnings/text_summary")}
+    assert lines[0] in tables[first]

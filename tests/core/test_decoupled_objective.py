@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from maxent_grpo.core.logprobs import Scoring
-from maxent_grpo.core.losses import LOSS_AGGREGATIONS, ListwiseParams
+from maxent_grpo.core.listwise import ListwiseParams
+from maxent_grpo.core.losses import LOSS_AGGREGATIONS
 from maxent_grpo.core.peer_losses import DppoParams, GmpoParams
 from maxent_grpo.core.rollout_correction import ROLLOUT_CORRECTIONS, mismatch_metrics, rollout_correction_weights
 from maxent_grpo.core.step import POLICY_LOSSES

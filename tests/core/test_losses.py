@@ -8,12 +8,14 @@ from maxent_grpo.core.losses import (
     LOSS_AGGREGATIONS,
     POLICY_LOSSES,
     ClipSettings,
-    ListwiseParams,
     PolicyInputs,
     StepNormalizer,
     aggregate,
     clipped_surrogate,
     kl_penalty,
+)
+from maxent_grpo.core.listwise import (
+    ListwiseParams,
     listwise_centered_mle,
     listwise_cross_entropy,
     listwise_weighted_mle,

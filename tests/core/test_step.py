@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from maxent_grpo.core.bounds import SpecError
-from maxent_grpo.core.losses import ClipSettings, ListwiseParams
+from maxent_grpo.core.listwise import ListwiseParams
+from maxent_grpo.core.losses import ClipSettings
 from maxent_grpo.core.logprobs import Scoring
 from maxent_grpo.core.step import Comm, LossSpec, grpo_step
 

@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from maxent_grpo.core.losses import POLICY_LOSSES, ListwiseParams
+from maxent_grpo.core.listwise import ListwiseParams
+from maxent_grpo.core.losses import POLICY_LOSSES
 from maxent_grpo.core.step import LossSpec
 from maxent_grpo.methods import METHODS, PlanInputs, get_method, method_sections
 from maxent_grpo.methods.registry import Method, register

@@ -176,7 +176,7 @@ def test_the_cli_refuses_before_any_model_loads(tmp_path, capsys):
                     "reward_funcs: [think_format_reward]\nmin_p: 0.1\n")
     assert main(["train", "--from-trl", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["maxent-grpo: config error: min_p: 0.1 is refused: min-p sampling is not implemented here"]
+    assert err == ["maxent-grpo: config error: min_p: 0.1 is refused: the samplers here have no min-p cut (top_p and top_k only)"]
 
 
 def test_the_doc_table_is_the_generated_one():

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from maxent_grpo.core import peer_losses  # noqa: F401  (registers SAPO, GMPO, DPPO, OPSM)
+from maxent_grpo.core import listwise, peer_losses  # noqa: F401  (registers the listwise losses, SAPO, GMPO, DPPO, OPSM)
 from maxent_grpo.core.bounds import require
 from maxent_grpo.core.distill import DistillTerm, distill_token_loss, teacher_kl
 from maxent_grpo.core.entropy_terms import (

@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 
-from maxent_grpo.core.losses import ListwiseParams
+from maxent_grpo.core.listwise import ListwiseParams
 from maxent_grpo.methods.registry import Method, MethodTargets, PlanInputs, TargetInputs, register
 from maxent_grpo.rewards.maxent import ReferenceLogprobs, compute_weight_stats
 

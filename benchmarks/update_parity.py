@@ -177,7 +177,7 @@ def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def ours_step(case: Case, model, tokenizer, rollouts: Rollouts) -> Outcome:
     """``case.steps`` steps of our trainer's code on ``rollouts`` (``model`` is changed in place)."""
     from maxent_grpo.core.advantages import compute_advantages
-    from maxent_grpo.core.step import MicroBatch, OptimizerUpdate, grpo_step
+    from maxent_grpo.core.step import MicroBatch, OptimizerUpdate, StepHooks, grpo_step
     from maxent_grpo.rollout.backend import RolloutBatch, pack_rollout
     from maxent_grpo.training.config import load_config
     from maxent_grpo.training.plan import compile_run
@@ -219,7 +219,8 @@ def ours_step(case: Case, model, tokenizer, rollouts: Rollouts) -> Outcome:
     update = OptimizerUpdate(max_grad_norm=plan.max_grad_norm, lr_scheduler=scheduler)
     with _optimizer_probe(model, seen):
         for _ in range(case.steps):  # the same rollouts again: on-policy at the new weights, as TRL regenerates them
-            result = grpo_step(model, optimizer, micro_batches, plan.method.loss, plan.scoring, update=update)
+            result = grpo_step(model, optimizer, micro_batches, plan.method.loss, plan.scoring,
+                               hooks=StepHooks(update=update))
     after = _params(model)
     return Outcome(
         delta=_flat(model, {n: after[n].double() - before[n].double() for n in after}),

@@ -43,7 +43,7 @@ def main(model_dir: str, out_path: str) -> None:
 
 def _compare(d, device: torch.device, model_dir: str, out_path: str) -> None:
     from maxent_grpo.core.logprobs import Scoring
-    from maxent_grpo.core.step import Comm, OptimizerUpdate, grpo_step
+    from maxent_grpo.core.step import Comm, grpo_step
     from maxent_grpo.training.distributed import DataParallelPolicy, ddp_gradient_sync
     from maxent_grpo.training.sharding import fsdp2_gradient_sync, full_state_dict, shard_model
 
@@ -55,7 +55,7 @@ def _compare(d, device: torch.device, model_dir: str, out_path: str) -> None:
 
     def train(model, train_model, gradient_sync) -> None:
         grpo_step(train_model, torch.optim.SGD(model.parameters(), lr=1.0), mine, spec(beta=0.05, loss_type="dapo"),
-                  scoring, comm=Comm(d.world_size, d.all_reduce_sum, gradient_sync), update=OptimizerUpdate())
+                  scoring, comm=Comm(d.world_size, d.all_reduce_sum, gradient_sync))
 
     plain = copy.deepcopy(base).to(device)
     before = {k: v.detach().cpu().clone() for k, v in plain.state_dict().items()}

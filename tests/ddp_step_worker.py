@@ -15,7 +15,7 @@ import torch
 from maxent_grpo.core.logprobs import Scoring, get_per_token_logps_and_entropies
 from maxent_grpo.core.losses import ClipSettings
 from maxent_grpo.core.replay import ReplayBatch, replay_layout, replay_scale
-from maxent_grpo.core.step import Comm, LossSpec, MicroBatch, OptimizerUpdate, grpo_step
+from maxent_grpo.core.step import Comm, LossSpec, MicroBatch, OptimizerUpdate, StepHooks, grpo_step
 
 PROMPT_LEN = 5
 COMPLETION_LEN = 7
@@ -92,7 +92,7 @@ def step(model, optimizer, mbs, *, share_prompts: bool = True, temperature: floa
          max_grad_norm: float | None = None, lr_scheduler=None, comm: Comm = Comm(), **loss):
     """``grpo_step`` with the loss given as flat keyword arguments (:func:`spec`)."""
     return grpo_step(model, optimizer, mbs, spec(**loss), Scoring(temperature=temperature, share_prompts=share_prompts),
-                     comm=comm, update=OptimizerUpdate(max_grad_norm, lr_scheduler))
+                     comm=comm, hooks=StepHooks(OptimizerUpdate(max_grad_norm, lr_scheduler)))
 
 
 def rank_micro_batches(rows: dict[str, torch.Tensor], rank: int, world: int) -> list[MicroBatch]:
@@ -147,7 +147,7 @@ def main(model_dir: str, out_path: str) -> None:
     result = grpo_step(ddp, torch.optim.SGD(ddp.parameters(), lr=1.0), mine,
                        spec(beta=0.0, loss_type="dr_grpo", max_completion_length=COMPLETION_LEN),
                        Scoring(share_prompts=False), comm=Comm(world, all_reduce_sum, ddp_gradient_sync(ddp)),
-                       update=OptimizerUpdate(), replay=replay_batch())
+                       replay=replay_batch())
     saved["replay"] = {"grads": [b - p.detach() for b, p in zip(before, model.parameters())], "loss": result.loss,
                        "metrics": result.metrics}
     if rank == 0:

@@ -14,7 +14,7 @@ import torch
 
 from maxent_grpo.core.logprobs import Scoring, get_per_token_logps_and_entropies
 from maxent_grpo.core.packing import pack_plan, packed_inputs, unpack_completion
-from maxent_grpo.core.step import OptimizerUpdate, grpo_step
+from maxent_grpo.core.step import grpo_step
 from maxent_grpo.methods import METHODS
 from tiny_runs import compiled
 
@@ -243,7 +243,7 @@ def test_every_method_steps_to_the_same_update_packed_or_padded(tiny_model_dir, 
         model = copy.deepcopy(base)
         before = [p.detach().clone() for p in model.parameters()]
         result = grpo_step(model, torch.optim.SGD(model.parameters(), lr=1.0), mbs, spec,
-                           Scoring(share_prompts=share, packing=packing), update=OptimizerUpdate(None, None))
+                           Scoring(share_prompts=share, packing=packing))
         return result, [b - p.detach() for b, p in zip(before, model.parameters())]
 
     (r_pack, g_pack), (r_pad, g_pad) = step(True), step(False)

@@ -4,6 +4,7 @@ control's update is the replay-off update bit for bit, and chunking does not cha
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import subprocess
@@ -15,7 +16,7 @@ import torch
 
 from maxent_grpo.core.logprobs import Scoring
 from maxent_grpo.core.replay import replay_scale
-from maxent_grpo.core.step import OptimizerUpdate, grpo_step
+from maxent_grpo.core.step import StepHooks, grpo_step
 
 _spec = importlib.util.spec_from_file_location("ddp_step_worker", Path(__file__).resolve().parents[1] / "ddp_step_worker.py")
 worker = importlib.util.module_from_spec(_spec)
@@ -36,7 +37,7 @@ def _update(model, replay=None):
     before = [p.detach().clone() for p in model.parameters()]
     result = grpo_step(model, torch.optim.SGD(model.parameters(), lr=1.0), worker.micro_batches(rows, [(0, 4), (4, 8)]),
                        worker.spec(beta=0.0, loss_type="dr_grpo", max_completion_length=worker.COMPLETION_LEN), Scoring(share_prompts=False),
-                       update=OptimizerUpdate(), replay=replay)
+                       replay=replay)
     return result, [b - p.detach() for b, p in zip(before, model.parameters())]
 
 
@@ -89,15 +90,18 @@ def test_the_control_is_the_replay_off_update_bit_for_bit(base_model):
 
 
 def test_the_replay_pass_is_the_trainers_to_time(base_model):
-    """``replay_pass`` runs the replay once per step (the trainer times it: ``replay/time_s``), and the
-    trainer's timed pass gives the update and metrics of the plain one, with its seconds counted."""
-    from maxent_grpo.training.loop import _timed_replay
+    """The step enters its hooks' ``"replay"`` phase once, around the replay, and its ``"update"`` phase
+    once, after every backward; the trainer's timer (``replay/time_s``, ``time/optimizer``) gives the
+    update and metrics of the untimed step, with its seconds counted."""
+    from maxent_grpo.training.loop import _timed_phase
 
-    seen, timings = [], {"replay/time_s": 0.0}
+    seen, timings = [], {"replay/time_s": 0.0, "time/optimizer": 0.0}
 
-    def timed(model, batch, scoring):
-        seen.append(batch)
-        return _timed_replay(model, batch, scoring, timings)
+    @contextlib.contextmanager
+    def timed(name):
+        seen.append(name)
+        with _timed_phase(torch.device("cpu"), 1, timings, name):
+            yield
 
     model = copy.deepcopy(base_model)
     rows = worker.build_rows(model)
@@ -105,8 +109,9 @@ def test_the_replay_pass_is_the_trainers_to_time(base_model):
     args = (worker.micro_batches(rows, [(0, 4), (4, 8)]),
             worker.spec(beta=0.0, loss_type="dr_grpo", max_completion_length=worker.COMPLETION_LEN),
             Scoring(share_prompts=False))
-    result = grpo_step(model, torch.optim.SGD(model.parameters(), lr=1.0), *args, replay=batch, replay_pass=timed)
-    assert seen == [batch] and timings["replay/time_s"] > 0.0
+    result = grpo_step(model, torch.optim.SGD(model.parameters(), lr=1.0), *args, replay=batch,
+                       hooks=StepHooks(phase=timed))
+    assert seen == ["replay", "update"] and timings["replay/time_s"] > 0.0 and timings["time/optimizer"] > 0.0
     plain, with_plain = _update(base_model, batch)
     assert {k: v for k, v in result.metrics.items() if k.startswith("replay/")} == {
         k: v for k, v in plain.metrics.items() if k.startswith("replay/")}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from maxent_grpo.core.logprobs import Scoring
-from maxent_grpo.core.step import OptimizerUpdate, grpo_step
+from maxent_grpo.core.step import StepHooks, grpo_step
 from maxent_grpo.training.host_memory import host_memory_release
 
 _spec = importlib.util.spec_from_file_location("ddp_step_worker", Path(__file__).resolve().parents[1] / "ddp_step_worker.py")
@@ -48,7 +48,7 @@ def test_release_returns_free_heap_pages_to_the_os():
     assert keep[0] == 1
 
 
-def test_between_passes_runs_before_each_forward_and_backward_and_changes_nothing(tiny_model_dir):
+def test_release_runs_before_each_forward_and_backward_and_changes_nothing(tiny_model_dir):
     base = worker.load_model(str(tiny_model_dir))
     rows = worker.build_rows(base)
     bounds = [(0, 2), (2, 4), (4, 6), (6, 8)]
@@ -66,8 +66,8 @@ def test_between_passes_runs_before_each_forward_and_backward_and_changes_nothin
         before = [p.detach().clone() for p in model.parameters()]
         result = grpo_step(
             model, torch.optim.SGD(model.parameters(), lr=1.0), worker.micro_batches(rows, bounds),
-            worker.spec(loss_type="dapo", beta=0.0), Scoring(share_prompts=True), update=OptimizerUpdate(),
-            between_passes=None if hook is None else counted_release,
+            worker.spec(loss_type="dapo", beta=0.0), Scoring(share_prompts=True),
+            hooks=StepHooks(release=None if hook is None else counted_release),
         )
         if hook is not None:
             assert len(calls) == 2 * len(bounds)  # before each micro-batch's forward and its backward

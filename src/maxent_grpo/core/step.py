@@ -7,6 +7,18 @@ gradients are accumulated by backward per micro-batch. Under DDP, which
 *averages* gradients over ranks, every contribution is multiplied by
 ``world_size`` so the result is the gradient of the sum.
 
+Each micro-batch is scored once (a :class:`~maxent_grpo.core.step_terms.TokenView`)
+and its loss is the sum of the step's terms (``core/step_terms.py``: policy, KL,
+distillation, entropy bonus), each adding its contribution and its logged totals;
+all totals cross ranks in one all-reduce.
+
+``replay`` (verified mode replay, ``core/replay.py``) adds ``scale * L_replay``
+once to the step's gradient. It runs before the fresh micro-batches, with the
+gradient reduction off: the gradients cross ranks once, in the last fresh
+backward, and the sum does not depend on the order. Every rank replays the same
+groups and the reduction averages, so the term counts once whatever the world
+size. Its metrics join the step's.
+
 What the step trains with is one :class:`LossSpec` (built once per run by
 ``training.plan.compile_run``); how the model is scored is one
 :class:`~maxent_grpo.core.logprobs.Scoring`; how it reaches other processes is
@@ -21,34 +33,34 @@ from typing import Callable, Sequence
 
 import torch
 
-from maxent_grpo.core import listwise, peer_losses  # noqa: F401  (registers the listwise losses, SAPO, GMPO, DPPO, OPSM)
+from maxent_grpo.core import listwise, peer_losses
 from maxent_grpo.core.bounds import require
-from maxent_grpo.core.distill import DistillTerm, distill_token_loss, teacher_kl
-from maxent_grpo.core.entropy_terms import (
-    check_top_entropy_quantile, entropy_bonus, top_entropy_mask, top_entropy_threshold,
-)
+from maxent_grpo.core.distill import DistillTerm
+from maxent_grpo.core.entropy_terms import check_top_entropy_quantile, top_entropy_threshold
 from maxent_grpo.core.logprobs import Scoring
 from maxent_grpo.core.losses import (
     POLICY_LOSSES,
     ClipSettings,
-    PolicyInputs,
+    LossMetric,
     StepNormalizer,
-    aggregate,
     check_aggregation,
     check_kl_estimator,
-    kl_penalty,
 )
 from maxent_grpo.core.replay import ReplayBatch, replay_backward
 from maxent_grpo.core.rollout_correction import (
-    correction_parts,
     MismatchSums,
     check_rollout_correction,
     check_seq_logprob_error_threshold,
-    seq_error_weights,
     combine_mismatch_sums,
+    correction_parts,
     rollout_correction_weights,
     rollout_mismatch_sums,
 )
+from maxent_grpo.core.step_terms import StepFacts, TermOut, TokenView, step_terms
+
+
+# Imported for their registrations in POLICY_LOSSES: the listwise losses, SAPO, GMPO, DPPO, OPSM.
+REGISTERING_MODULES = (listwise, peer_losses)
 
 
 @dataclass(frozen=True)
@@ -181,6 +193,10 @@ class Comm:
         if self.world_size > 1 and self.all_reduce_sum is None:
             raise ValueError("all_reduce_sum is required when world_size > 1 (the step's counts must be global)")
 
+    def sync(self, is_last: bool) -> AbstractContextManager:
+        """``gradient_sync(is_last)``, or nothing with one process."""
+        return nullcontext() if self.gradient_sync is None else self.gradient_sync(is_last)
+
 
 @dataclass(frozen=True)
 class StepResult:
@@ -196,27 +212,17 @@ class StepResult:
     mismatch: MismatchSums | None = None
 
 
-# The per-step sums every loss has, all-reduced together with the policy loss's own metrics.
-_SUMS = ("loss", "policy_loss", "kl", "entropy", "entropy_bonus", "distill_kl")
-
-
-def _check_micro_batches(micro_batches: Sequence[MicroBatch], spec: LossSpec) -> None:
+def _check_micro_batches(micro_batches: Sequence[MicroBatch], spec: LossSpec, terms) -> None:
     if len(micro_batches) == 0:
         raise ValueError("micro_batches must not be empty")
     g = micro_batches[0].num_generations
     for k, mb in enumerate(micro_batches):
         if mb.num_generations != g:
             raise ValueError(f"micro_batches[{k}].num_generations={mb.num_generations} != {g} of micro_batches[0]")
-        if spec.rollout_correction != "none" and mb.behaviour_logps is None:
-            raise ValueError(
-                f"micro_batches[{k}].behaviour_logps is required by rollout_correction={spec.rollout_correction!r}"
-            )
-        if spec.seq_logprob_error_threshold is not None and mb.behaviour_logps is None:
-            raise ValueError(f"micro_batches[{k}].behaviour_logps is required by seq_logprob_error_threshold")
-        if spec.beta > 0 and mb.ref_logps is None:
-            raise ValueError(f"micro_batches[{k}].ref_logps is required when beta > 0")
-        if spec.distill is not None and mb.teacher_logps is None:
-            raise ValueError(f"micro_batches[{k}].teacher_logps is required by the distillation term")
+        for term in terms:
+            for field, why in term.needs.items():
+                if getattr(mb, field) is None:
+                    raise ValueError(f"micro_batches[{k}].{field} is required by {why}")
         if spec.max_completion_length is not None and mb.completion_mask.shape[0] > 0:
             longest = int(mb.completion_mask.sum(-1).max())
             if longest > spec.max_completion_length:
@@ -274,6 +280,26 @@ class OptimizerUpdate:
         return grad_norm
 
 
+def _no_phase(name: str) -> AbstractContextManager:
+    return nullcontext()
+
+
+@dataclass(frozen=True)
+class StepHooks:
+    """What the trainer hooks into a step; the core keeps no clock and manages no host memory.
+
+    ``update`` applies the gradients (an :class:`OptimizerUpdate`) and returns their norm.
+    ``phase(name)`` is a context entered around the ``"replay"`` pass and the ``"update"``: the
+    trainer times them there. ``release`` is called before each micro-batch's forward and before
+    its backward, when the previous pass's tensors are freed (the trainer hands freed host memory
+    back to the OS there, ``training/host_memory.py``); it must not touch the model.
+    """
+
+    update: Callable[[torch.nn.Module, torch.optim.Optimizer], torch.Tensor] = OptimizerUpdate()
+    phase: Callable[[str], AbstractContextManager] = _no_phase
+    release: Callable[[], None] | None = None
+
+
 def grpo_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -282,128 +308,101 @@ def grpo_step(
     scoring: Scoring,
     *,
     comm: Comm = Comm(),
-    update: Callable[[torch.nn.Module, torch.optim.Optimizer], torch.Tensor] = OptimizerUpdate(),
+    hooks: StepHooks = StepHooks(),
     replay: ReplayBatch | None = None,
-    replay_pass: Callable[[torch.nn.Module, ReplayBatch, Scoring], dict[str, float]] = replay_backward,
-    between_passes: Callable[[], None] | None = None,
 ) -> StepResult:
-    """Forward/backward every micro-batch under ``spec``, then ``update`` (an :class:`OptimizerUpdate`;
-    the trainer passes a timed one: the core keeps no clock).
-
-    ``replay`` (verified mode replay, ``core/replay.py``) adds ``scale * L_replay`` once to the
-    step's gradient. It runs before the fresh micro-batches, with the gradient reduction off:
-    the gradients cross ranks once, in the last fresh backward, and the sum does not depend on
-    the order. Every rank replays the same groups and the reduction averages, so the term
-    counts once whatever the world size (the fresh loss is multiplied by the world size for
-    the same reason). Its metrics join the step's. ``replay_pass``: :func:`replay_backward`, or the
-    trainer's timed wrapper of it (as ``update``). ``between_passes``: called before each micro-batch's
-    forward and before its backward, when the previous pass's tensors are freed (the trainer hands
-    freed host memory back to the OS there, ``training/host_memory.py``); it must not touch the model."""
-    _check_micro_batches(micro_batches, spec)
-    norm = _step_normalizer(micro_batches, spec, comm)
-    policy_loss = POLICY_LOSSES[spec.policy_loss]
-    vocab_size = model.config.get_text_config().vocab_size
-    device = micro_batches[0].input_ids.device
-    sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=device)
-    loss_metrics: dict[str, list] = {}
-    mismatch: list[MismatchSums] = []
-    ratio_level = correction_parts(spec.rollout_correction)[0]
-
-    threshold = _step_entropy_threshold(model, micro_batches, spec.top_entropy_quantile, scoring)
+    """Forward/backward every micro-batch under ``spec``: its loss is the sum of the terms of
+    :func:`~maxent_grpo.core.step_terms.step_terms`, each given the micro-batch's :class:`TokenView`.
+    ``replay`` (verified mode replay, ``core/replay.py``) runs first; then ``hooks.update``."""
+    terms = step_terms(spec, bool(micro_batches) and micro_batches[0].ref_logps is not None)
+    _check_micro_batches(micro_batches, spec, terms)
+    facts = StepFacts(_step_normalizer(micro_batches, spec, comm),
+                      _step_entropy_threshold(model, micro_batches, spec.top_entropy_quantile, scoring),
+                      model.config.get_text_config().vocab_size)
     optimizer.zero_grad()
     replay_metrics: dict[str, float] = {}
     if replay is not None:
-        with nullcontext() if comm.gradient_sync is None else comm.gradient_sync(False):
-            replay_metrics = replay_pass(model, replay, scoring)
-    last = len(micro_batches) - 1
+        with comm.sync(False), hooks.phase("replay"):
+            replay_metrics = replay_backward(model, replay, scoring)
+    totals: dict[str, LossMetric] = {}
+    mismatch: list[MismatchSums] = []
     for i, mb in enumerate(micro_batches):
-        if between_passes is not None:
-            between_passes()
-        # Gradients are reduced over ranks once, in the last micro-batch's backward.
-        with nullcontext() if comm.gradient_sync is None else comm.gradient_sync(i == last):
-            logp, ent = scoring.logps(model, mb.input_ids, mb.attention_mask, mb.prompt_length, with_entropy=True)
-            mask = mb.completion_mask.to(logp.dtype)
-            old = logp.detach() if mb.old_logps is None else mb.old_logps
-            policy_mask = (mask if threshold is None
-                           else top_entropy_mask(ent, mask, spec.top_entropy_quantile, threshold))
-            correction = None
-            if mb.behaviour_logps is not None and spec.rollout_correction != "none":
-                correction = rollout_correction_weights(
-                    old, mb.behaviour_logps, mask, spec.rollout_correction, spec.rollout_correction_cap
-                )
-            term = policy_loss(
-                PolicyInputs(
-                    logp=logp, old_logp=old, mask=mask, policy_mask=policy_mask,
-                    advantages=mb.advantages, num_generations=mb.num_generations, clip=spec.clip,
-                    row_weights=mb.row_weights, listwise_weights=mb.listwise_weights,
-                    listwise_active=mb.listwise_active,
-                    behaviour_logp=mb.behaviour_logps, params=spec.policy_params,
-                    correction_weights=correction if policy_loss.applies_correction else None,
-                    correction_level=ratio_level,
-                ),
-                norm,
-            )
-            per_token_policy = term.per_token_loss
-            if correction is not None and not policy_loss.applies_correction:
-                per_token_policy = per_token_policy * correction.to(per_token_policy.dtype)
-            if mb.behaviour_logps is not None:
-                mismatch.append(rollout_mismatch_sums(
-                    old, mb.behaviour_logps, mask, level=ratio_level, seq_error_threshold=spec.seq_logprob_error_threshold,
-                    cap=None if spec.rollout_correction == "none" else spec.rollout_correction_cap,
-                ))
-                if spec.seq_logprob_error_threshold is not None:
-                    per_token_policy = per_token_policy * seq_error_weights(
-                        old, mb.behaviour_logps, mask, spec.seq_logprob_error_threshold
-                    ).to(per_token_policy.dtype)
-            policy_part = aggregate(per_token_policy, mask, spec.loss_type, norm) + term.sequence_loss
-            contribution = policy_part
-            kl_sum = logp.new_zeros(())
-            if mb.ref_logps is not None:
-                # Measured whenever a reference is scored (the KL controller and the logs need it),
-                # added to the loss only with beta > 0.
-                kl = kl_penalty(logp, mb.ref_logps, spec.kl_estimator)
-                if spec.beta > 0:
-                    contribution = contribution + aggregate(spec.beta * kl, mask, spec.loss_type, norm)
-                kl_sum = (kl.detach() * mask).sum()
-            distill_sum = logp.new_zeros(())
-            if spec.distill is not None:
-                # The teacher's term is a policy-gradient term on the same samples: the same
-                # sampler -> trainer correction applies to it.
-                distill_tok = distill_token_loss(logp, old, mb.teacher_logps, spec.distill)
-                if correction is not None:
-                    distill_tok = distill_tok * correction.to(distill_tok.dtype)
-                contribution = contribution + aggregate(distill_tok, mask, spec.loss_type, norm)
-                distill_sum = (teacher_kl(old, mb.teacher_logps, spec.distill.kl_estimator) * mask).sum()
-            bonus = logp.new_zeros(())
-            if spec.entropy_coef > 0:
-                bonus = entropy_bonus(ent, mask, vocab_size, spec.loss_type, norm)
-                contribution = contribution - spec.entropy_coef * bonus
-            if between_passes is not None:
-                between_passes()
-            (contribution * comm.world_size).backward()
+        _release(hooks)
+        with comm.sync(i == len(micro_batches) - 1):  # gradients cross ranks once, in the last backward
+            view = _token_view(model, mb, spec, scoring)
+            outs = [term(view, facts) for term in terms]
+            loss = _sum_losses(outs)
+            _release(hooks)
+            (loss * comm.world_size).backward()
+        _accumulate(totals, [TermOut(None, {"loss": LossMetric(loss, "step"),
+                                            "entropy": LossMetric((view.entropy * view.mask).sum(), "token")}), *outs])
+        if mb.behaviour_logps is not None:
+            mismatch.append(_mismatch(view, spec))
+    reduced = _all_reduce(totals, comm, micro_batches[0].input_ids.device)
+    with hooks.phase("update"):
+        grad_norm = float(hooks.update(model, optimizer))
+    metrics = {name: value / _divisor(totals[name].per, facts.norm) for name, value in reduced.items()}
+    metrics.update(grad_norm=grad_norm, num_tokens=float(facts.norm.num_tokens), **replay_metrics)
+    return StepResult(loss=reduced["loss"], grad_norm=grad_norm, metrics=metrics,
+                      mismatch=combine_mismatch_sums(mismatch) if mismatch else None)
 
-            values = (contribution, policy_part, kl_sum, (ent * mask).sum(), bonus, distill_sum)
-            sums += torch.stack([v.detach().to(sums.dtype) for v in values])
-            for name, metric in term.metrics.items():
-                loss_metrics.setdefault(name, []).append(metric)
 
-    # The loss's own metrics travel in the same all-reduce, in the order the loss returned them.
-    names = list(loss_metrics)
-    own = [torch.stack([m.total.detach().to(torch.float64) for m in loss_metrics[n]]).sum() for n in names]
-    sums = torch.cat([sums, torch.stack(own).to(device)]) if own else sums
+def _release(hooks: StepHooks) -> None:
+    if hooks.release is not None:
+        hooks.release()
+
+
+def _token_view(model, mb: MicroBatch, spec: LossSpec, scoring: Scoring) -> TokenView:
+    """Score ``mb`` once for every term: log-probs with their graph, entropies, the anchor, the correction."""
+    logp, ent = scoring.logps(model, mb.input_ids, mb.attention_mask, mb.prompt_length, with_entropy=True)
+    mask = mb.completion_mask.to(logp.dtype)
+    old = logp.detach() if mb.old_logps is None else mb.old_logps
+    correction = None
+    if mb.behaviour_logps is not None and spec.rollout_correction != "none":
+        correction = rollout_correction_weights(
+            old, mb.behaviour_logps, mask, spec.rollout_correction, spec.rollout_correction_cap)
+    return TokenView(mb, logp, ent, mask, old, correction)
+
+
+def _sum_losses(outs: list[TermOut]) -> torch.Tensor:
+    """The micro-batch's loss: the terms' contributions added in the terms' order."""
+    parts = [out.loss for out in outs if out.loss is not None]
+    loss = parts[0]
+    for part in parts[1:]:
+        loss = loss + part
+    return loss
+
+
+def _accumulate(totals: dict[str, LossMetric], outs: list[TermOut]) -> None:
+    """Add one micro-batch's logged totals (float64, detached) to the step's."""
+    for out in outs:
+        for name, metric in out.totals.items():
+            value = metric.total.detach().to(torch.float64)
+            if name in totals:
+                value = totals[name].total + value
+            totals[name] = LossMetric(value, metric.per)
+
+
+def _all_reduce(totals: dict[str, LossMetric], comm: Comm, device) -> dict[str, float]:
+    """Every total summed over ranks in one all-reduce (the same names in the same order on every rank)."""
+    values = torch.stack([metric.total.to(device) for metric in totals.values()])
     if comm.all_reduce_sum is not None:
-        sums = comm.all_reduce_sum(sums)
-    totals = sums.tolist()
-    grad_norm = update(model, optimizer)
-    metrics = _metrics(dict(zip(_SUMS, totals)), norm, micro_batches[0].ref_logps is not None, spec,
-                       float(grad_norm))
-    for name, total in zip(names, totals[len(_SUMS):]):
-        per = loss_metrics[name][0].per
-        metrics[name] = total / max(norm.num_tokens if per == "token" else norm.num_sequences, 1)
-    metrics.update(replay_metrics)
-    return StepResult(
-        loss=totals[0], grad_norm=float(grad_norm), metrics=metrics,
-        mismatch=combine_mismatch_sums(mismatch) if mismatch else None,
+        values = comm.all_reduce_sum(values)
+    return dict(zip(totals, values.tolist()))
+
+
+def _divisor(per: str, norm: StepNormalizer) -> int:
+    if per == "step":
+        return 1
+    return max(norm.num_tokens if per == "token" else norm.num_sequences, 1)
+
+
+def _mismatch(view: TokenView, spec: LossSpec) -> MismatchSums:
+    """This micro-batch's sampler/trainer mismatch statistics (``core/rollout_correction.py``)."""
+    return rollout_mismatch_sums(
+        view.old, view.mb.behaviour_logps, view.mask, level=correction_parts(spec.rollout_correction)[0],
+        seq_error_threshold=spec.seq_logprob_error_threshold,
+        cap=None if spec.rollout_correction == "none" else spec.rollout_correction_cap,
     )
 
 
@@ -418,23 +417,3 @@ def _step_entropy_threshold(model, micro_batches, quantile: float, scoring: Scor
         for mb in micro_batches:
             ents.append(scoring.logps(model, mb.input_ids, mb.attention_mask, mb.prompt_length, with_entropy=True)[1])
     return top_entropy_threshold(ents, [mb.completion_mask for mb in micro_batches], quantile)
-
-
-def _metrics(sums: dict[str, float], norm: StepNormalizer, has_reference: bool, spec: LossSpec,
-             grad_norm: float) -> dict[str, float]:
-    tokens = max(norm.num_tokens, 1)
-    out = {
-        "loss": sums["loss"],
-        "policy_loss": sums["policy_loss"],
-        "entropy": sums["entropy"] / tokens,
-        "grad_norm": grad_norm,
-        "num_tokens": float(norm.num_tokens),
-    }
-    if has_reference:
-        out["kl"] = sums["kl"] / tokens
-    if spec.entropy_coef > 0:
-        out["entropy_bonus"] = sums["entropy_bonus"]
-    if spec.distill is not None:
-        # The mean per-token estimate of KL(pi_old || pi_teacher) over the step's completion tokens.
-        out["distill/kl"] = sums["distill_kl"] / tokens
-    return out

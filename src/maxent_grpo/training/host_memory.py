@@ -5,7 +5,7 @@ gradients, the generation's KV cache). glibc's ``malloc`` keeps freed heap chunk
 for reuse, so the process's resident set grows past what is live: with SmolLM2-135M
 (BENCHMARKS.md §4b) the peak was 0.2-0.45 GiB above the live tensors. ``malloc_trim(0)``
 returns every free page of the heap to the OS; calling it before each micro-batch's forward
-and backward (``grpo_step``'s ``between_passes``, when ``training.release_host_memory`` is on)
+and backward (``grpo_step``'s ``StepHooks.release``, when ``training.release_host_memory`` is on)
 keeps the peak near the live memory, for 3-5% of the step: the pages are faulted in again by
 the next micro-batch (BENCHMARKS.md §2, on our own decoding loop and packing). Where the C library has no ``malloc_trim`` (musl, macOS) and on
 a GPU (whose tensors are not on this heap) nothing is done.

@@ -8,8 +8,10 @@ steps ahead) -> score -> weight (``finish_batch``) -> loss and step (``grpo_step
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,8 +20,7 @@ from tqdm.auto import tqdm
 
 from maxent_grpo.core.entropy_control import update_entropy_coef
 from maxent_grpo.core.reference_sync import due, mix_into_reference
-from maxent_grpo.core.replay import replay_backward
-from maxent_grpo.core.step import OptimizerUpdate, grpo_step
+from maxent_grpo.core.step import OptimizerUpdate, StepHooks, grpo_step
 from maxent_grpo.errors import UserError
 from maxent_grpo.kill_points import kill_point
 from maxent_grpo.rewards.maxent import controller_state_dict, update_controllers
@@ -176,15 +177,8 @@ def _policy_update(run: Run, prepared, step: int, timings: dict):
     """Train on ``prepared`` as optimizer step ``step``."""
     ctx, plan = run.ctx, run.ctx.plan
     timings["time/optimizer"] = 0.0
-    apply = OptimizerUpdate(plan.max_grad_norm, run.lr_scheduler)
-
-    def timed_update(model, optimizer):
-        kill_point("step.after_backward", step)
-        t0 = time.perf_counter()
-        try:
-            return apply(model, optimizer)
-        finally:
-            timings["time/optimizer"] += time.perf_counter() - t0
+    hooks = StepHooks(update=OptimizerUpdate(plan.max_grad_norm, run.lr_scheduler),
+                      phase=functools.partial(_timed_phase, run.ctx.dist.device, step, timings), release=run.release_host_memory)
 
     # The proximal anchor (ALGORITHMS.md §15) is the trainer's own log-probs before the update. With
     # one pass over the batch the weights move only after its last micro-batch, so every micro-batch's
@@ -197,12 +191,8 @@ def _policy_update(run: Run, prepared, step: int, timings: dict):
     replay, bank_metrics = _replay(run, prepared, timings)
     micro_batches = prepared.micro_batches(plan.micro_batch_size, old_logps)
     for _ in range(plan.num_iterations):
-        result = grpo_step(
-            run.train_model, run.optimizer, micro_batches, spec,
-            plan.scoring, comm=run.comm, update=timed_update, replay=replay,
-            replay_pass=lambda model, batch, scoring: _timed_replay(model, batch, scoring, timings),
-            between_passes=run.release_host_memory,
-        )
+        result = grpo_step(run.train_model, run.optimizer, micro_batches, spec, plan.scoring,
+                           comm=run.comm, hooks=hooks, replay=replay)
     result.metrics.update(bank_metrics)
     # What one policy pass over the batch computes, against its real tokens (padding, shared prompts, packing).
     result.metrics["tokens/policy_forward"] = float(sum(
@@ -219,19 +209,26 @@ def _policy_update(run: Run, prepared, step: int, timings: dict):
     return result
 
 
-def _timed_replay(model, batch, scoring, timings: dict) -> dict[str, float]:
-    """``replay_backward``, its seconds added to ``replay/time_s``. On a GPU the device is drained
-    before and after, so the clock holds the replay's kernels and no other's."""
-    device = batch.layout.input_ids.device
-    if device.type == "cuda":
+_PHASE_TIMINGS = {"replay": "replay/time_s", "update": "time/optimizer"}
+
+
+@contextmanager
+def _timed_phase(device: torch.device, step: int, timings: dict, name: str):
+    """``grpo_step``'s phases, their seconds added to ``timings``: the replay pass to ``replay/time_s``,
+    the optimizer update to ``time/optimizer``. On a GPU the device is drained before and after the
+    replay, so its clock holds the replay's kernels and no other's."""
+    if name == "update":
+        kill_point("step.after_backward", step)
+    drain = name == "replay" and device.type == "cuda"
+    if drain:
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     try:
-        return replay_backward(model, batch, scoring)
+        yield
     finally:
-        if device.type == "cuda":
+        if drain:
             torch.cuda.synchronize(device)
-        timings["replay/time_s"] += time.perf_counter() - t0
+        timings[_PHASE_TIMINGS[name]] += time.perf_counter() - t0
 
 
 def _replay(run: Run, prepared, timings: dict):
@@ -239,7 +236,7 @@ def _replay(run: Run, prepared, timings: dict):
     batch (None while the bank is empty) and the bank's metrics. ``({}``, None) without replay."""
     if run.bank is None:
         return None, {}
-    timings["replay/time_s"] = 0.0  # the replay forward/backward (0 while the bank is empty): _timed_replay
+    timings["replay/time_s"] = 0.0  # the replay forward/backward (0 while the bank is empty): _timed_phase
     t0 = time.perf_counter()
     comp, packed = prepared.reward_comp, prepared.packed
     metrics = admit_batch(run.bank, prepared.rows, prepared.rollout, comp.per_function[:, 0],

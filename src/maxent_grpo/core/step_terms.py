@@ -26,7 +26,7 @@ the step checks them before any forward.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -36,9 +36,7 @@ from maxent_grpo.core.losses import (
     POLICY_LOSSES, LossMetric, PolicyInputs, StepNormalizer, aggregate, kl_penalty,
 )
 from maxent_grpo.core.rollout_correction import correction_parts, seq_error_weights
-
-if TYPE_CHECKING:
-    from maxent_grpo.core.step import LossSpec, MicroBatch
+from maxent_grpo.core.step_inputs import LossSpec, MicroBatch
 
 
 @dataclass(frozen=True)
@@ -84,7 +82,7 @@ class StepTerm(Protocol):
     def __call__(self, view: TokenView, facts: StepFacts) -> TermOut: ...
 
 
-TermBuilder = Callable[["LossSpec", bool], "StepTerm | None"]
+TermBuilder = Callable[[LossSpec, bool], "StepTerm | None"]
 STEP_TERMS: dict[str, TermBuilder] = {}
 
 

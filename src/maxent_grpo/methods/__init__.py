@@ -5,6 +5,9 @@
 * ``listwise.py``: MaxEnt listwise targets (``maxent_listwise``).
 * ``seed_grpo.py``: SEED-GRPO's semantic-entropy advantage scaling.
 * ``xdr.py``: xDr tempered group aggregation.
+* ``sapo.py``, ``gmpo.py``, ``dppo.py``, ``opsm.py``: a peer's policy loss each, one
+  ``register_policy_loss_method`` call (the loss itself is in ``core/peer_losses.py``).
+* ``maxrl.py``, ``replay.py``: MaxRL's advantage; verified mode replay's settings.
 
 Adding a method is one ``register(Method(...))`` in its family's file or in a new file
 here (imported by the loop below); nothing in ``training/`` names methods.

@@ -207,6 +207,23 @@ def section_of(params: type, name: str, help: Mapping[str, str], module: str) ->
     return section
 
 
+def register_policy_loss_method(name: str, params: type, help: Mapping[str, str], summary: str,
+                                loss_type: str, module: str) -> type:
+    """Register the ``grpo``-family method that is the registered policy loss ``name`` with its own
+    params record: its ``name:`` section is :func:`section_of` ``params`` (help on each field), its
+    loss is ``name`` with the section's values, its preset sets ``loss.loss_type``. Returns the
+    section record (SAPO, GMPO, DPPO, OPSM are each one call)."""
+    section = section_of(params, f"{name.capitalize()}Config", help, module)
+
+    def loss(inputs: PlanInputs) -> LossSpec:
+        return dataclasses.replace(inputs.loss, policy_loss=name,
+                                   policy_params=params(**dataclasses.asdict(inputs.settings)))
+
+    register(Method(name, "grpo", summary, preset={"loss.loss_type": loss_type}, section=name,
+                    settings=section, loss=loss))
+    return section
+
+
 def method_sections() -> dict[str, type]:
     """The settings sections the registered methods declare: YAML key -> record type."""
     return {m.section: m.settings for m in METHODS.values() if m.section is not None}

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(rows)} rows, real tokens {int(mask.sum())}, prompt width {p}, completion width {ids.shape[1] - p}")
     print("| variant | positions | seconds (median) | each repetition |\n|---|---|---|---|")
     for name, scoring in variants.items():
-        positions = sum(scoring.forward_positions(ids[s : s + mb], mask[s : s + mb], p) for s in range(0, ids.shape[0], mb))
+        positions = sum(scoring.forward_positions(model, ids[s : s + mb], mask[s : s + mb], p) for s in range(0, ids.shape[0], mb))
         print(f"| {name} | {positions} | {statistics.median(times[name]):.2f} | "
               + ", ".join(f"{t:.2f}" for t in times[name]) + " |")
     return 0

@@ -75,9 +75,9 @@ def variants():
             "ours, no fused head": ours(fused=False), "plain": plain}
 
 
-def positions(fn, ids, mask, p, micro: int) -> int:
+def positions(fn, model, ids, mask, p, micro: int) -> int:
     """Token positions the variant's forwards compute over the batch (``Scoring.forward_positions``)."""
-    return sum(fn.scoring.forward_positions(ids[s:s + micro], mask[s:s + micro], p) for s in range(0, ids.shape[0], micro))
+    return sum(fn.scoring.forward_positions(model, ids[s:s + micro], mask[s:s + micro], p) for s in range(0, ids.shape[0], micro))
 
 
 def time_variant(fn, model, ids, mask, p, micro: int, reps: int) -> tuple[float, float]:
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, fn in variants().items():
         seconds, peak = time_variant(fn, model, ids, mask, args.prompt_len, args.group, args.reps)
         print(f"| {name} | {seconds:.3f} | {tokens / seconds:.0f} | {6 * params * tokens / seconds / 989e12:.1%} "
-              f"| {peak:.1f} | {positions(fn, ids, mask, args.prompt_len, args.group)} |", flush=True)
+              f"| {peak:.1f} | {positions(fn, model, ids, mask, args.prompt_len, args.group)} |", flush=True)
     if args.trace_out is not None:
         from torch.profiler import ProfilerActivity, profile
 

@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import importlib.util
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -282,15 +283,22 @@ def test_a_run_trains_packed_from_the_command_line(tiny_model_dir, tmp_path):
     assert first["true"]["tokens/policy_forward"] <= first["false"]["tokens/policy_forward"]
 
 
-def test_forward_positions_count_padding_shared_prompts_and_bins():
+def test_forward_positions_count_padding_shared_prompts_and_bins(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     # Two rows share prompt [5, 6] (prompt_length 3, one left pad), one has its own; completions 2, 1, 0.
     ids = torch.tensor([[0, 5, 6, 7, 8], [0, 5, 6, 9, 0], [4, 5, 6, 0, 0]])
     mask = torch.tensor([[0, 1, 1, 1, 1], [0, 1, 1, 1, 0], [1, 1, 1, 0, 0]])
-    assert Scoring(share_prompts=False).forward_positions(ids, mask, 3) == 15
-    assert Scoring(share_prompts=True).forward_positions(ids, mask, 3) == 2 * 3 + 3 * 2
+    assert Scoring(share_prompts=False).forward_positions(model, ids, mask, 3) == 15
+    assert Scoring(share_prompts=True).forward_positions(model, ids, mask, 3) == 2 * 3 + 3 * 2
     # Real lengths 4, 3, 3, capacity 5 (the padded width): [4], [3], [3] -> 3 bins, the widest 4.
-    assert Scoring(packing=True, share_prompts=False).forward_positions(ids, mask, 3) == 12
+    assert Scoring(packing=True, share_prompts=False).forward_positions(model, ids, mask, 3) == 12
     # Shared prompts, completions packed behind them: 2 distinct prompts x 3 positions; prompt [5, 6]'s
     # completions (2 and 1 tokens) need two bins of the completion width 2, and the other prompt's empty
     # completion keeps one slot in a bin of its own: 3 bins x width 2.
-    assert Scoring(packing=True, share_prompts=True).forward_positions(ids, mask, 3) == 2 * 3 + 3 * 2
+    assert Scoring(packing=True, share_prompts=True).forward_positions(model, ids, mask, 3) == 2 * 3 + 3 * 2
+    # Flash attention (CUDA only: a stand-in carries its name) packs whole rows into one bin of the real
+    # tokens, shared prompts or not: 4 + 3 + 3 positions.
+    flash = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
+    assert Scoring(packing=True, share_prompts=True).forward_positions(flash, ids, mask, 3) == 10

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+from dataclasses import dataclass
 
 import torch
 
@@ -69,33 +70,71 @@ def distinct_prompt_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) ->
     return first, inverse
 
 
-def _packed_forward(model, input_ids, attention_mask, with_logits):
+@dataclass(frozen=True)
+class ForwardLayout:
+    """How one scoring call runs the model over its ``[B, L]`` rows (:func:`forward_layout`).
+
+    ``kind``: ``"shared_packed"`` (each distinct prompt once, its completions packed behind it
+    through its KV cache), ``"packed"`` (whole rows packed padding-free), ``"shared"`` (each
+    distinct prompt once, the padded completions through its KV cache) or ``"plain"`` (one padded
+    forward). ``first`` / ``inverse``: :func:`distinct_prompt_rows`, for the shared kinds. ``flash``:
+    the attention is flash attention's variable-length kernel (whole rows pack into one bin).
+    """
+
+    kind: str
+    flash: bool
+    first: torch.Tensor | None = None
+    inverse: torch.Tensor | None = None
+
+    def positions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int) -> int:
+        """Token positions the forwards run the model over: ``B * L`` padded, each distinct prompt once
+        plus every completion slot when shared, the bins' widths when packed."""
+        b, length = input_ids.shape
+        if self.kind == "shared_packed":
+            bins = completion_pack_plan(attention_mask, prompt_length, self.inverse)[0]
+            return len(self.first) * prompt_length + bins.computed_tokens
+        if self.kind == "packed":
+            return _row_pack_plan(attention_mask, self.flash).computed_tokens
+        if self.kind == "shared":
+            return len(self.first) * prompt_length + b * (length - prompt_length)
+        return b * length
+
+
+def forward_layout(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   prompt_length: int, *, share_prompts: bool, pack: bool) -> ForwardLayout:
+    """The one place the layout is chosen. Prompts are shared when ``share_prompts``, there are
+    completion positions and some row repeats a prompt; under ``pack`` too unless the attention is
+    flash attention (its variable-length kernel has no cached prefix: it packs whole rows)."""
+    flash = _unwrapped(model).config._attn_implementation.startswith("flash")
+    if share_prompts and input_ids.shape[1] > prompt_length and not (pack and flash):
+        first, inverse = distinct_prompt_rows(input_ids[:, :prompt_length], attention_mask[:, :prompt_length])
+        if first.numel() < input_ids.shape[0]:
+            return ForwardLayout("shared_packed" if pack else "shared", flash, first, inverse)
+    return ForwardLayout("packed" if pack else "plain", flash)
+
+
+def _row_pack_plan(attention_mask: torch.Tensor, flash: bool):
+    """Whole rows' :class:`PackPlan`. Flash attention takes packed rows as position_ids that restart
+    per sequence (varlen), no mask, and costs nothing for the keys a sequence does not see: the whole
+    micro-batch in one row. A dense mask (sdpa, eager) costs attention over the whole bin: bins no
+    wider than the padded rows."""
+    if flash:
+        return pack_plan(attention_mask, capacity=int(attention_mask.sum(dim=1).sum()))
+    return pack_plan(attention_mask)
+
+
+def _packed_forward(model, input_ids, attention_mask, flash, with_logits):
     """One forward over the rows packed padding-free; the model's output and the :class:`PackPlan`."""
-    impl = _unwrapped(model).config._attn_implementation
-    if impl.startswith("flash"):
-        # Flash attention takes packed rows as position_ids that restart per sequence (varlen), no mask,
-        # and costs nothing for the keys a sequence does not see: the whole micro-batch in one row.
-        plan = pack_plan(attention_mask, capacity=int(attention_mask.sum(dim=1).sum()))
+    plan = _row_pack_plan(attention_mask, flash)
+    if flash:
         inputs = packed_inputs(input_ids, plan, mask=None)
-    else:
-        # sdpa takes a boolean 4-D mask; eager adds its mask to the scores, so it gets an additive one.
-        # A dense mask costs attention over the whole bin: bins no wider than the padded rows.
-        plan = pack_plan(attention_mask)
+    else:  # sdpa takes a boolean 4-D mask; eager adds its mask to the scores, so it gets an additive one
+        impl = _unwrapped(model).config._attn_implementation
         inputs = packed_inputs(input_ids, plan, mask="bool" if impl == "sdpa" else "additive",
                                mask_dtype=next(model.parameters()).dtype)
     no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)
     out = model(**inputs, logits_to_keep=0 if with_logits else no_logits, use_cache=False)
     return out, plan
-
-
-def shares_then_packs(model, input_ids, attention_mask, prompt_length) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(first, inverse)`` of :func:`distinct_prompt_rows` when packing with shared prompts applies:
-    some row repeats a prompt, there are completion positions, and the attention takes a dense mask
-    (flash attention's variable-length kernel has no cached prefix: it packs whole rows instead)."""
-    if input_ids.shape[1] <= prompt_length or _unwrapped(model).config._attn_implementation.startswith("flash"):
-        return None
-    first, inverse = distinct_prompt_rows(input_ids[:, :prompt_length], attention_mask[:, :prompt_length])
-    return (first, inverse) if first.numel() < input_ids.shape[0] else None
 
 
 def completion_pack_plan(attention_mask: torch.Tensor, prompt_length: int, inverse: torch.Tensor):
@@ -106,10 +145,10 @@ def completion_pack_plan(attention_mask: torch.Tensor, prompt_length: int, inver
     return pack_plan_by_group(completion_mask, inverse)
 
 
-def _shared_packed_forward(model, input_ids, attention_mask, prompt_length, distinct, with_logits):
+def _shared_packed_forward(model, input_ids, attention_mask, prompt_length, layout, with_logits):
     """Each distinct prompt once (KV cache kept in the graph), then every bin of its completions,
     packed padding-free, through that cache. Returns the two outputs and the completions' plan."""
-    first, inverse = distinct
+    first, inverse = layout.first, layout.inverse
     no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)
     prompt_mask = attention_mask[first, :prompt_length]
     prompt = _unwrapped(model)(
@@ -124,13 +163,12 @@ def _shared_packed_forward(model, input_ids, attention_mask, prompt_length, dist
                                     mask="bool" if impl == "sdpa" else "additive",
                                     mask_dtype=next(model.parameters()).dtype)
     rest = model(**inputs, **{cache_kwarg(): cache}, use_cache=True, logits_to_keep=0 if with_logits else no_logits)
-    return prompt, rest, plan, inverse
+    return prompt, rest, plan
 
 
-def _forwards(model, input_ids, attention_mask, prompt_length, share_prompts, with_logits):
-    """Run the model over prompt+completion; return its outputs and, for the shared-prompt
-    pair of forwards (prompt rows once, then the completions through the KV cache), each
-    row's distinct prompt (``None`` for the one plain forward).
+def _forwards(model, input_ids, attention_mask, prompt_length, layout, with_logits):
+    """Run the model over prompt+completion, padded: the shared-prompt pair of forwards (prompt rows
+    once, then the completions through the KV cache) or the one plain forward; return the outputs.
 
     ``with_logits``: the LM head only where a completion token is predicted; otherwise
     nowhere (``logits_to_keep`` an empty index tensor).
@@ -138,28 +176,26 @@ def _forwards(model, input_ids, attention_mask, prompt_length, share_prompts, wi
     positions = position_ids(attention_mask)
     completion_length = input_ids.shape[1] - prompt_length
     no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)
-    if share_prompts and completion_length > 0:
-        first, inverse = distinct_prompt_rows(input_ids[:, :prompt_length], attention_mask[:, :prompt_length])
-        if first.numel() < input_ids.shape[0]:
-            prompt_mask = attention_mask[first, :prompt_length]
-            prompt = _unwrapped(model)(
-                input_ids=input_ids[first, :prompt_length],
-                attention_mask=prompt_mask,
-                position_ids=position_ids(prompt_mask),
-                logits_to_keep=1 if with_logits else no_logits,
-                use_cache=True,
-            )
-            cache = getattr(prompt, cache_kwarg())
-            cache.batch_select_indices(inverse)
-            rest = model(
-                input_ids=input_ids[:, prompt_length:],
-                attention_mask=attention_mask,
-                position_ids=positions[:, prompt_length:],
-                **{cache_kwarg(): cache},
-                use_cache=True,
-                **({} if with_logits else {"logits_to_keep": no_logits}),
-            )
-            return [prompt, rest], inverse
+    if layout.kind == "shared":
+        prompt_mask = attention_mask[layout.first, :prompt_length]
+        prompt = _unwrapped(model)(
+            input_ids=input_ids[layout.first, :prompt_length],
+            attention_mask=prompt_mask,
+            position_ids=position_ids(prompt_mask),
+            logits_to_keep=1 if with_logits else no_logits,
+            use_cache=True,
+        )
+        cache = getattr(prompt, cache_kwarg())
+        cache.batch_select_indices(layout.inverse)
+        rest = model(
+            input_ids=input_ids[:, prompt_length:],
+            attention_mask=attention_mask,
+            position_ids=positions[:, prompt_length:],
+            **{cache_kwarg(): cache},
+            use_cache=True,
+            **({} if with_logits else {"logits_to_keep": no_logits}),
+        )
+        return [prompt, rest]
     # logits_to_keep skips the LM head over the prompt (T+1 keeps the position
     # that predicts the first completion token).
     out = model(
@@ -169,7 +205,7 @@ def _forwards(model, input_ids, attention_mask, prompt_length, share_prompts, wi
         logits_to_keep=completion_length + 1 if with_logits else no_logits,
         use_cache=False,
     )
-    return [out], None
+    return [out]
 
 
 def completion_logits(
@@ -187,21 +223,21 @@ def completion_logits(
     ``prompt_length``. The plain path runs one forward (LM head only where needed);
     ``share_prompts`` runs each distinct prompt row once when some row repeats; ``pack`` runs
     the rows padding-free: with ``share_prompts``, each distinct prompt once and its completions
-    packed behind it (:func:`shares_then_packs`), otherwise whole rows.
+    packed behind it, otherwise whole rows (the choice: :func:`forward_layout`).
     """
-    distinct = shares_then_packs(model, input_ids, attention_mask, prompt_length) if pack and share_prompts else None
-    if distinct is not None:
-        prompt, rest, plan, inverse = _shared_packed_forward(model, input_ids, attention_mask, prompt_length,
-                                                             distinct, with_logits=True)
-        return unpack_behind_prompt(prompt.logits[:, -1], rest.logits, plan, inverse,
-                                    input_ids.shape[1] - prompt_length)
-    if pack:
-        out, plan = _packed_forward(model, input_ids, attention_mask, with_logits=True)
+    layout = forward_layout(model, input_ids, attention_mask, prompt_length, share_prompts=share_prompts, pack=pack)
+    completion_length = input_ids.shape[1] - prompt_length
+    if layout.kind == "shared_packed":
+        prompt, rest, plan = _shared_packed_forward(model, input_ids, attention_mask, prompt_length, layout,
+                                                    with_logits=True)
+        return unpack_behind_prompt(prompt.logits[:, -1], rest.logits, plan, layout.inverse, completion_length)
+    if layout.kind == "packed":
+        out, plan = _packed_forward(model, input_ids, attention_mask, layout.flash, with_logits=True)
         return unpack_completion(out.logits, plan, prompt_length, input_ids.shape[1])
-    outs, inverse = _forwards(model, input_ids, attention_mask, prompt_length, share_prompts, with_logits=True)
-    if inverse is not None:
+    outs = _forwards(model, input_ids, attention_mask, prompt_length, layout, with_logits=True)
+    if layout.kind == "shared":
         prompt, rest = outs
-        return torch.cat([prompt.logits[inverse], rest.logits[:, :-1]], dim=1)
+        return torch.cat([prompt.logits[layout.inverse], rest.logits[:, :-1]], dim=1)
     return outs[0].logits[:, :-1]
 
 
@@ -252,22 +288,23 @@ def completion_hidden_states(
     logits at those positions are ``model.get_output_embeddings()(hidden)``.
     """
     captured: list[torch.Tensor] = []
-    distinct = shares_then_packs(model, input_ids, attention_mask, prompt_length) if pack and share_prompts else None
-    if distinct is not None:
-        with _last_hidden_states(model, captured):
-            _, _, plan, inverse = _shared_packed_forward(model, input_ids, attention_mask, prompt_length,
-                                                         distinct, with_logits=False)
-        prompt_hidden, rest_hidden = captured
-        return unpack_behind_prompt(prompt_hidden[:, -1], rest_hidden, plan, inverse,
-                                    input_ids.shape[1] - prompt_length)
-    if pack:
-        with _last_hidden_states(model, captured):
-            _, plan = _packed_forward(model, input_ids, attention_mask, with_logits=False)
-        return unpack_completion(captured[0], plan, prompt_length, input_ids.shape[1])
+    layout = forward_layout(model, input_ids, attention_mask, prompt_length, share_prompts=share_prompts, pack=pack)
     with _last_hidden_states(model, captured):
-        _, inverse = _forwards(model, input_ids, attention_mask, prompt_length, share_prompts, with_logits=False)
-    if inverse is not None:
+        if layout.kind == "shared_packed":
+            _, _, plan = _shared_packed_forward(model, input_ids, attention_mask, prompt_length, layout,
+                                                with_logits=False)
+        elif layout.kind == "packed":
+            _, plan = _packed_forward(model, input_ids, attention_mask, layout.flash, with_logits=False)
+        else:
+            _forwards(model, input_ids, attention_mask, prompt_length, layout, with_logits=False)
+    if layout.kind == "shared_packed":
         prompt_hidden, rest_hidden = captured
-        return torch.cat([prompt_hidden[inverse, -1:], rest_hidden[:, :-1]], dim=1)
+        return unpack_behind_prompt(prompt_hidden[:, -1], rest_hidden, plan, layout.inverse,
+                                    input_ids.shape[1] - prompt_length)
+    if layout.kind == "packed":
+        return unpack_completion(captured[0], plan, prompt_length, input_ids.shape[1])
+    if layout.kind == "shared":
+        prompt_hidden, rest_hidden = captured
+        return torch.cat([prompt_hidden[layout.inverse, -1:], rest_hidden[:, :-1]], dim=1)
     (hidden,) = captured
     return hidden[:, prompt_length - 1 : -1]

@@ -23,13 +23,11 @@ from maxent_grpo.core.chunked_softmax import (
 from maxent_grpo.core.completion_logits import (
     completion_hidden_states,
     completion_logits,
-    completion_pack_plan,
-    distinct_prompt_rows,
+    forward_layout,
     lm_head,
     supports_fused_head,
 )
 from maxent_grpo.core.fused_lm_head import lm_head_logps
-from maxent_grpo.core.packing import pack_plan
 
 __all__ = [
     "DEFAULT_CHUNK_ROWS",
@@ -198,7 +196,7 @@ class Scoring:
     were). ``share_prompts``: each distinct prompt of a batch runs once
     (``completion_logits``). ``packing``: the rows run padding-free (``core/packing.py``); with
     ``share_prompts`` each distinct prompt runs once and its completions are packed behind it (whole
-    rows are packed under flash attention, which :meth:`forward_positions` does not see). ``autocast_bf16``: bf16 matmuls over the model's own weights
+    rows are packed under flash attention). ``autocast_bf16``: bf16 matmuls over the model's own weights
     (``torch.autocast``), around the forward only. ``rows_per_pass``: rows per forward when
     scoring without gradients (:meth:`score_rows`).
     """
@@ -223,22 +221,12 @@ class Scoring:
                 with_entropy=with_entropy, share_prompts=self.share_prompts, pack=self.packing,
             )
 
-    def forward_positions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int) -> int:
-        """Token positions one :meth:`logps` call runs the model over: ``B * L`` padded, each distinct
-        prompt once plus every completion slot with ``share_prompts``, the packed bins with ``packing``."""
-        b, length = input_ids.shape
-        if self.packing and self.share_prompts and length > prompt_length:
-            first, inverse = distinct_prompt_rows(input_ids[:, :prompt_length], attention_mask[:, :prompt_length])
-            if len(first) < b:  # the layout completion_logits.shares_then_packs runs
-                return len(first) * prompt_length + completion_pack_plan(
-                    attention_mask, prompt_length, inverse)[0].computed_tokens
-        if self.packing:
-            return pack_plan(attention_mask).computed_tokens
-        if self.share_prompts and length > prompt_length:
-            distinct = len(distinct_prompt_rows(input_ids[:, :prompt_length], attention_mask[:, :prompt_length])[0])
-            if distinct < b:
-                return distinct * prompt_length + b * (length - prompt_length)
-        return b * length
+    def forward_positions(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                          prompt_length: int) -> int:
+        """Token positions one :meth:`logps` call runs ``model`` over (``ForwardLayout.positions``)."""
+        layout = forward_layout(model, input_ids, attention_mask, prompt_length,
+                                share_prompts=self.share_prompts, pack=self.packing)
+        return layout.positions(input_ids, attention_mask, prompt_length)
 
     def score_rows(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, *,
                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:

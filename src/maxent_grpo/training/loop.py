@@ -196,7 +196,8 @@ def _policy_update(run: Run, prepared, step: int, timings: dict):
     result.metrics.update(bank_metrics)
     # What one policy pass over the batch computes, against its real tokens (padding, shared prompts, packing).
     result.metrics["tokens/policy_forward"] = float(sum(
-        plan.scoring.forward_positions(mb.input_ids, mb.attention_mask, mb.prompt_length) for mb in micro_batches))
+        plan.scoring.forward_positions(run.train_model, mb.input_ids, mb.attention_mask, mb.prompt_length)
+        for mb in micro_batches))
     result.metrics["tokens/real"] = float(prepared.total_input_tokens)
     if plan.ref_sync is not None:  # loss.sync_ref_model: after the step's optimizer update, when due
         synced = due(step, plan.ref_sync.sync_steps)

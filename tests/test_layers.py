@@ -1,5 +1,6 @@
 """The house's floors: every import in src/ goes to the same floor or one below, and no
-module imports itself back through others (README "Development" shows the floors).
+module imports itself back through others (README "Development" shows the floors); and src/ is
+pyflakes clean.
 
 Every import counts: those inside functions, and those under ``if TYPE_CHECKING:`` (an
 annotation that needs an upper floor's type is an arrow upward too).
@@ -8,6 +9,7 @@ annotation that needs an upper floor's type is an arrow upward too).
 from __future__ import annotations
 
 import ast
+import io
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -82,3 +84,13 @@ def test_no_import_cycles():
         if module not in state:
             visit(module, [module])
     assert cycles == []
+
+
+def test_the_package_is_pyflakes_clean():
+    """No unused import or variable, no undefined name, no import shadowed (pyflakes, over src/)."""
+    from pyflakes.api import checkRecursive
+    from pyflakes.reporter import Reporter
+
+    out, err = io.StringIO(), io.StringIO()
+    checkRecursive([str(SRC)], Reporter(out, err))
+    assert out.getvalue() + err.getvalue() == ""

@@ -362,10 +362,12 @@ def apply_lora(
     alpha: float = 32.0,
     dropout: float = 0.05,
     target_modules: Sequence[str] | str = ("q_proj", "k_proj", "v_proj", "o_proj"),
+    use_rslora: bool = False,
 ):
     """Wrap ``model`` in LoRA adapters (peft); only adapter weights stay trainable.
 
-    ``target_modules`` is a list of module-name suffixes or ``"all-linear"``.
+    ``target_modules`` is a list of module-name suffixes or ``"all-linear"``. ``use_rslora``: the
+    adapter's scale is ``alpha / sqrt(r)`` (rank-stabilised LoRA) in place of ``alpha / r``.
 
     The result is left in the train/eval mode ``model`` was in: eval for the policy as loaded
     (``from_pretrained``'s, in which it trains; see ``enable_activation_checkpointing``). peft
@@ -394,7 +396,8 @@ def apply_lora(
         if not targets or not all(isinstance(t, str) and t for t in targets):
             raise ValueError(f"target_modules must be a non-empty list of module names, got {target_modules!r}")
     config = LoraConfig(
-        task_type="CAUSAL_LM", r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets
+        task_type="CAUSAL_LM", r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+        use_rslora=use_rslora,
     )
     training = model.training
     return get_peft_model(model, config).train(training)

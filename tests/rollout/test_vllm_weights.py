@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from maxent_grpo.core.logprobs import get_per_token_logps
@@ -29,10 +30,17 @@ def test_every_weight_in_the_engine_dtype_and_a_tied_head_gathered_once(tiny_mod
     assert dict(full_state_items(model))["model.norm.weight"].data_ptr() == state["model.norm.weight"].data_ptr()
 
 
-def test_lora_is_sent_merged_under_the_base_names_and_the_adapters_stay_apart(tiny_model_dir):
-    """float64: the merged model computes the peft model's log-probs to rounding; fp32: to fp32 rounding."""
+@pytest.mark.parametrize("use_rslora", [False, True])
+def test_lora_is_sent_merged_under_the_base_names_and_the_adapters_stay_apart(tiny_model_dir, use_rslora):
+    """float64: the merged model computes the peft model's log-probs to rounding; fp32: to fp32 rounding.
+    Rank-stabilised LoRA scales by alpha / sqrt(r) (8 / 2), the plain one by alpha / r (8 / 4)."""
     model, tok = _model(tiny_model_dir)
-    peft = apply_lora(copy.deepcopy(model), r=4, alpha=8.0, dropout=0.0, target_modules="all-linear")
+    peft = apply_lora(copy.deepcopy(model), r=4, alpha=8.0, dropout=0.0, target_modules="all-linear",
+                      use_rslora=use_rslora)
+    from peft.tuners.lora import LoraLayer
+
+    scales = {m.scaling["default"] for m in peft.modules() if isinstance(m, LoraLayer)}
+    assert scales == {4.0 if use_rslora else 2.0}
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in peft.named_parameters():

@@ -132,8 +132,36 @@ def test_trl_loss_types_become_our_method_and_aggregation(loss_type, method, agg
     assert keys["loss.epsilon_high"] is None  # TRL: epsilon, whatever the loss type (not cispo's preset 5.0)
 
 
+def test_trls_reference_sync_off_policy_mask_and_rslora_compile_to_ours(tmp_path):
+    """sync_ref_model is TR-DPO (loss.sync_ref_model), off_policy_mask_threshold on a clipped-surrogate
+    loss type is OPSM with that threshold, use_rslora is peft's rank-stabilised LoRA."""
+    path = tmp_path / "grpo.yaml"
+    path.write_text(textwrap.dedent("""\
+        model_name_or_path: Qwen/Qwen2.5-0.5B-Instruct
+        dataset_name: trl-lib/DeepMath-103K
+        reward_funcs: [accuracy_reward]
+        max_steps: 8
+        beta: 0.04
+        sync_ref_model: true
+        ref_model_mixup_alpha: 0.9
+        ref_model_sync_steps: 4
+        loss_type: dr_grpo
+        off_policy_mask_threshold: 0.5
+    """))
+    cfg, _ = load_trl_config(path)
+    plan = compile_run(cfg, Machine(fast_bf16=True, cuda=True))
+    assert (cfg.method, cfg.opsm.delta, cfg.loss.loss_type) == ("opsm", 0.5, "dr_grpo")
+    assert (plan.method.loss.policy_loss, plan.method.loss.policy_params.delta) == ("opsm", 0.5)
+    assert (plan.ref_sync.alpha, plan.ref_sync.sync_steps) == (0.9, 4)
+    keys, _ = convert({"model_name_or_path": "m", "dataset_name": "d", "reward_funcs": ["think_format_reward"],
+                       "max_steps": 4, "use_peft": True, "use_rslora": True})
+    assert (keys["model.lora.enabled"], keys["model.lora.use_rslora"]) == (True, True)
+
+
 @pytest.mark.parametrize("fields, problem", [
-    ({"sync_ref_model": True}, "sync_ref_model: True is refused: a reference that follows the policy"),
+    ({"use_dora": True}, "use_dora: True is refused: DoRA has no counterpart here"),
+    ({"loss_type": "cispo", "off_policy_mask_threshold": 0.5},
+     "off_policy_mask_threshold: the off-policy sequence mask goes with the clipped-surrogate loss types"),
     ({"loss_type": "vespo"}, "loss_type: 'vespo' has no counterpart here"),
     ({"beta": 0.1, "use_bias_correction_kl": True}, "use_bias_correction_kl: True is refused"),
     ({"per_device_train_batch_size": 6}, "per_device_train_batch_size: 6 x gradient_accumulation_steps 1 = 6"),

@@ -45,6 +45,8 @@ class LoraConfig:
         " log-probs are those of the weights the sampler gets")})
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
                                       metadata={"help": "module names LoRA wraps, or 'all-linear'"})
+    use_rslora: bool = field(default=False, metadata={"help": (
+        "rank-stabilised LoRA (peft use_rslora): the adapter is scaled by alpha / sqrt(r) in place of alpha / r")})
 
 
 @dataclass

@@ -293,7 +293,8 @@ def compile_run(cfg: TrainConfig, machine: Machine) -> RunPlan:
         model=ModelPlan(
             name_or_path=m.name_or_path, dtype=m.dtype, master_dtype=master,
             lora=LoraPlan(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
-                          target_modules=tuple(lora.target_modules)) if lora.enabled else None,
+                          target_modules=tuple(lora.target_modules), use_rslora=lora.use_rslora)
+            if lora.enabled else None,
             gradient_checkpointing=t.gradient_checkpointing, autocast_bf16=precision.autocast_bf16,
         ),
         sampler=SamplerPlan(

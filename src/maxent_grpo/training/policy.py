@@ -21,6 +21,7 @@ class LoraPlan:
     alpha: int
     dropout: float
     target_modules: tuple[str, ...]
+    use_rslora: bool
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def load_policy(m: ModelPlan, model_path: str, strategy: Strategy):
         fill_pad_token(model, tokenizer)
         if m.lora is not None:
             model = apply_lora(model, r=m.lora.r, alpha=m.lora.alpha, dropout=m.lora.dropout,
-                               target_modules=list(m.lora.target_modules))
+                               target_modules=list(m.lora.target_modules), use_rslora=m.lora.use_rslora)
         if m.gradient_checkpointing:
             enable_activation_checkpointing(model)
         return model

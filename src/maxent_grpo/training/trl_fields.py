@@ -169,7 +169,14 @@ def _loss_type(value, f) -> dict:
         raise _fail("loss_type", f"{value!r} has no counterpart here; "
                     f"supported: {', '.join(_LOSS_TYPES)}")
     method, aggregation = _LOSS_TYPES[value]
-    return {"method": method, "loss.loss_type": aggregation}
+    mask = f["off_policy_mask_threshold"]
+    if mask is None:
+        return {"method": method, "loss.loss_type": aggregation}
+    # TRL's off-policy sequence mask on the clipped surrogate is OPSM (methods/opsm.py).
+    if method != "grpo":
+        raise _fail("off_policy_mask_threshold", f"the off-policy sequence mask goes with the clipped-surrogate "
+                    f"loss types here (grpo, bnpo, dr_grpo, dapo), not loss_type {value!r}")
+    return {"method": "opsm", "opsm.delta": mask, "loss.loss_type": aggregation}
 
 
 def _sapo(key: str):
@@ -325,7 +332,7 @@ GRPO_FIELDS: dict[str, Mapped | Refused | Ignored] = {
     "epsilon_high": _same("loss.epsilon_high", None, "null: epsilon, as TRL"),
     "sapo_temperature_neg": Mapped(1.05, "sapo.tau_neg", _sapo("sapo.tau_neg"), "with loss_type sapo"),
     "sapo_temperature_pos": Mapped(1.0, "sapo.tau_pos", _sapo("sapo.tau_pos"), "with loss_type sapo"),
-    **{name: Refused("the VESPO loss is not implemented here (loss_type vespo is refused)", (default,))
+    **{name: Refused("the VESPO loss has no counterpart here (loss_type vespo is refused)", (default,))
        for name, default in (("vespo_k_pos", 2.0), ("vespo_lambda_pos", 3.0), ("vespo_k_neg", 3.0), ("vespo_lambda_neg", 2.0))},
     "importance_sampling_level": _same("loss.importance_sampling_level", "token"),
     "reward_weights": Mapped(None, "rewards[i].weight", _nothing, "read with reward_funcs, in its order"),
@@ -335,9 +342,9 @@ GRPO_FIELDS: dict[str, Mapped | Refused | Ignored] = {
     "loss_type": Mapped("dapo", "method, loss.loss_type", _loss_type,
                         "grpo, bnpo, dr_grpo, dapo: method grpo; cispo: method cispo (dapo); sapo: method sapo (grpo)"),
     "mask_truncated_completions": _same("loss.mask_truncated_completions", False),
-    "sync_ref_model": Refused("a reference that follows the policy (TR-DPO) is not implemented here", (False,)),
-    "ref_model_mixup_alpha": Ignored("used only with sync_ref_model, which is refused"),
-    "ref_model_sync_steps": Ignored("used only with sync_ref_model, which is refused"),
+    "sync_ref_model": _same("loss.sync_ref_model", False, "TR-DPO (here it needs beta > 0 and no LoRA)"),
+    "ref_model_mixup_alpha": _same("loss.ref_model_mixup_alpha", 0.6),
+    "ref_model_sync_steps": _same("loss.ref_model_sync_steps", 512),
     "top_entropy_quantile": _same("loss.top_entropy_quantile", 1.0),
     "entropy_coef": _same("loss.entropy_coef", 0.0),
     "use_adaptive_entropy": _same("loss.adaptive_entropy", False),
@@ -356,10 +363,10 @@ GRPO_FIELDS: dict[str, Mapped | Refused | Ignored] = {
     "vllm_importance_sampling_clip_min": Refused("the rollout correction has no lower bound here"),
     "vllm_importance_sampling_cap": Mapped(None, "loss.rollout_correction_cap", _nothing,
                                            "TRL's older name of the clip; wins when set"),
-    "off_policy_mask_threshold": Refused("DeepSeek-V3.2's off-policy sequence mask is not implemented here "
-                                         "(loss.seq_logprob_error_threshold is NeMo-RL's other test)"),
+    "off_policy_mask_threshold": Mapped(None, "method: opsm, opsm.delta", _nothing,
+                                        "read with loss_type: set, the clipped-surrogate loss types train as OPSM"),
     "use_bias_correction_kl": Refused(
-        "the KL term weighted by the importance ratio is not implemented here; use_bias_correction_kl: false "
+        "the KL term weighted by the importance ratio has no counterpart here; use_bias_correction_kl: false "
         "trains with the plain k3 KL", (False,), when=lambda v, f: f["beta"] == 0, when_text="with beta 0"),
     "log_completions": Ignored(_LOG),
     "log_multimodal": Ignored(_LOG),
@@ -457,8 +464,9 @@ SCRIPT_FIELDS: dict[str, Mapped | Refused | Ignored] = {
     "lora_target_parameters": Refused("LoRA on parameters (not modules) is not supported here"),
     "lora_modules_to_save": Refused("modules trained in full beside LoRA are not supported here"),
     "lora_task_type": Refused("the policy is a causal LM", ("CAUSAL_LM",)),
-    "use_rslora": Refused("rank-stabilised LoRA is not implemented here", (False,)),
-    "use_dora": Refused("DoRA is not implemented here", (False,)),
+    "use_rslora": _same("model.lora.use_rslora", False),
+    "use_dora": Refused("DoRA has no counterpart here: the sampler gets the merged weights, and DoRA's merge "
+                        "rescales each column by a weight norm the push does not compute", (False,)),
     "load_in_8bit": Refused("quantised training is not supported here", (False,)),
     "load_in_4bit": Refused("quantised training is not supported here", (False,)),
     "bnb_4bit_quant_type": Ignored("used only with load_in_4bit, which is refused"),

@@ -15,7 +15,7 @@ import torch
 
 from maxent_grpo.errors import ConfigError
 from maxent_grpo.rollout.backend import Completion, PromptGroup, build_rollout_batch
-from maxent_grpo.rollout.data_plane import LocalDataPlane, RolloutRecord
+from maxent_grpo.rollout.data_plane import LocalDataPlane, RolloutRecord, Skipped
 from maxent_grpo.rollout.open_plane import check_data_plane, open_data_plane
 from maxent_grpo.rollout.transferqueue_plane import (
     MISSING_EXTRA,
@@ -84,7 +84,7 @@ def plain_record(step: int = 0) -> RolloutRecord:
 
 def failed_record(step: int = 5) -> RolloutRecord:
     return RolloutRecord(step=step, version=4, rows=[{"prompt": "q"}], rollout=None, rewards=None,
-                         timings={"generate_s": 0.2}, failure=("generate", "POST /v1/completions: Connection refused"))
+                         timings={"generate_s": 0.2}, failure=Skipped("generate", "POST /v1/completions: Connection refused"))
 
 
 RECORDS = {"multi_turn": multi_turn_record, "plain": plain_record, "failed": failed_record}

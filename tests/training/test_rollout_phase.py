@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+from maxent_grpo.rollout.data_plane import Skipped
 from maxent_grpo.training.pipeline import finish_batch, produce_rollouts
 from maxent_grpo.training.setup import build_run
 from maxent_grpo.training.validation import validate
@@ -56,8 +57,8 @@ def test_a_step_is_one_phase_around_every_round_and_an_evaluation_is_another(tin
         recorder = PhaseRecorder(run.ctx.backend)
         run.ctx.backend = recorder
         record = produce_rollouts(run.ctx, run.sampler.next_batch(), run.sampler.next_batch, step=0, version=0)
-        assert finish_batch(run.ctx, record) is None
-        assert run.ctx.skips["dynamic_sampling"] == 1
+        outcome = finish_batch(run.ctx, record)
+        assert isinstance(outcome, Skipped) and outcome.stage == "dynamic_sampling"
         assert recorder.phases == [[2, 2, 2]]  # three rounds of the step's 2 prompts, one phase
         validate(run, 1)
         assert len(recorder.phases) == 2 and len(recorder.phases[1]) >= 2  # sampled and greedy: one phase

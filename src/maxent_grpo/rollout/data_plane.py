@@ -27,14 +27,26 @@ from maxent_grpo.rollout.backend import RolloutBatch
 from maxent_grpo.tasks.modebench_package import Grades
 
 
+@dataclass(frozen=True)
+class Skipped:
+    """A batch that does not train: the stage that failed (the ``skipped/<stage>`` counter it counts
+    in) and why. ``other_rank``: this process's batch was fine and another process's failed."""
+
+    stage: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.stage}: {self.reason}"
+
+
 @dataclass
 class RolloutRecord:
     """One step's rollouts as the producer leaves them: sampled and scored, not yet trained on.
 
     ``version`` is the number of optimizer steps the sampling weights had taken
     (the policy version); the trainer uses it for the staleness bound
-    (ALGORITHMS.md §15). A failed production keeps ``failure`` (its stage and
-    reason) and no rollout, so the trainer counts the skip like a synchronous run.
+    (ALGORITHMS.md §15). A failed production keeps ``failure`` (a :class:`Skipped`)
+    and no rollout, so the trainer counts the skip like a synchronous run.
     """
 
     step: int  # the optimizer step these rollouts are for (0-based: the step that trains on them)
@@ -44,7 +56,7 @@ class RolloutRecord:
     rewards: torch.Tensor | None  # [P*G, F] per reward function, NaN where a function returned None
     stats: dict[str, float] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
-    failure: tuple[str, str] | None = None  # (stage, reason)
+    failure: Skipped | None = None
     # Columns the reward functions added for the completion table (TRL's log_extra), one value per completion.
     extra_columns: dict[str, list] = field(default_factory=dict)
     # The batch's modebench grades, made by the reward and read again by the answer keys and replay
@@ -68,7 +80,7 @@ class RolloutRecord:
         del state["grades"]
         state["rewards"] = None if self.rewards is None else {"dtype": str(self.rewards.dtype).removeprefix("torch."),
                                                               "values": self.rewards.tolist()}
-        state["failure"] = None if self.failure is None else list(self.failure)
+        state["failure"] = None if self.failure is None else [self.failure.stage, self.failure.reason]
         return state
 
     @classmethod
@@ -78,7 +90,7 @@ class RolloutRecord:
             **{**state,
                "rollout": None if state["rollout"] is None else RolloutBatch(**state["rollout"]),
                "rewards": None if rewards is None else torch.tensor(rewards["values"], dtype=getattr(torch, rewards["dtype"])),
-               "failure": None if state["failure"] is None else tuple(state["failure"])},
+               "failure": None if state["failure"] is None else Skipped(*state["failure"])},
         )
 
 

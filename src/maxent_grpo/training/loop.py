@@ -23,6 +23,7 @@ from maxent_grpo.core.reference_sync import due, mix_into_reference
 from maxent_grpo.core.step import OptimizerUpdate, StepHooks, grpo_step
 from maxent_grpo.errors import UserError
 from maxent_grpo.kill_points import kill_point
+from maxent_grpo.rollout.data_plane import Skipped
 from maxent_grpo.rewards.maxent import controller_state_dict, update_controllers
 from maxent_grpo.training.checkpoint import find_latest_checkpoint
 from maxent_grpo.training.collapse import CollapseWatch
@@ -84,7 +85,7 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
         total=schedule.max_steps, initial=run.start_step, desc=run.plan.method.name, unit="step",
         disable=not (run.plan.logging.progress_bar and ctx.dist.is_main), dynamic_ncols=True,
     )
-    step, consecutive_skips, last_save = run.start_step, 0, time.monotonic()
+    step, consecutive_skips, last_save, last_skip = run.start_step, 0, time.monotonic(), None
     collapse = CollapseWatch(run.plan.logging.collapse_window, run.plan.method.collapse_advice)
     constant_rewards = ConstantRewardWatch()
     while step < schedule.max_steps:
@@ -96,9 +97,9 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
             # run or any number of processes samples exactly what an uninterrupted run would.
             run.rollouts.begin_step(step)
             record = run.rollouts.take(step)
-            prepared = finish_batch(ctx, record)
-            if prepared is not None and not ctx.dist.any_rank(prepared.has_signal):
-                _count_no_signal(run, prepared, step + 1)
+            outcome = finish_batch(ctx, record)
+            if not isinstance(outcome, Skipped) and not ctx.dist.any_rank(outcome.has_signal):
+                _count_no_signal(run, outcome, step + 1)
         except StopIteration:
             log.info("data exhausted after %d epochs at step %d", schedule.num_epochs, step)
             break
@@ -108,17 +109,20 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
         # From here to the end of the step a second Ctrl-C finishes the step (and its metrics
         # line and checkpoint) rather than tearing it; the stop check then saves and exits.
         with stop.protected():
-            if prepared is None:
+            if isinstance(outcome, Skipped):
+                ctx.skips[outcome.stage] += 1
+                log.warning("skipping batch: %s", outcome)
+                last_skip = outcome
                 lost = _end_step(run, step)  # the batch sampled meanwhile waits for the next step
                 if lost is not None:
                     raise _sampler_lost(run, step, lost)
                 consecutive_skips += 1
                 if consecutive_skips >= schedule.max_consecutive_skips:
-                    raise _too_many_skips(run, step, consecutive_skips)
+                    raise _too_many_skips(run, step, consecutive_skips, last_skip)
             else:
                 consecutive_skips = 0
-                step = _update_and_log(run, prepared, record, step, t_start, cpu_start, metrics_log)
-                for line in constant_rewards.observe(prepared.reward_comp.per_function, prepared.reward_comp.reward_names):
+                step = _update_and_log(run, outcome, record, step, t_start, cpu_start, metrics_log)
+                for line in constant_rewards.observe(outcome.reward_comp.per_function, outcome.reward_comp.reward_names):
                     _warn(run, "constant_reward", line, step)
                 line = collapse.observe(run.last_metrics)
                 if line is not None:
@@ -127,7 +131,7 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
                 bar.set_postfix(_postfix(run.last_metrics), refresh=False)
             if _stop_requested(run, stop):
                 raise _interrupted(run, step)
-            if prepared is not None and step < schedule.max_steps and _save_due(run, step, last_save):
+            if not isinstance(outcome, Skipped) and step < schedule.max_steps and _save_due(run, step, last_save):
                 run.save(step)
                 last_save = time.monotonic()
     bar.close()
@@ -329,12 +333,12 @@ def _abandoned(run: Run, step: int, sampler_before: dict) -> RunInterrupted:
     return RunInterrupted(f"interrupted during step {step + 1} (abandoned): {where}", path, step)
 
 
-def _too_many_skips(run: Run, step: int, count: int) -> TrainingError:
+def _too_many_skips(run: Run, step: int, count: int, last: Skipped) -> TrainingError:
     path = run.save(step) if step > run.start_step else find_latest_checkpoint(run.output_dir)
     where = f"checkpoint {path}" if path is not None else "no checkpoint (no step had finished)"
     return TrainingError(
         f"{count} batches in a row failed (training.max_consecutive_skips={run.plan.schedule.max_consecutive_skips}) "
-        f"at step {step}; last error: {run.ctx.last_error}; {where}"
+        f"at step {step}; last error: {last}; {where}"
     )
 
 

@@ -4,9 +4,10 @@
 steps ahead): generation (with retries and, for DAPO, dynamic sampling) and rewards, into a
 :class:`RolloutRecord`. :func:`finish_batch` (the trainer, at the step): reward statistics
 (advantages, q, SEED scales), the optional reward-side entropy bonus, reference scoring and the
-method's weighting; it returns a :class:`PreparedBatch`, or ``None`` when a stage failed (the reason
-is counted in ``ctx.skips`` and logged). Any failure inside a stage raises :class:`SkipBatch`;
-nothing is silently trained on.
+method's weighting; it returns a :class:`PreparedBatch`, or the :class:`Skipped` value of a stage
+that failed (the loop counts it in ``ctx.skips`` and logs it). A failing stage raises
+:class:`SkipBatch`; its caller turns it into the value, which the record carries from the producer
+to the trainer. Nothing is silently trained on.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from maxent_grpo.rewards.maxent import (
 )
 from maxent_grpo.rewards.context import RewardContext, TrainerState
 from maxent_grpo.rewards.registry import RewardFunctionError, RewardSpec, evaluate_rewards, rollout_reward_inputs
-from maxent_grpo.rollout.data_plane import RolloutRecord
+from maxent_grpo.rollout.data_plane import RolloutRecord, Skipped
 from maxent_grpo.rollout.backend import (
     SamplingParams,
     GenerationBackend,
@@ -54,11 +55,12 @@ log = logging.getLogger("maxent_grpo")
 
 
 class SkipBatch(Exception):
-    """A stage failed for this batch; ``stage`` names it for the skip counters."""
+    """Raised inside a stage that failed for this batch; the stage's caller turns it into the
+    :class:`Skipped` value the rest of the pipeline hands on (``skipped``)."""
 
     def __init__(self, stage: str, reason: str):
         super().__init__(f"{stage}: {reason}")
-        self.stage, self.reason = stage, reason
+        self.skipped = Skipped(stage, reason)
 
 
 @dataclass
@@ -81,7 +83,6 @@ class PipelineContext:
     # Optimizer steps per pass over the training rows (the reward functions' trainer_state.epoch); 0: unknown.
     steps_per_epoch: float = 0.0
     skips: Counter = field(default_factory=Counter)
-    last_error: str | None = None
 
 
 @dataclass
@@ -304,14 +305,14 @@ def produce_rollouts(
     # rounds) inside one bracket, so a sleeping vLLM engine wakes its KV cache once.
     with ctx.backend.rollout_phase(ctx.model):
         try:
-            sampled: Sampled | SkipBatch = sample_rollouts(ctx, rows, ctx.plan.batch.sampling)
+            sampled: Sampled | Skipped = sample_rollouts(ctx, rows, ctx.plan.batch.sampling)
         except SkipBatch as err:
-            sampled = err
+            sampled = err.skipped
         return complete_rollouts(ctx, sampled, more_rows, step=step, version=version, started=t0)
 
 
 def complete_rollouts(
-    ctx: PipelineContext, sampled: Sampled | SkipBatch, more_rows: Callable[[], list[dict]] | None, *,
+    ctx: PipelineContext, sampled: Sampled | Skipped, more_rows: Callable[[], list[dict]] | None, *,
     step: int, version: int, started: float,
 ) -> RolloutRecord:
     """The record of a batch whose generation ended (or failed): rewards, and dynamic-sampling rounds.
@@ -324,30 +325,29 @@ def complete_rollouts(
     state = TrainerState(global_step=step, max_steps=ctx.plan.schedule.max_steps,
                          epoch=step / ctx.steps_per_epoch if ctx.steps_per_epoch else 0.0)
     grades = Grades()  # each completion graded once for its reward, answer key and replay admission
+    if isinstance(sampled, Skipped):
+        return RolloutRecord(step=step, version=version, rows=[], rollout=None, rewards=None, failure=sampled)
     try:
-        if isinstance(sampled, SkipBatch):
-            raise sampled
         rows, rollout, per_fn, stats, columns = _rewards_and_rounds(ctx, sampled, more_rows, state, timings, grades)
     except SkipBatch as err:
-        return RolloutRecord(step=step, version=version, rows=[], rollout=None, rewards=None,
-                             failure=(err.stage, err.reason))
+        return RolloutRecord(step=step, version=version, rows=[], rollout=None, rewards=None, failure=err.skipped)
     timings["time/generate"] = time.perf_counter() - started - timings["time/reward"]
     return RolloutRecord(step=step, version=version, rows=rows, rollout=rollout, rewards=per_fn, stats=stats,
                          timings=timings, extra_columns=columns, grades=grades)
 
 
-def finish_batch(ctx: PipelineContext, record: RolloutRecord) -> PreparedBatch | None:
-    """The trainer's half: the producer's rollouts scored, weighted and ready for the step.
+def finish_batch(ctx: PipelineContext, record: RolloutRecord) -> PreparedBatch | Skipped:
+    """The trainer's half: the producer's rollouts scored, weighted and ready for the step, or the
+    :class:`Skipped` that says why the batch does not train (the loop counts it).
 
     Two sync points, reached by every rank whatever happened locally, keep a
     multi-process run in step: after rollout and rewards (any failure skips the
     batch everywhere; every rank keeps the same number of groups, so the
     optimizer step runs the same number of micro-batches), and after scoring.
     """
-    failed = None if record.failure is None else SkipBatch(*record.failure)
-    failed_anywhere, common = ctx.dist.any_and_min(failed is not None, len(record.rows))
+    failed_anywhere, common = ctx.dist.any_and_min(record.failure is not None, len(record.rows))
     if failed_anywhere:
-        return _skip(ctx, failed)
+        return record.failure or OTHER_RANK
     rows, rollout, per_fn, timings = record.rows, record.rollout, record.rewards, dict(record.timings)
     columns = record.extra_columns
     if common < len(rows):
@@ -355,20 +355,17 @@ def finish_batch(ctx: PipelineContext, record: RolloutRecord) -> PreparedBatch |
         per_fn = per_fn[: common * rollout.num_generations]
         columns = {k: v[: common * rollout.num_generations] for k, v in columns.items()}
     try:
-        batch, failed = _score_and_weight(ctx, rows, rollout, per_fn, record.stats, timings, columns,
-                                          record.grades), None
+        outcome = _score_and_weight(ctx, rows, rollout, per_fn, record.stats, timings, columns, record.grades)
     except SkipBatch as err:
-        batch, failed = None, err
-    if ctx.dist.any_rank(failed is not None):
-        return _skip(ctx, failed)
-    return batch
+        outcome = err.skipped
+    skipped_here = isinstance(outcome, Skipped)
+    if ctx.dist.any_rank(skipped_here):
+        return outcome if skipped_here else OTHER_RANK
+    return outcome
 
 
-def _skip(ctx: PipelineContext, failed: SkipBatch | None) -> None:
-    ctx.skips[failed.stage if failed is not None else "other_rank"] += 1
-    ctx.last_error = str(failed) if failed is not None else "another rank failed"
-    log.warning("skipping batch: %s", ctx.last_error)
-    return None
+# What a process whose own batch was fine skips when another process's failed.
+OTHER_RANK = Skipped("other_rank", "another process's batch failed (its error is in its log)")
 
 
 def _score_and_weight(ctx: PipelineContext, rows, rollout, per_fn, stats, timings, columns,

@@ -31,7 +31,7 @@ import torch
 
 from maxent_grpo.core.staleness import admissible
 from maxent_grpo.errors import UserError
-from maxent_grpo.rollout.data_plane import DataPlane, RolloutRecord
+from maxent_grpo.rollout.data_plane import DataPlane, RolloutRecord, Skipped
 from maxent_grpo.training.pipeline import (
     PipelineContext,
     Sampled,
@@ -55,11 +55,11 @@ class _Job:
     """One batch sampled in a daemon thread (a thread that outlives a stopped run must not keep
     the process alive: it only waits on a server)."""
 
-    def __init__(self, step: int, version: int, work: Callable[[], Sampled | SkipBatch]):
+    def __init__(self, step: int, version: int, work: Callable[[], Sampled | Skipped]):
         self.step, self.version = step, version
         self.started = time.perf_counter()
         self.finished: float | None = None
-        self.result: Sampled | SkipBatch | None = None
+        self.result: Sampled | Skipped | None = None
         self.error: BaseException | None = None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(work,), daemon=True, name=f"rollouts-{step}")
@@ -74,7 +74,7 @@ class _Job:
             self.finished = time.perf_counter()
             self._done.set()
 
-    def wait(self, timeout_s: float) -> Sampled | SkipBatch:
+    def wait(self, timeout_s: float) -> Sampled | Skipped:
         if not self._done.wait(timeout_s):
             # What it waited for, and whether the producer is still at it (a hung server) or gone.
             producer = (f"the sampling thread is alive, {time.perf_counter() - self.started:.0f} s into the batch "
@@ -156,8 +156,10 @@ class RolloutQueue:
         sampled = job.wait(self.wait_timeout_s)
         self.timings["time/wait_rollouts"] += time.perf_counter() - t0
         self._last_finish = job.finished
-        self._put(complete_rollouts(self.ctx, sampled, self._more_rows, step=job.step, version=step,
-                                    started=job.started))
+        # Rewards, and any dynamic-sampling rounds (which generate again), inside a rollout phase too.
+        with self.ctx.backend.rollout_phase(self.ctx.model):
+            self._put(complete_rollouts(self.ctx, sampled, self._more_rows, step=job.step, version=step,
+                                        started=job.started))
 
     def metrics(self, step: int, record: RolloutRecord) -> dict[str, float]:
         lag = float(step - record.version)
@@ -197,8 +199,10 @@ class RolloutQueue:
         return self.draw_rows()
 
 
-def _sampled_or_skip(ctx: PipelineContext, rows: list[dict], params) -> Sampled | SkipBatch:
-    try:
-        return sample_rollouts(ctx, rows, params)
-    except SkipBatch as err:
-        return err
+def _sampled_or_skip(ctx: PipelineContext, rows: list[dict], params) -> Sampled | Skipped:
+    """The producer thread's generation, inside the backend's rollout phase as a step's is."""
+    with ctx.backend.rollout_phase(ctx.model):
+        try:
+            return sample_rollouts(ctx, rows, params)
+        except SkipBatch as err:
+            return err.skipped

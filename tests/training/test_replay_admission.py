@@ -13,6 +13,7 @@ from maxent_grpo.core.mode_bank import ModeBank
 from maxent_grpo.rollout.backend import RolloutBatch
 from maxent_grpo.tasks.modebench_package import package_rows
 from maxent_grpo.training.distributed import Dist
+from maxent_grpo.training.run_dir import RunDirError, resume_changes
 from maxent_grpo.training.replay import ReplayConfig, admit_batch, bank_from_state, bank_state, check_replay, replay_batch
 
 
@@ -47,15 +48,18 @@ def test_a_row_without_mode_keys_is_refused_in_one_line():
 
 
 def test_the_bank_through_trainer_state_and_a_resume_with_other_settings():
+    """The bank round-trips through JSON; a checkpoint's bank with another capacity is refused (the
+    config comparison refuses any replay change first, --allow-config-change or not: FIXED_ON_RESUME)."""
     bank = ModeBank(capacity=2)
     bank.admit_group((1, 2), ["a", "b"], [1.0, 1.0], [True, True], [(3,), (4,)])
     cfg = ReplayConfig(enabled=True, capacity=2)
-    state = json.loads(json.dumps(bank_state(bank, cfg)))
+    state = json.loads(json.dumps(bank_state(bank)))
     assert bank_from_state(state, cfg).state_dict() == bank.state_dict()
-    with pytest.raises(ValueError, match="replay.coef"):
-        bank_from_state(state, ReplayConfig(enabled=True, capacity=2, coef=0.2))
     with pytest.raises(ValueError, match="capacity"):
         bank_from_state(state, ReplayConfig(enabled=True, capacity=3))
+    for key, old, new in (("coef", 0.1, 0.2), ("compute_only", False, True), ("groups_per_step", 1, 2)):
+        with pytest.raises(RunDirError, match=f"replay.{key}"):
+            resume_changes({"replay": {key: old}}, {"replay": {key: new}}, allow_change=True)
 
 
 def test_section_checks():

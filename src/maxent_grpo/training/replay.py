@@ -112,17 +112,14 @@ def replay_batch(bank: ModeBank, cfg: ReplayConfig, num_generations: int, pad_to
     return ReplayBatch(layout, replay_scale(cfg.coef, num_generations), cfg.compute_only, rows_per_pass)
 
 
-def bank_state(bank: ModeBank, cfg: ReplayConfig) -> dict:
-    """The bank with the settings a resume must match, for ``trainer_state``."""
-    return {"bank": bank.state_dict(), "coef": cfg.coef, "compute_only": cfg.compute_only}
+def bank_state(bank: ModeBank) -> dict:
+    """The bank, for ``trainer_state``. The replay settings it was filled under are the checkpoint's
+    config, which a resume may not change (``run_dir.FIXED_ON_RESUME``)."""
+    return {"bank": bank.state_dict()}
 
 
 def bank_from_state(state: dict, cfg: ReplayConfig) -> ModeBank:
-    """The bank of a checkpoint's ``trainer_state`` entry; one line naming the setting that differs."""
-    for name in ("coef", "compute_only"):
-        if state[name] != getattr(cfg, name):
-            raise ValueError(f"replay.{name} is {getattr(cfg, name)!r} but the checkpoint's run had {state[name]!r}: "
-                             "a resumed replay run keeps its replay settings")
+    """The bank of a checkpoint's ``trainer_state`` entry."""
     bank = ModeBank(cfg.capacity, cfg.groups_per_step)
     bank.load_state_dict(state["bank"])
     return bank

@@ -31,9 +31,10 @@ LOCK_NAME = ".lock"
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
 
 # A change to any of these makes the resumed run a different experiment.
+# ``replay``: the bank a checkpoint holds was filled and scheduled under its run's replay settings.
 FIXED_ON_RESUME = (
     "method", "model", "data", "rewards", "generation.num_generations", "training.seed",
-    "training.prompts_per_step", "training.batch_size", "training.strategy",
+    "training.prompts_per_step", "training.batch_size", "training.strategy", "replay",
 )
 # These change how long the run goes on and what it writes, not what it learns.
 FREE_ON_RESUME = ("training.max_steps", "logging", "checkpoint", "eval")

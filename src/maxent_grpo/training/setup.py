@@ -104,7 +104,7 @@ class Run:
             # The count async/dropped_stale logs "so far": it goes on from here after a resume.
             "rollouts_dropped_stale": self.rollouts.dropped_stale,
             # Saved with the weights at the same step, so a resumed run replays what the uninterrupted one does.
-            "replay": None if self.bank is None else bank_state(self.bank, self.plan.replay),
+            "replay": None if self.bank is None else bank_state(self.bank),
             "entropy_control": None if self.entropy_state is None else self.entropy_state.to_dict(),
         }
 

@@ -26,7 +26,7 @@ from maxent_grpo.rollout.backends import BACKENDS
 from maxent_grpo.training.checkpoint import TRAINER_STATE_NAME, read_trainer_state
 from maxent_grpo.training.data import DataPlan, load_table, row_episodes
 from maxent_grpo.training.distributed import Dist
-from maxent_grpo.training.plan import RunPlan
+from maxent_grpo.training.run_plan import RunPlan
 from maxent_grpo.training.sampler import build_sampler, describe_sampling
 
 log = logging.getLogger("maxent_grpo")

@@ -54,6 +54,18 @@ REWARD_FUNCTIONS: dict[str, Callable[..., RewardFunction]] = {
 }
 
 
+@dataclass
+class RewardEntry:
+    """One entry of the config's ``rewards:`` list: a reward function by name, its weight in the
+    weighted sum, its keyword arguments, and the seconds one call may take (None: no limit; a call
+    that runs longer fails the batch)."""
+
+    name: str
+    weight: float = 1.0
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    timeout_s: float | None = None
+
+
 class RewardConfigError(UserError, ValueError):
     """A ``rewards`` entry names no usable function; the message names the entry."""
 
@@ -151,7 +163,7 @@ def _entry_fields(entry: Any, index: int) -> tuple[str, float, dict[str, Any], f
 
 def build_reward_spec(entries: Sequence[Any]) -> RewardSpec:
     """A RewardSpec from config entries: `{"name": ..., "weight": 1.0, "kwargs": {...}}`
-    mappings, dataclasses with those fields (the config's RewardEntry), or bare names (weight 1)."""
+    mappings, dataclasses with those fields (:class:`RewardEntry`), or bare names (weight 1)."""
     if isinstance(entries, (str, Mapping)) or not isinstance(entries, Sequence):
         raise RewardConfigError(f"rewards must be a list of entries, got {type(entries).__name__}")
     names, funcs, weights, timeouts = [], [], [], []

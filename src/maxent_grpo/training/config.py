@@ -23,7 +23,6 @@ from maxent_grpo.errors import ConfigError
 from maxent_grpo.methods import METHODS, get_method
 from maxent_grpo.rewards.user_code import resolve_reference
 from maxent_grpo.rollout.open_plane import check_data_plane
-from maxent_grpo.run_files import write_text_atomic
 from maxent_grpo.training.trackers import TRACKER_NAMES
 # The sections live in config_schema.py; imported here so that ``training.config``
 # stays the one import for the whole configuration.
@@ -49,7 +48,7 @@ __all__ = [
     "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig", "FewShotExample", "GenerationConfig",
     "LoggingConfig", "LoraConfig", "LossSection", "ModelConfig", "RewardEntry",
     "TrainConfig", "TrainingConfig", "VllmConfig",
-    "build_config", "load_config", "parse_override", "read_yaml", "save_config", "to_dict", "validate",
+    "build_config", "load_config", "parse_override", "read_yaml", "to_dict", "validate",
 ]
 
 
@@ -371,10 +370,3 @@ def _check_environment(cfg: TrainConfig) -> None:
         _check(":" in tool, f"environment.tools[{i}]", f"must look like 'module:function' or 'file.py:function', got {tool!r}")
     for name, ref in e.classes.items():
         _check(":" in ref, f"environment.classes.{name}", f"must look like 'module:Class' or 'file.py:Class', got {ref!r}")
-
-
-def save_config(source: dict, path: str | Path, header: list[str] | None = None) -> None:
-    """Write a config (as :func:`to_dict` gives it) as YAML (atomically: a reader never sees half a
-    file), below ``header``'s comment lines (the run's resume history)."""
-    text = "".join(line + "\n" for line in header or []) + yaml.safe_dump(source, sort_keys=False)
-    write_text_atomic(path, text)

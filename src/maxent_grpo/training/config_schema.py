@@ -26,6 +26,7 @@ from maxent_grpo.data.prompts import FewShotExample
 from maxent_grpo.envs.settings import EnvironmentConfig
 from maxent_grpo.methods import METHODS, method_sections
 from maxent_grpo.rewards.maxent import MaxEntConfig
+from maxent_grpo.rewards.registry import RewardEntry
 from maxent_grpo.rollout.backends import BACKENDS
 from maxent_grpo.rollout.settings import RolloutConfig, VllmConfig
 from maxent_grpo.training.replay import ReplayConfig
@@ -95,15 +96,6 @@ class DataConfig:
     num_epochs: int | None = field(default=None, metadata={"help": (
         "stop after this many passes over the data (null = until max_steps)")})
     shuffle: bool = field(default=True, metadata={"help": "shuffle prompts each epoch (seeded)"})
-
-
-@dataclass
-class RewardEntry:
-    name: str
-    weight: float = 1.0
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    # Seconds one call may take; a call that runs longer fails the batch (null: no limit).
-    timeout_s: float | None = None
 
 
 @dataclass

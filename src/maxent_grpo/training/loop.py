@@ -32,7 +32,7 @@ from maxent_grpo.training.interrupt import RunInterrupted, StopSignals
 from maxent_grpo.training.learning_signal import ConstantRewardWatch, no_signal_cause
 from maxent_grpo.training.metrics import MetricsLog, log_training_step, read_metrics, summarize_weight_stats
 from maxent_grpo.training.pipeline import finish_batch
-from maxent_grpo.training.plan import RunPlan, with_beta
+from maxent_grpo.training.run_plan import RunPlan, with_beta
 from maxent_grpo.training.replay import admit_batch, replay_batch
 from maxent_grpo.training.setup import Run, build_run
 from maxent_grpo.training.validation import validate

@@ -49,7 +49,7 @@ from maxent_grpo.data.prompts import format_prompt, prompt_messages
 from maxent_grpo.envs.episodes import EpisodePlay, run_episodes
 from maxent_grpo.training.diversity import group_diversity
 from maxent_grpo.training.distributed import Dist
-from maxent_grpo.training.plan import RunPlan
+from maxent_grpo.training.run_plan import RunPlan
 
 log = logging.getLogger("maxent_grpo")
 

@@ -25,7 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+import yaml
+
 from maxent_grpo.errors import UserError
+from maxent_grpo.run_files import write_text_atomic
 
 LOCK_NAME = ".lock"
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
@@ -182,3 +185,10 @@ def config_history(path: Path) -> list[str]:
 def history_line(step: int, changes: list[ConfigChange]) -> str:
     listed = "; ".join(str(c) for c in changes) if changes else "no config change"
     return f"# resumed at step {step}: {listed}"
+
+
+def save_config(source: dict, path: str | Path, header: list[str] | None = None) -> None:
+    """Write a config (as ``training.config.to_dict`` gives it) as YAML (atomically: a reader never sees half a
+    file), below ``header``'s comment lines (the run's resume history)."""
+    text = "".join(line + "\n" for line in header or []) + yaml.safe_dump(source, sort_keys=False)
+    write_text_atomic(path, text)

@@ -27,16 +27,15 @@ from maxent_grpo.training.checkpoint import (
     CheckpointError, find_latest_checkpoint, load_reference_state, read_trainer_state,
 )
 from maxent_grpo.training.replay import bank_from_state, bank_state
-from maxent_grpo.training.config import save_config
 from maxent_grpo.training.data import load_rows, row_episodes
 from maxent_grpo.training.distributed import Dist, log_device
 from maxent_grpo.training.host_memory import host_memory_release
 from maxent_grpo.training.pipeline import PipelineContext
-from maxent_grpo.training.plan import RunPlan, describe_rollout_correction, with_run_length
+from maxent_grpo.training.run_plan import RunPlan, describe_rollout_correction, with_run_length
 from maxent_grpo.training.policy import build_optimizer, load_policy, load_reference, reference_scorer
 from maxent_grpo.training.rollout_queue import RolloutQueue
 from maxent_grpo.training.run_dir import (
-    RunDirError, RunLock, claim_output_dir, config_history, history_line, resume_changes,
+    RunDirError, RunLock, claim_output_dir, config_history, history_line, resume_changes, save_config,
 )
 from maxent_grpo.training.sampler import build_sampler, describe_sampling
 from maxent_grpo.training.seeding import seed_everything

@@ -46,6 +46,8 @@ ARMS: dict[str, dict] = {
     "redr_control": {"method": "redr", **DR_GRPO_LOSS, "replay.compute_only": True},
     # §2d's best MaxEnt arm by pass@8 (+4.2 points, the interval containing 0).
     "xdr_tau0.01": {"method": "xdr", **DR_GRPO_LOSS, "xdr.tau": 0.01},
+    # The built-in default method, MaxEnt listwise weights (its own loss; the recipe's beta 0).
+    "maxent_listwise": {"method": "maxent_listwise"},
 }
 TRAIN_SEEDS = (0, 1, 2)
 EVAL_SEED = 0  # one evaluation per run, the same sampling seed for every arm (its draws are the replicates)

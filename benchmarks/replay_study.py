@@ -33,8 +33,8 @@ RECIPE = REPO / "recipes" / "modebench_replay.yaml"
 RESULTS = REPO / "benchmarks" / "results" / "modebench_replay"
 DR_GRPO_LOSS = {"loss.loss_type": "dr_grpo", "loss.scale_rewards": "none"}
 
-# arm -> overrides of the recipe (dotted keys). Every arm sits on Dr.GRPO's loss (the presets of
-# redr, remax and maxrl set it; §16-§17), with beta 0 (the recipe's default).
+# arm -> overrides of the recipe (dotted keys). Every arm but the default method sits on Dr.GRPO's
+# loss (the presets of redr, remax and maxrl set it; §16-§17), with beta 0 (the recipe's default).
 ARMS: dict[str, dict] = {
     START: {},
     "dr_grpo": {"method": "dr_grpo", **DR_GRPO_LOSS},

@@ -102,7 +102,7 @@ def test_analyze_reads_runs_and_gives_prompt_clustered_intervals(tmp_path):
     assert "| redr | 4 | 2 | 2.000 | 0.020 | 0.203 | 0.102 | 2.000 |" in report
 
 
-def test_every_arm_compiles_on_dr_grpo_with_its_replay_and_advantage():
+def test_every_arm_compiles_with_its_loss_replay_and_advantage():
     from tiny_runs import compiled
 
     from maxent_grpo.training.config import load_config
@@ -112,7 +112,10 @@ def test_every_arm_compiles_on_dr_grpo_with_its_replay_and_advantage():
             continue
         cfg = load_config(RECIPE, overrides)
         compiled(RECIPE, overrides)  # every check of the compiler passes
-        assert (cfg.loss.loss_type, cfg.loss.scale_rewards, cfg.loss.beta) == ("dr_grpo", "none", 0.0), arm
+        if arm == "maxent_listwise":  # the default method: its own listwise loss, the recipe's beta 0
+            assert (cfg.method, cfg.loss.beta) == ("maxent_listwise", 0.0)
+        else:
+            assert (cfg.loss.loss_type, cfg.loss.scale_rewards, cfg.loss.beta) == ("dr_grpo", "none", 0.0), arm
         assert cfg.replay.enabled == arm.startswith("redr") or arm == "remax", arm
         assert cfg.replay.compute_only == (arm == "redr_control"), arm
         assert (cfg.loss.advantage_estimator == "maxrl") == (arm in ("remax", "maxrl")), arm

@@ -4,6 +4,7 @@ generate call outside one. A sleeping vLLM engine relies on it (docs/VLLM.md, "S
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 
 from maxent_grpo.rollout.data_plane import Skipped
@@ -55,9 +56,9 @@ def test_a_step_is_one_phase_around_every_round_and_an_evaluation_is_another(tin
     run = build_run(compiled(None, [*overrides, f"logging.output_dir={tmp_path / 'run'}"]))
     try:
         recorder = PhaseRecorder(run.ctx.backend)
-        run.ctx.backend = recorder
+        run.ctx = dataclasses.replace(run.ctx, backend=recorder)
         record = produce_rollouts(run.ctx, run.sampler.next_batch(), run.sampler.next_batch, step=0, version=0)
-        outcome = finish_batch(run.ctx, record)
+        outcome = finish_batch(run.ctx, record, run.state.weighting)
         assert isinstance(outcome, Skipped) and outcome.stage == "dynamic_sampling"
         assert recorder.phases == [[2, 2, 2]]  # three rounds of the step's 2 prompts, one phase
         validate(run, 1)

@@ -59,6 +59,9 @@ class RolloutRecord:
     failure: Skipped | None = None
     # Columns the reward functions added for the completion table (TRL's log_extra), one value per completion.
     extra_columns: dict[str, list] = field(default_factory=dict)
+    # Groups the producer dropped, by cause ("incomplete_groups", "failed_episodes"): the trainer adds
+    # them to the run's skip counts when it takes the record.
+    dropped: dict[str, int] = field(default_factory=dict)
     # The batch's modebench grades, made by the reward and read again by the answer keys and replay
     # admission (each completion graded once). A memo only: not saved, and a plane that ships the
     # record to another process hands over an empty one (the trainer then grades again).

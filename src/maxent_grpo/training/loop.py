@@ -75,29 +75,31 @@ def _build_and_train(plan: RunPlan, resume, overwrite: bool, allow_config_change
 
 
 def _train(run: Run, stop: StopSignals) -> RunSummary:
-    ctx, schedule = run.ctx, run.plan.schedule
+    ctx, schedule, state = run.ctx, run.plan.schedule, run.state
     # Only the main process owns metrics.jsonl: two processes truncating it on resume would race.
     metrics_log = (
-        MetricsLog(run.output_dir / "metrics.jsonl", resume_after_step=run.start_step if run.resumed else None)
+        MetricsLog(run.output_dir / "metrics.jsonl", resume_after_step=state.start_step if state.resumed else None)
         if ctx.dist.is_main else None
     )
     bar = tqdm(
-        total=schedule.max_steps, initial=run.start_step, desc=run.plan.method.name, unit="step",
+        total=schedule.max_steps, initial=state.start_step, desc=run.plan.method.name, unit="step",
         disable=not (run.plan.logging.progress_bar and ctx.dist.is_main), dynamic_ncols=True,
     )
-    step, consecutive_skips, last_save, last_skip = run.start_step, 0, time.monotonic(), None
+    consecutive_skips, last_save, last_skip = 0, time.monotonic(), None
     collapse = CollapseWatch(run.plan.logging.collapse_window, run.plan.method.collapse_advice)
     constant_rewards = ConstantRewardWatch()
-    while step < schedule.max_steps:
+    while state.step < schedule.max_steps:
+        step = state.step
         t_start, cpu_start = time.perf_counter(), time.process_time()
-        sampler_before = run.sampler.sampler.state_dict()
+        data_before = state.data.state_dict()
         try:
             # Batch `step` (sampled now, or rollout.max_staleness steps ago) and the sampling of the
             # coming ones; each batch draws from its own seed (run seed, rank, batch), so a resumed
             # run or any number of processes samples exactly what an uninterrupted run would.
             run.rollouts.begin_step(step)
             record = run.rollouts.take(step)
-            outcome = finish_batch(ctx, record)
+            state.skips.update(record.dropped)
+            outcome = finish_batch(ctx, record, state.weighting)
             if not isinstance(outcome, Skipped) and not ctx.dist.any_rank(outcome.has_signal):
                 _count_no_signal(run, outcome, step + 1)
         except StopIteration:
@@ -105,12 +107,12 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
             break
         except KeyboardInterrupt:
             with stop.protected():
-                raise _abandoned(run, step, sampler_before) from None
+                raise _abandoned(run, data_before) from None
         # From here to the end of the step a second Ctrl-C finishes the step (and its metrics
         # line and checkpoint) rather than tearing it; the stop check then saves and exits.
         with stop.protected():
             if isinstance(outcome, Skipped):
-                ctx.skips[outcome.stage] += 1
+                state.skips[outcome.stage] += 1
                 log.warning("skipping batch: %s", outcome)
                 last_skip = outcome
                 lost = _end_step(run, step)  # the batch sampled meanwhile waits for the next step
@@ -121,7 +123,8 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
                     raise _too_many_skips(run, step, consecutive_skips, last_skip)
             else:
                 consecutive_skips = 0
-                step = _update_and_log(run, outcome, record, step, t_start, cpu_start, metrics_log)
+                _update_and_log(run, outcome, record, t_start, cpu_start, metrics_log)
+                step = state.step
                 for line in constant_rewards.observe(outcome.reward_comp.per_function, outcome.reward_comp.reward_names):
                     _warn(run, "constant_reward", line, step)
                 line = collapse.observe(run.last_metrics)
@@ -130,38 +133,39 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
                 bar.update(1)
                 bar.set_postfix(_postfix(run.last_metrics), refresh=False)
             if _stop_requested(run, stop):
-                raise _interrupted(run, step)
+                raise _interrupted(run)
             if not isinstance(outcome, Skipped) and step < schedule.max_steps and _save_due(run, step, last_save):
-                run.save(step)
+                run.save()
                 last_save = time.monotonic()
     bar.close()
     with stop.protected():
-        final = run.save(step) if schedule.save_final else None
+        final = run.save() if schedule.save_final else None
     history = read_metrics(run.output_dir / "metrics.jsonl") if ctx.dist.is_main else []
-    return RunSummary(run.output_dir, step, final, history)
+    return RunSummary(run.output_dir, state.step, final, history)
 
 
-def _update_and_log(run: Run, prepared, record, step: int, t_start: float, cpu_start: float, metrics_log) -> int:
-    """The optimizer step on ``prepared``, the controllers, and the step's metrics; return the new step."""
-    ctx, plan = run.ctx, run.plan
+def _update_and_log(run: Run, prepared, record, t_start: float, cpu_start: float, metrics_log) -> None:
+    """The optimizer step on ``prepared``, the controllers, and the step's metrics; advances ``run.state.step``."""
+    ctx, plan, state = run.ctx, run.plan, run.state
+    step = state.step
     timings = dict(prepared.timings)
     t_policy = time.perf_counter()
     result = _policy_update(run, prepared, step + 1, timings)
     timings["time/policy"] = time.perf_counter() - t_policy - timings["time/optimizer"]
     lost = _end_step(run, step, trained=True)
     timings.update(run.rollouts.metrics(step, record))
-    step += 1
+    state.step = step = step + 1
 
     # Controllers run once per step on globally averaged inputs (§8).
     view = summarize_weight_stats(ctx.dist, prepared.weight_stats) if prepared.weight_stats is not None else None
     kl = ctx.dist.mean(result.metrics["kl"]) if "kl" in result.metrics else None
-    update_controllers(ctx.weighting, view, kl, step)
+    update_controllers(state.weighting, view, kl, step)
 
     timings["time/total"] = time.perf_counter() - t_start
     if "replay/time_s" in timings:  # what verified replay costs: its passes and its admission, of the whole step
         timings["replay/time_share"] = (timings["replay/time_s"] + timings["time/replay_admission"]) / timings["time/total"]
     timings["step_cpu_time"] = time.process_time() - cpu_start
-    extra = {f"skipped/{k}": float(v) for k, v in ctx.skips.items()}
+    extra = {f"skipped/{k}": float(v) for k, v in state.skips.items()}
     if lost is None and run.eval_rows and plan.schedule.eval_due(step):
         t_eval = time.perf_counter()
         extra.update(validate(run, step))
@@ -174,12 +178,11 @@ def _update_and_log(run: Run, prepared, record, step: int, t_start: float, cpu_s
     )
     if lost is not None:  # the step is trained and logged: keep it, then stop
         raise _sampler_lost(run, step, lost)
-    return step
 
 
 def _policy_update(run: Run, prepared, step: int, timings: dict):
     """Train on ``prepared`` as optimizer step ``step``."""
-    ctx, plan = run.ctx, run.ctx.plan
+    ctx, plan, state = run.ctx, run.ctx.plan, run.state
     timings["time/optimizer"] = 0.0
     hooks = StepHooks(update=OptimizerUpdate(plan.max_grad_norm, run.lr_scheduler),
                       phase=functools.partial(_timed_phase, run.ctx.dist.device, step, timings), release=run.release_host_memory)
@@ -189,9 +192,9 @@ def _policy_update(run: Run, prepared, step: int, timings: dict):
     # own log-probs, detached, are that anchor, fresh or stale batch alike (old_logps=None): no
     # extra forward. Only passes after the first (num_iterations > 1) need it kept from before.
     old_logps = _old_logps(run, prepared) if plan.num_iterations > 1 else None
-    spec = with_beta(plan, ctx.weighting.beta)
-    if run.entropy_state is not None:  # loss.adaptive_entropy: the coefficient the last step left
-        spec = dataclasses.replace(spec, entropy_coef=run.entropy_state.applied(plan.adaptive_entropy))
+    spec = with_beta(plan, state.weighting.beta)
+    if state.entropy is not None:  # loss.adaptive_entropy: the coefficient the last step left
+        spec = dataclasses.replace(spec, entropy_coef=state.entropy.applied(plan.adaptive_entropy))
     replay, bank_metrics = _replay(run, prepared, timings)
     micro_batches = prepared.micro_batches(plan.micro_batch_size, old_logps)
     for _ in range(plan.num_iterations):
@@ -208,9 +211,9 @@ def _policy_update(run: Run, prepared, step: int, timings: dict):
         if synced:
             mix_into_reference(run.reference, ctx.model, plan.ref_sync.alpha)
         result.metrics["reference/synced"] = float(synced)
-    if run.entropy_state is not None:
+    if state.entropy is not None:
         result.metrics["entropy_coef"] = spec.entropy_coef
-        run.entropy_state = update_entropy_coef(run.entropy_state, result.metrics["entropy"], plan.adaptive_entropy)
+        state.entropy = update_entropy_coef(state.entropy, result.metrics["entropy"], plan.adaptive_entropy)
     return result
 
 
@@ -239,15 +242,16 @@ def _timed_phase(device: torch.device, step: int, timings: dict, name: str):
 def _replay(run: Run, prepared, timings: dict):
     """Verified mode replay (training/replay.py): admit this step's groups, then this step's replay
     batch (None while the bank is empty) and the bank's metrics. ``({}``, None) without replay."""
-    if run.bank is None:
+    bank = run.state.bank
+    if bank is None:
         return None, {}
     timings["replay/time_s"] = 0.0  # the replay forward/backward (0 while the bank is empty): _timed_phase
     t0 = time.perf_counter()
     comp, packed = prepared.reward_comp, prepared.packed
-    metrics = admit_batch(run.bank, prepared.rows, prepared.rollout, comp.per_function[:, 0],
+    metrics = admit_batch(bank, prepared.rows, prepared.rollout, comp.per_function[:, 0],
                           packed.completion_mask.sum(dim=1) > 0, run.ctx.dist, prepared.grades)
     # The pad id the batch itself was packed with (pipeline.pack_rollout); its positions are masked anyway.
-    replay = replay_batch(run.bank, run.plan.replay, prepared.rollout.num_generations, run.ctx.tokenizer.pad_token_id,
+    replay = replay_batch(bank, run.plan.replay, prepared.rollout.num_generations, run.ctx.tokenizer.pad_token_id,
                           packed.input_ids.device, run.plan.micro_batch_size)
     timings["time/replay_admission"] = time.perf_counter() - t0
     return replay, metrics
@@ -275,7 +279,7 @@ def _end_step(run: Run, step: int, *, trained: bool = False) -> UserError | None
 
 
 def _sampler_lost(run: Run, step: int, err: UserError) -> TrainingError:
-    path = run.save(step) if step > run.start_step else find_latest_checkpoint(run.output_dir)
+    path = _save_or_latest(run)
     where = f"checkpoint {path}" if path is not None else "no checkpoint (no step had finished)"
     return TrainingError(f"the sampler failed after step {step}: {err}; {where}")
 
@@ -285,9 +289,9 @@ def _count_no_signal(run: Run, prepared, step: int) -> None:
     skipped in effect. The step still runs (KL and entropy terms, the optimizer state, as in TRL)
     and does not count as a failure: a model that has mastered the task gets such batches too.
     The warning names what this process's batch shows of the cause (training/learning_signal.py)."""
-    ctx = run.ctx
-    ctx.skips["no_signal"] += 1
-    n = ctx.skips["no_signal"]
+    skips = run.state.skips
+    skips["no_signal"] += 1
+    n = skips["no_signal"]
     if n == 1 or n % 10 == 0:
         cause = no_signal_cause(prepared.reward_comp.per_function, prepared.reward_comp.reward_names,
                                 prepared.packed.truncated, run.plan.sampler.params.max_new_tokens)
@@ -316,17 +320,23 @@ def _save_due(run: Run, step: int, last_save: float) -> bool:
     return run.ctx.dist.any_rank(due)  # clocks differ between processes; one decides for all
 
 
-def _interrupted(run: Run, step: int) -> RunInterrupted:
-    path = run.save(step) if step > run.start_step else find_latest_checkpoint(run.output_dir)
+def _save_or_latest(run: Run) -> Path | None:
+    """A checkpoint of the state's step when this process trained one, else the latest there is."""
+    return run.save() if run.state.step > run.state.start_step else find_latest_checkpoint(run.output_dir)
+
+
+def _interrupted(run: Run) -> RunInterrupted:
+    step, path = run.state.step, _save_or_latest(run)
     where = f"checkpoint {path}" if path is not None else "nothing to resume from (no step had finished)"
     return RunInterrupted(f"interrupted after step {step}: {where}", path, step)
 
 
-def _abandoned(run: Run, step: int, sampler_before: dict) -> RunInterrupted:
+def _abandoned(run: Run, data_before: dict) -> RunInterrupted:
     """A second signal cut the step short: save the state from before it (one process only:
     with several, the others may be inside a collective and a save could hang)."""
-    if run.ctx.dist.world_size == 1 and step > run.start_step:
-        path = run.save(step, sampler_state=sampler_before)
+    step = run.state.step
+    if run.ctx.dist.world_size == 1 and step > run.state.start_step:
+        path = run.save(data_state=data_before)
     else:
         path = find_latest_checkpoint(run.output_dir)
     where = f"checkpoint {path}" if path is not None else "no checkpoint"
@@ -334,7 +344,7 @@ def _abandoned(run: Run, step: int, sampler_before: dict) -> RunInterrupted:
 
 
 def _too_many_skips(run: Run, step: int, count: int, last: Skipped) -> TrainingError:
-    path = run.save(step) if step > run.start_step else find_latest_checkpoint(run.output_dir)
+    path = _save_or_latest(run)
     where = f"checkpoint {path}" if path is not None else "no checkpoint (no step had finished)"
     return TrainingError(
         f"{count} batches in a row failed (training.max_consecutive_skips={run.plan.schedule.max_consecutive_skips}) "
@@ -351,8 +361,8 @@ def _old_logps(run: Run, prepared) -> torch.Tensor:
 def _controller_metrics(run: Run) -> dict[str, float]:
     if not run.plan.method.logs_controllers:
         return {}
-    state = controller_state_dict(run.ctx.weighting)
-    return {"tau": float(state["tau"]), "beta": float(state["beta"])}
+    live = controller_state_dict(run.state.weighting)
+    return {"tau": float(live["tau"]), "beta": float(live["beta"])}
 
 
 def _postfix(m: dict) -> dict[str, str]:

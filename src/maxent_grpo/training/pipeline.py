@@ -5,7 +5,7 @@ steps ahead): generation (with retries and, for DAPO, dynamic sampling) and rewa
 :class:`RolloutRecord`. :func:`finish_batch` (the trainer, at the step): reward statistics
 (advantages, q, SEED scales), the optional reward-side entropy bonus, reference scoring and the
 method's weighting; it returns a :class:`PreparedBatch`, or the :class:`Skipped` value of a stage
-that failed (the loop counts it in ``ctx.skips`` and logs it). A failing stage raises
+that failed (the loop counts it in the run's ``TrainState.skips`` and logs it). A failing stage raises
 :class:`SkipBatch`; its caller turns it into the value, which the record carries from the producer
 to the trainer. Nothing is silently trained on.
 """
@@ -63,14 +63,16 @@ class SkipBatch(Exception):
         self.skipped = Skipped(stage, reason)
 
 
-@dataclass
+@dataclass(frozen=True)
 class PipelineContext:
+    """What the batch stages read: the plan and the parts that do the work (no run state: that is the
+    loop's ``TrainState``)."""
+
     plan: RunPlan
     model: torch.nn.Module  # the policy, unwrapped
     tokenizer: object
     backend: GenerationBackend
     reward_spec: RewardSpec
-    weighting: WeightingSettings
     dist: Dist
     # Completion log-probs [N, T] under the frozen reference, no grad: (input_ids, attention_mask,
     # prompt_length) -> [N, T]; None when the method scores no reference.
@@ -82,7 +84,6 @@ class PipelineContext:
     episodes: EpisodePlay | None = None
     # Optimizer steps per pass over the training rows (the reward functions' trainer_state.epoch); 0: unknown.
     steps_per_epoch: float = 0.0
-    skips: Counter = field(default_factory=Counter)
 
 
 @dataclass
@@ -159,6 +160,7 @@ class Sampled:
     # Multi-turn episodes: each completion's environment (the user's object for a TRL class), for the
     # reward functions' ``environments`` keyword; None for one-shot prompts.
     environments: list | None = None
+    dropped: dict[str, int] = field(default_factory=dict)  # groups left out, by cause (RolloutRecord.dropped)
 
 
 def sample_rollouts(ctx: PipelineContext, rows: list[dict], params: SamplingParams) -> Sampled:
@@ -180,11 +182,10 @@ def _generate(ctx: PipelineContext, rows: list[dict], params: SamplingParams) ->
     except (RuntimeError, ValueError) as err:
         raise SkipBatch("generation", str(err)) from err
     if dropped:
-        ctx.skips["incomplete_groups"] += len(dropped)
         rows = [r for i, r in enumerate(rows) if i not in set(dropped)]
     if not rows:
         raise SkipBatch("generation", "every prompt came back with fewer than num_generations completions")
-    return Sampled(rows, rollout, {})
+    return Sampled(rows, rollout, {}, dropped={"incomplete_groups": len(dropped)} if dropped else {})
 
 
 def _play_episodes(ctx: PipelineContext, play: EpisodePlay, rows: list[dict], params: SamplingParams) -> Sampled:
@@ -199,11 +200,11 @@ def _play_episodes(ctx: PipelineContext, play: EpisodePlay, rows: list[dict], pa
     except (RuntimeError, ValueError) as err:
         raise SkipBatch("generation", str(err)) from err
     if played.failures:
-        ctx.skips["failed_episodes"] += len(played.failures)
         log.warning("%d episode(s) failed, their groups dropped; first: %s", len(played.failures), played.failures[0])
     if not played.kept_rows:
         raise SkipBatch("environment", f"every group had a failed episode; first: {played.failures[0]}")
-    return Sampled([rows[i] for i in played.kept_rows], played.rollout, played.stats, played.environments)
+    return Sampled([rows[i] for i in played.kept_rows], played.rollout, played.stats, played.environments,
+                   dropped={"failed_episodes": len(played.failures)} if played.failures else {})
 
 
 @dataclass
@@ -247,15 +248,16 @@ def _rewards_and_rounds(ctx: PipelineContext, first: Sampled, more_rows: Callabl
                         state: TrainerState, timings: dict, grades: Grades):
     """Score ``first``; with dynamic sampling keep only groups whose rewards vary, sampling more
     rounds (from the current weights) until the batch is full (§9). Returns rows, rollout, rewards,
-    stats (with the reward functions' ``log_metric`` means) and their ``log_extra`` columns."""
+    stats (with the reward functions' ``log_metric`` means), their ``log_extra`` columns and the
+    groups generation dropped in every round, by cause."""
     scored = _score_round(ctx, first, state, timings, grades)
     b = ctx.plan.batch
     if not b.dynamic_sampling:
         return (first.rows, first.rollout, scored.per_fn, {**first.stats, **scored.context.metric_means()},
-                dict(scored.context.extra_columns))
+                dict(scored.context.extra_columns), dict(first.dropped))
     g, target = first.rollout.num_generations, b.prompts_per_step
     rounds: list[tuple[_Scored, list[int]]] = []
-    kept_rows, kept_rollouts, kept_rewards, seen, metrics = [], [], [], 0, {}
+    kept_rows, kept_rollouts, kept_rewards, seen, metrics, dropped = [], [], [], 0, {}, Counter()
     for round_idx in range(b.max_gen_batches):
         if round_idx > 0:
             if more_rows is None:
@@ -263,6 +265,7 @@ def _rewards_and_rounds(ctx: PipelineContext, first: Sampled, more_rows: Callabl
             scored = _score_round(ctx, _generate(ctx, more_rows(), b.sampling), state, timings, grades)
         rows, rollout, per_fn = scored.sampled.rows, scored.sampled.rollout, scored.per_fn
         metrics.update(scored.context.metric_means())
+        dropped.update(scored.sampled.dropped)
         seen += len(rows)
         flat = zero_std_groups(combine_rewards(per_fn, ctx.reward_spec.weight_tensor()), g)
         keep = [i for i in range(len(rows)) if not bool(flat[i])]
@@ -280,7 +283,7 @@ def _rewards_and_rounds(ctx: PipelineContext, first: Sampled, more_rows: Callabl
     rollout = select_groups(concat_rollouts(kept_rollouts), list(range(len(kept_rows))))
     per_fn = torch.cat(kept_rewards)[: len(kept_rows) * g]
     stats = {**scored.sampled.stats, **metrics, "dynamic_sampling/groups_seen": float(seen)}
-    return kept_rows, rollout, per_fn, stats, _kept_columns(rounds, g, len(kept_rows) * g)
+    return kept_rows, rollout, per_fn, stats, _kept_columns(rounds, g, len(kept_rows) * g), dict(dropped)
 
 
 def _policy_entropy(ctx: PipelineContext, packed: PackedRollout) -> torch.Tensor:
@@ -328,17 +331,19 @@ def complete_rollouts(
     if isinstance(sampled, Skipped):
         return RolloutRecord(step=step, version=version, rows=[], rollout=None, rewards=None, failure=sampled)
     try:
-        rows, rollout, per_fn, stats, columns = _rewards_and_rounds(ctx, sampled, more_rows, state, timings, grades)
+        rows, rollout, per_fn, stats, columns, dropped = _rewards_and_rounds(ctx, sampled, more_rows, state, timings,
+                                                                             grades)
     except SkipBatch as err:
         return RolloutRecord(step=step, version=version, rows=[], rollout=None, rewards=None, failure=err.skipped)
     timings["time/generate"] = time.perf_counter() - started - timings["time/reward"]
     return RolloutRecord(step=step, version=version, rows=rows, rollout=rollout, rewards=per_fn, stats=stats,
-                         timings=timings, extra_columns=columns, grades=grades)
+                         timings=timings, extra_columns=columns, dropped=dropped, grades=grades)
 
 
-def finish_batch(ctx: PipelineContext, record: RolloutRecord) -> PreparedBatch | Skipped:
-    """The trainer's half: the producer's rollouts scored, weighted and ready for the step, or the
-    :class:`Skipped` that says why the batch does not train (the loop counts it).
+def finish_batch(ctx: PipelineContext, record: RolloutRecord, weighting: WeightingSettings) -> PreparedBatch | Skipped:
+    """The trainer's half: the producer's rollouts scored, weighted (with the live tau and beta of
+    ``weighting``, the run's ``TrainState.weighting``) and ready for the step, or the :class:`Skipped`
+    that says why the batch does not train (the loop counts it).
 
     Two sync points, reached by every rank whatever happened locally, keep a
     multi-process run in step: after rollout and rewards (any failure skips the
@@ -355,7 +360,8 @@ def finish_batch(ctx: PipelineContext, record: RolloutRecord) -> PreparedBatch |
         per_fn = per_fn[: common * rollout.num_generations]
         columns = {k: v[: common * rollout.num_generations] for k, v in columns.items()}
     try:
-        outcome = _score_and_weight(ctx, rows, rollout, per_fn, record.stats, timings, columns, record.grades)
+        outcome = _score_and_weight(ctx, weighting, rows, rollout, per_fn, record.stats, timings, columns,
+                                    record.grades)
     except SkipBatch as err:
         outcome = err.skipped
     skipped_here = isinstance(outcome, Skipped)
@@ -368,8 +374,8 @@ def finish_batch(ctx: PipelineContext, record: RolloutRecord) -> PreparedBatch |
 OTHER_RANK = Skipped("other_rank", "another process's batch failed (its error is in its log)")
 
 
-def _score_and_weight(ctx: PipelineContext, rows, rollout, per_fn, stats, timings, columns,
-                      grades: Grades) -> PreparedBatch:
+def _score_and_weight(ctx: PipelineContext, weighting: WeightingSettings, rows, rollout, per_fn, stats, timings,
+                      columns, grades: Grades) -> PreparedBatch:
     b, method = ctx.plan.batch, ctx.plan.method
     packed = pack_rollout(rollout, ctx.tokenizer.pad_token_id, device=ctx.dist.device)
     if b.mask_truncated_completions:
@@ -426,7 +432,7 @@ def _score_and_weight(ctx: PipelineContext, rows, rollout, per_fn, stats, timing
             raise SkipBatch("teacher", "non-finite teacher log-probs")
         timings["time/teacher"] = time.perf_counter() - t3
     targets = method.targets(TargetInputs(
-        weighting=ctx.weighting, reward_comp=reward_comp, completion_texts=rollout.completion_texts,
+        weighting=weighting, reward_comp=reward_comp, completion_texts=rollout.completion_texts,
         answer_keys=keys, num_generations=g, lengths=counts,
         ref_logp_sum=None if ref_logps is None else (ref_logps * packed.completion_mask).sum(1).cpu(),
     ))

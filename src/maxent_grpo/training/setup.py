@@ -15,10 +15,8 @@ from maxent_grpo.core.step import Comm
 from maxent_grpo.envs import ENVIRONMENT_COLUMN
 from maxent_grpo.data.datasets import PromptSampler
 from maxent_grpo.models import resolve_model_path
-from maxent_grpo.rewards.maxent import controller_state_dict, restore_controller_state
 from maxent_grpo.rewards.registry import build_reward_spec
 from maxent_grpo.rollout.backends import BACKENDS
-from maxent_grpo.rollout.data_plane import RolloutRecord
 from maxent_grpo.rollout.open_plane import open_data_plane
 from maxent_grpo.run_files import write_text_atomic
 from maxent_grpo.core.entropy_control import EntropyCoefState
@@ -26,7 +24,6 @@ from maxent_grpo.core.mode_bank import ModeBank
 from maxent_grpo.training.checkpoint import (
     CheckpointError, find_latest_checkpoint, load_reference_state, read_trainer_state,
 )
-from maxent_grpo.training.replay import bank_from_state, bank_state
 from maxent_grpo.training.data import load_rows, row_episodes
 from maxent_grpo.training.distributed import Dist, log_device
 from maxent_grpo.training.host_memory import host_memory_release
@@ -42,6 +39,7 @@ from maxent_grpo.training.seeding import seed_everything
 from maxent_grpo.training.strategy import STRATEGIES, Strategy
 from maxent_grpo.training.teacher import check_teacher, teacher_scorer
 from maxent_grpo.training.trackers import make_trackers, require_trackers
+from maxent_grpo.training.train_state import TrainState
 
 log = logging.getLogger("maxent_grpo")
 
@@ -59,10 +57,12 @@ class ShardedSampler:
 
 @dataclass
 class Run:
-    """A run, built from its plan (``ctx.plan``; its configuration as data is ``plan.source``)."""
+    """A run, built from its plan (``ctx.plan``; its configuration as data is ``plan.source``): the parts
+    that do the work, and its live :class:`TrainState` (``state``), the one record a checkpoint saves."""
 
     output_dir: Path
     ctx: PipelineContext
+    state: TrainState
     train_model: torch.nn.Module  # DDP-wrapped with several processes (FSDP2: the sharded model itself)
     optimizer: torch.optim.Optimizer
     lr_scheduler: object
@@ -70,14 +70,9 @@ class Run:
     trackers: object
     comm: Comm  # how grpo_step reaches the other processes
     strategy: Strategy  # how the policy is spread over them, and how it is saved
-    rollouts: RolloutQueue  # the coming steps' batches (rollout.max_staleness), on the data plane
     eval_rows: list[dict] = field(default_factory=list)
-    start_step: int = 0
-    resumed: bool = False
     lock: RunLock | None = None  # held by the main process until finish()
     last_metrics: dict = field(default_factory=dict)  # the latest step's, for the progress bar
-    bank: ModeBank | None = None  # verified mode replay's bank (replay.enabled), identical on every rank
-    entropy_state: EntropyCoefState | None = None  # the adaptive entropy coefficient (loss.adaptive_entropy)
     # The separate reference model (None: no reference, or LoRA's adapters-off base); loss.sync_ref_model
     # moves it toward the policy, and it is then saved with every checkpoint.
     reference: torch.nn.Module | None = None
@@ -89,31 +84,19 @@ class Run:
     def plan(self) -> RunPlan:
         return self.ctx.plan
 
-    def trainer_state(self, step: int, sampler_state: dict | None = None) -> dict:
-        return {
-            "step": step,
-            # The state before the step's batches were drawn when a step is abandoned half-way.
-            "sampler": self.sampler.sampler.state_dict() if sampler_state is None else sampler_state,
-            "controller": controller_state_dict(self.ctx.weighting),
-            "skips": dict(self.ctx.skips),
-            "config": self.plan.source,
-            # Each rank's batches sampled and not yet trained on (rollout.max_staleness >= 1): a resumed
-            # run restores them rather than sampling them again from weights it no longer has.
-            "rollouts_in_flight": self.ctx.dist.gather_objects([[r.to_state() for r in self.rollouts.in_flight(step)]]),
-            # The count async/dropped_stale logs "so far": it goes on from here after a resume.
-            "rollouts_dropped_stale": self.rollouts.dropped_stale,
-            # Saved with the weights at the same step, so a resumed run replays what the uninterrupted one does.
-            "replay": None if self.bank is None else bank_state(self.bank),
-            "entropy_control": None if self.entropy_state is None else self.entropy_state.to_dict(),
-        }
+    @property
+    def rollouts(self) -> RolloutQueue:
+        return self.state.rollouts
 
-    def save(self, step: int, sampler_state: dict | None = None) -> Path | None:
-        """Write the checkpoint of ``step`` (none for step 0); return its folder."""
+    def save(self, data_state: dict | None = None) -> Path | None:
+        """Write the checkpoint of the state's step (none for step 0); return its folder. ``data_state``:
+        the sampler's position from before a step abandoned half-way."""
+        step = self.state.step
         if step == 0:
             return None
         return self.strategy.save(
             self.output_dir, step, model=self.ctx.model, tokenizer=self.ctx.tokenizer, optimizer=self.optimizer,
-            lr_scheduler=self.lr_scheduler, trainer_state=self.trainer_state(step, sampler_state),
+            lr_scheduler=self.lr_scheduler, trainer_state=self.state.to_dict(self.ctx.dist, self.plan.source, data_state),
             keep_last=self.plan.schedule.keep_last,
             # A reference that follows the policy is state: a resumed run must score against the same one.
             reference_state=None if self.plan.ref_sync is None else dict(self.reference.named_parameters()),
@@ -195,8 +178,7 @@ def build_run(
     )
     ctx = PipelineContext(
         plan=plan, model=model, tokenizer=tokenizer, backend=backend, reward_spec=reward_spec,
-        # The live controller state starts from the plan's settings; the plan itself is never changed.
-        weighting=copy.deepcopy(plan.weighting), dist=dist, reference_logps=reference, teacher_logps=teacher,
+        dist=dist, reference_logps=reference, teacher_logps=teacher,
         episodes=episodes,
         steps_per_epoch=len(train_ds) / (plan.batch.prompts_per_step * dist.world_size),
     )
@@ -207,15 +189,20 @@ def build_run(
         max_staleness=r.max_staleness, beside=BACKENDS[plan.sampler.backend].samples_beside,
         seed=plan.seed, wait_timeout_s=r.wait_timeout_s,
     )
+    state = TrainState(
+        data=sampler,
+        # The live controller state starts from the plan's settings; the plan itself is never changed.
+        weighting=copy.deepcopy(plan.weighting),
+        rollouts=rollouts,
+        bank=ModeBank(plan.replay.capacity, plan.replay.groups_per_step) if plan.replay.enabled else None,
+        entropy=EntropyCoefState(plan.method.loss.entropy_coef) if plan.adaptive_entropy is not None else None,
+    )
     run = Run(
-        output_dir=output_dir, ctx=ctx, train_model=train_model, optimizer=optimizer,
-        lr_scheduler=lr_scheduler, sampler=sharded, rollouts=rollouts,
+        output_dir=output_dir, ctx=ctx, state=state, train_model=train_model, optimizer=optimizer,
+        lr_scheduler=lr_scheduler, sampler=sharded,
         trackers=make_trackers(list(plan.logging.report_to) if dist.is_main else [], output_dir, config=plan.source),
         comm=Comm(world_size=dist.world_size, all_reduce_sum=dist.all_reduce_sum, gradient_sync=gradient_sync),
-        strategy=strategy, eval_rows=eval_rows, lock=lock,
-        bank=ModeBank(plan.replay.capacity, plan.replay.groups_per_step) if plan.replay.enabled else None,
-        entropy_state=EntropyCoefState(plan.method.loss.entropy_coef) if plan.adaptive_entropy is not None else None,
-        reference=ref_model,
+        strategy=strategy, eval_rows=eval_rows, lock=lock, reference=ref_model,
         release_host_memory=host_memory_release(dist.device.type) if plan.release_host_memory else None,
     )
     if ckpt is not None:
@@ -260,27 +247,9 @@ def _saved_config(output_dir: Path) -> dict:
 
 
 def _resume(run: Run, ckpt: Path) -> None:
-    state = run.strategy.load(ckpt, model=run.ctx.model, optimizer=run.optimizer, lr_scheduler=run.lr_scheduler)
+    saved = run.strategy.load(ckpt, model=run.ctx.model, optimizer=run.optimizer, lr_scheduler=run.lr_scheduler)
     run.ctx.backend.sync_weights(run.ctx.model)
-    run.sampler.sampler.load_state_dict(state["sampler"])
-    restore_controller_state(run.ctx.weighting, state["controller"])
-    run.ctx.skips.update(state["skips"])
-    if run.entropy_state is not None and state.get("entropy_control") is not None:
-        run.entropy_state = EntropyCoefState.from_dict(state["entropy_control"])
     if run.plan.ref_sync is not None:
         load_reference_state(ckpt, run.reference)
-    if run.bank is not None:
-        if state.get("replay") is None:
-            raise CheckpointError(f"--resume: replay.enabled but {ckpt} holds no replay bank (its run had no replay)")
-        try:
-            run.bank = bank_from_state(state["replay"], run.plan.replay)
-        except ValueError as err:
-            raise CheckpointError(f"--resume: {err}") from err
-    # Checkpoints written before asynchronous rollouts hold none; with another number of processes the
-    # batches are sampled again (from the resumed weights).
-    in_flight = state.get("rollouts_in_flight") or []
-    if len(in_flight) == run.ctx.dist.world_size:
-        run.rollouts.restore([RolloutRecord.from_state(r) for r in in_flight[run.ctx.dist.rank]])
-    run.rollouts.dropped_stale = int(state.get("rollouts_dropped_stale", 0))  # absent before it was saved
-    run.start_step, run.resumed = int(state["step"]), True
-    log.info("resumed from %s at step %d", ckpt, run.start_step)
+    run.state.restore(saved, replay=run.plan.replay, dist=run.ctx.dist, where=ckpt)
+    log.info("resumed from %s at step %d", ckpt, run.state.step)

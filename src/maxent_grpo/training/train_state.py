@@ -1,0 +1,95 @@
+"""The run's live state: one record, owned by the loop, saved and restored whole.
+
+Everything that changes as a run trains, and that a resumed run must get back to
+go on as the uninterrupted run would, is a field of :class:`TrainState`:
+
+* ``step``: optimizer steps done;
+* ``data``: the prompt sampler's position (epoch, order, cursor);
+* ``weighting``: the live tau, beta and controller state (ALGORITHMS.md §8), a copy
+  of the plan's settings that only the controllers change (the plan never changes);
+* ``skips``: batches and groups skipped so far, by stage;
+* ``rollouts``: the batches sampled ahead of the step that trains on them
+  (``rollout.max_staleness``) and the count dropped as too stale;
+* ``bank``: verified mode replay's bank (``replay.enabled``);
+* ``entropy``: the adaptive entropy coefficient (``loss.adaptive_entropy``).
+
+The weights, optimizer, scheduler, random generators and a reference that follows
+the policy are saved beside it by the checkpoint (training/checkpoint.py); what a
+resume may not change of the config is ``run_dir.FIXED_ON_RESUME``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from maxent_grpo.core.entropy_control import EntropyCoefState
+from maxent_grpo.core.mode_bank import ModeBank
+from maxent_grpo.data.datasets import PromptSampler
+from maxent_grpo.rewards.maxent import WeightingSettings, controller_state_dict, restore_controller_state
+from maxent_grpo.rollout.data_plane import RolloutRecord
+from maxent_grpo.training.checkpoint import CheckpointError
+from maxent_grpo.training.distributed import Dist
+from maxent_grpo.training.replay import ReplayConfig, bank_from_state, bank_state
+from maxent_grpo.training.rollout_queue import RolloutQueue
+
+log = logging.getLogger("maxent_grpo")
+
+
+@dataclass
+class TrainState:
+    """What a run changes as it trains (module docstring); ``to_dict`` / ``restore`` for checkpoints."""
+
+    data: PromptSampler
+    weighting: WeightingSettings
+    rollouts: RolloutQueue
+    bank: ModeBank | None = None
+    entropy: EntropyCoefState | None = None
+    step: int = 0
+    skips: Counter = field(default_factory=Counter)
+    start_step: int = 0  # where this process began: 0, or the resumed checkpoint's step
+    resumed: bool = False
+
+    def to_dict(self, dist: Dist, config: dict, data_state: dict | None = None) -> dict:
+        """The checkpoint's ``trainer_state.json`` (every rank calls it: the rollouts are gathered).
+        ``data_state``: the sampler's position from before a step that was abandoned half-way."""
+        return {
+            "step": self.step,
+            "sampler": self.data.state_dict() if data_state is None else data_state,
+            "controller": controller_state_dict(self.weighting),
+            "skips": dict(self.skips),
+            "config": config,
+            # Each rank's batches sampled and not yet trained on: a resumed run restores them rather
+            # than sampling them again from weights it no longer has.
+            "rollouts_in_flight": dist.gather_objects([[r.to_state() for r in self.rollouts.in_flight(self.step)]]),
+            # The count async/dropped_stale logs "so far": it goes on from here after a resume.
+            "rollouts_dropped_stale": self.rollouts.dropped_stale,
+            # Saved with the weights at the same step, so a resumed run replays what the uninterrupted one does.
+            "replay": None if self.bank is None else bank_state(self.bank),
+            "entropy_control": None if self.entropy is None else self.entropy.to_dict(),
+        }
+
+    def restore(self, saved: dict, *, replay: ReplayConfig, dist: Dist, where: Path) -> None:
+        """Take back the state of checkpoint ``where`` (``saved``: its ``trainer_state.json``)."""
+        self.data.load_state_dict(saved["sampler"])
+        restore_controller_state(self.weighting, saved["controller"])
+        self.skips.update(saved["skips"])
+        if self.entropy is not None and saved.get("entropy_control") is not None:
+            self.entropy = EntropyCoefState.from_dict(saved["entropy_control"])
+        if self.bank is not None:
+            if saved.get("replay") is None:
+                raise CheckpointError(f"--resume: replay.enabled but {where} holds no replay bank (its run had no replay)")
+            try:
+                self.bank = bank_from_state(saved["replay"], replay)
+            except ValueError as err:
+                raise CheckpointError(f"--resume: {err}") from err
+        # Checkpoints written before asynchronous rollouts hold none; with another number of processes
+        # the batches are sampled again (from the resumed weights).
+        in_flight = saved.get("rollouts_in_flight") or []
+        if len(in_flight) == dist.world_size:
+            self.rollouts.restore([RolloutRecord.from_state(r) for r in in_flight[dist.rank]])
+        self.rollouts.dropped_stale = int(saved.get("rollouts_dropped_stale", 0))  # absent before it was saved
+        self.step = self.start_step = int(saved["step"])
+        self.resumed = True

@@ -35,7 +35,7 @@ VARIANTS = (("hf", "float32"), ("vllm", "float32"), ("vllm_eager", "float32"),
 
 
 def _prompts(tokenizer, n: int) -> list[str]:
-    from maxent_grpo.training.config import load_config
+    from maxent_grpo.config.load import load_config
     from maxent_grpo.data.datasets import load_prompt_dataset
     from maxent_grpo.data.prompts import format_prompt
 

@@ -34,7 +34,7 @@ from benchmarks.model_paths import MODEL_CONFIGS, cache_root, random_model_names
 from benchmarks.ours import write_config  # noqa: E402
 from benchmarks.results import RunResult, prompt_mismatch  # noqa: E402
 from benchmarks.settings import LORA_TARGETS, BenchSetting  # noqa: E402
-from maxent_grpo.training.config import load_config  # noqa: E402
+from maxent_grpo.config.load import load_config  # noqa: E402
 
 SIDES = ("ours", "trl", "trl-static")  # trl-static: TRL with cache_implementation static
 PHASES = ("generate", "score", "update")

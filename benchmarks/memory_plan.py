@@ -33,8 +33,8 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from maxent_grpo.rollout.backends import BACKENDS  # noqa: E402
-from maxent_grpo.training.config import load_config  # noqa: E402
-from maxent_grpo.training.plan import compile_run  # noqa: E402
+from maxent_grpo.config.load import load_config  # noqa: E402
+from maxent_grpo.config.compile import compile_run  # noqa: E402
 from maxent_grpo.models import master_dtype  # noqa: E402
 from maxent_grpo.training.precision import Machine  # noqa: E402
 from maxent_grpo.training.strategy import STRATEGIES  # noqa: E402

@@ -110,7 +110,7 @@ class BenchSetting:
 
 def default_task_fields(task: str) -> dict:
     """``task_kwargs`` and ``few_shot`` of the built-in default run, whose task ``task`` must be."""
-    from maxent_grpo.training.config_schema import DEFAULT_FEW_SHOT, DEFAULT_SOURCE, DEFAULT_TASK_KWARGS
+    from maxent_grpo.config.schema import DEFAULT_FEW_SHOT, DEFAULT_SOURCE, DEFAULT_TASK_KWARGS
 
     if DEFAULT_SOURCE != f"reasoning_gym:{task}":
         raise ValueError(f"default task: the default run's task is {DEFAULT_SOURCE!r}, not reasoning_gym:{task}")

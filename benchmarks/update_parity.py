@@ -179,8 +179,8 @@ def ours_step(case: Case, model, tokenizer, rollouts: Rollouts) -> Outcome:
     from maxent_grpo.core.advantages import compute_advantages
     from maxent_grpo.core.step import MicroBatch, OptimizerUpdate, StepHooks, grpo_step
     from maxent_grpo.rollout.backend import RolloutBatch, pack_rollout
-    from maxent_grpo.training.config import load_config
-    from maxent_grpo.training.plan import compile_run
+    from maxent_grpo.config.load import load_config
+    from maxent_grpo.config.compile import compile_run
     from maxent_grpo.training.policy import build_optimizer
     from maxent_grpo.training.precision import Machine
 

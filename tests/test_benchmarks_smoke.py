@@ -58,7 +58,7 @@ def test_default_task_rows_show_every_side_the_prompt_our_trainer_formats(tiny_m
     rows' messages; ours formats its source with data.few_shot from the benchmark config. Both must
     give the same text and the same problems."""
     from maxent_grpo.models import load_model_and_tokenizer
-    from maxent_grpo.training.config import load_config
+    from maxent_grpo.config.load import load_config
     from maxent_grpo.data.datasets import load_prompt_dataset
     from maxent_grpo.data.prompts import format_prompt
 
@@ -76,7 +76,7 @@ def test_default_task_rows_show_every_side_the_prompt_our_trainer_formats(tiny_m
 def test_a_plain_setting_gives_our_trainer_no_default_task_options_or_example(tmp_path):
     """Our trainer's own defaults (the default task's a + b and solved example) must not reach a
     benchmark run: the setting's (here empty) options and examples are written out."""
-    from maxent_grpo.training.config import load_config
+    from maxent_grpo.config.load import load_config
 
     setting = PRESETS["tiny"]
     assert setting.task_kwargs == {} and setting.few_shot == ()
@@ -99,7 +99,7 @@ def test_pair_sum_rows_reach_our_trainer_as_the_other_sides_see_them(tiny_model_
     """pair_sum is read by our trainer from the JSONL that write_config writes: the same
     messages (example turn included) and the same rg_entry the rewards score."""
     from maxent_grpo.models import load_model_and_tokenizer
-    from maxent_grpo.training.config import load_config
+    from maxent_grpo.config.load import load_config
     from maxent_grpo.data.datasets import load_prompt_dataset
     from maxent_grpo.data.prompts import format_prompt
 
@@ -154,7 +154,7 @@ def test_boxed_rewards_score_with_the_task_scorer():
 
 
 def test_ours_config_loads_in_our_config_and_keeps_every_shared_value(tmp_path):
-    from maxent_grpo.training.config import load_config
+    from maxent_grpo.config.load import load_config
 
     setting = PRESETS["smollm2-64"].replace(beta=0.04, loss_type="grpo", bf16=True, seed=7, learning_rate=3e-6)
     cfg = load_config(write_config(setting, tmp_path / "model", tmp_path / "c.yaml"))

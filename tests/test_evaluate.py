@@ -20,7 +20,7 @@ from maxent_grpo.evaluate import CORRECT_THRESHOLD, evaluate_prompts
 from maxent_grpo.models import load_tokenizer
 from maxent_grpo.rewards.registry import build_reward_spec
 from maxent_grpo.rollout.backend import Completion, PromptGroup, SamplingParams
-from maxent_grpo.training.config import load_config
+from maxent_grpo.config.load import load_config
 from maxent_grpo.data.datasets import load_prompt_dataset, split_train_eval
 from maxent_grpo.data.prompts import format_prompt
 from maxent_grpo.training.metrics import read_metrics

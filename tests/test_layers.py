@@ -24,7 +24,8 @@ FLOORS = [
     ("maxent_grpo.envs",),  # multi-turn environments and their rollout
     ("maxent_grpo.methods", "maxent_grpo.data", "maxent_grpo.models"),
     ("maxent_grpo.evaluate",),
-    ("maxent_grpo.training",),
+    ("maxent_grpo.training",),  # the run
+    ("maxent_grpo.config",),  # the configuration, compiled into the run's plan
     ("maxent_grpo.eval_command", "maxent_grpo.report_data", "maxent_grpo.report_html", "maxent_grpo.report",
      "maxent_grpo.tiny", "maxent_grpo.cli", "maxent_grpo"),
 ]

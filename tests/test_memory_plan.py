@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # benchmarks/ is not part of the package
 
 from benchmarks.memory_plan import Shape, main, plan  # noqa: E402
-from maxent_grpo.training.config import load_config  # noqa: E402
+from maxent_grpo.config.load import load_config  # noqa: E402
 
 CONFIGS = sorted((REPO / "benchmarks" / "model_configs").glob("*.json"))
 

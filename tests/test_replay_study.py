@@ -105,7 +105,7 @@ def test_analyze_reads_runs_and_gives_prompt_clustered_intervals(tmp_path):
 def test_every_arm_compiles_with_its_loss_replay_and_advantage():
     from tiny_runs import compiled
 
-    from maxent_grpo.training.config import load_config
+    from maxent_grpo.config.load import load_config
 
     for arm, overrides in ARMS.items():
         if arm == START:

@@ -70,8 +70,8 @@ def wandb_history(run_file) -> list[dict]:
 def compiled(path=None, overrides=None, *, fast_bf16: bool = False, cuda: bool = False, processes: int | None = None):
     """``load_config`` then ``compile_run`` on a CPU without native bf16 (by default): the plan the CLI builds
     (``processes`` None: no process-count rule, as for ``maxent-grpo eval``)."""
-    from maxent_grpo.training.config import load_config
-    from maxent_grpo.training.plan import compile_run
+    from maxent_grpo.config.load import load_config
+    from maxent_grpo.config.compile import compile_run
     from maxent_grpo.training.precision import Machine
 
     return compile_run(load_config(path, overrides), Machine(fast_bf16=fast_bf16, cuda=cuda, processes=processes))

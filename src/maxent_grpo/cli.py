@@ -9,8 +9,8 @@ import signal
 import sys
 
 from maxent_grpo.errors import UserError
-from maxent_grpo.training.config import ConfigError
-from maxent_grpo.training.config_help import field_help
+from maxent_grpo.config.load import ConfigError
+from maxent_grpo.config.help import field_help
 
 DESCRIPTION = """\
 GRPO and maximum-entropy GRPO fine-tuning of language models.
@@ -116,7 +116,7 @@ prompt (4 groups of 8 on modebench_pkg data); an answer its verifier cannot scor
 
 
 def _train(args) -> int:
-    from maxent_grpo.training.config import load_config, to_dict
+    from maxent_grpo.config.load import load_config, to_dict
 
     overrides = list(args.set)
     if args.output_dir:
@@ -130,7 +130,7 @@ def _train(args) -> int:
     if args.from_trl is not None:
         if args.config is not None:
             raise ConfigError("--config and --from-trl: give one (a config of ours, or a TRL GRPO YAML)")
-        from maxent_grpo.training.trl_config import load_trl_config
+        from maxent_grpo.config.trl import load_trl_config
 
         cfg, notes = load_trl_config(args.from_trl, overrides)
         if _is_main_process():
@@ -138,7 +138,7 @@ def _train(args) -> int:
                 print(f"maxent-grpo: from TRL: {note}", file=sys.stderr)
     else:
         cfg = load_config(args.config, overrides)
-    from maxent_grpo.training.plan import compile_run
+    from maxent_grpo.config.compile import compile_run
     from maxent_grpo.training.precision import Machine
 
     # Compiled once, here: below this line the run reads the plan, and the config is data it saves.
@@ -194,8 +194,8 @@ def _resume_command(argv: list[str]) -> str:
 
 def _eval(args) -> int:
     from maxent_grpo.eval_command import run_eval
-    from maxent_grpo.training.config import load_config
-    from maxent_grpo.training.plan import compile_run
+    from maxent_grpo.config.load import load_config
+    from maxent_grpo.config.compile import compile_run
     from maxent_grpo.training.precision import Machine
 
     return run_eval(compile_run(load_config(args.config, args.set), Machine.here(training=False)), args)

@@ -434,7 +434,7 @@ def test_cispo_gradient_matches_a_float64_reference_token_by_token(level):
 def test_cispo_is_one_registered_method():
     """Adding CISPO: its Method entry (preset, policy loss) and the loss in POLICY_LOSSES; nothing else."""
     from maxent_grpo.methods import get_method
-    from maxent_grpo.training.config import load_config
+    from maxent_grpo.config.load import load_config
 
     from tiny_runs import compiled
 

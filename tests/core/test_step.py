@@ -363,7 +363,7 @@ def test_activation_checkpointing_recomputes_the_layers_and_leaves_the_gradient_
 
 
 def test_activation_checkpointing_needs_unshared_prompts_named_in_one_line():
-    from maxent_grpo.training.config import ConfigError
+    from maxent_grpo.config.load import ConfigError
     from tiny_runs import compiled
 
     with pytest.raises(ConfigError, match="^training.gradient_checkpointing: needs training.share_prompts: false"):

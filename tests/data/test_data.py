@@ -13,7 +13,7 @@ from maxent_grpo.rewards.builtin import make_reasoning_gym
 from maxent_grpo.data.datasets import DEFAULT_INSTRUCTION, PromptSampler, load_prompt_dataset, split_train_eval
 from maxent_grpo.data.prompts import FewShotExample, format_prompt
 from maxent_grpo.errors import ConfigError, DataError
-from maxent_grpo.training.config import load_config
+from maxent_grpo.config.load import load_config
 from tiny_runs import compiled
 
 

@@ -13,7 +13,7 @@ from maxent_grpo.envs.settings import EnvironmentConfig, row_environments
 from maxent_grpo.envs.trl_compat import TRLEnvironment
 from maxent_grpo.errors import ConfigError
 from maxent_grpo.rewards.user_code import resolve_reference
-from maxent_grpo.training.config import load_config
+from maxent_grpo.config.load import load_config
 from maxent_grpo.training.metrics import read_metrics
 from tiny_runs import read_jsonl, tiny_overrides
 

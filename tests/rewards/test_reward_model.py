@@ -68,8 +68,8 @@ def test_the_model_shorthand_in_a_config_and_from_trl(classifier_dir, tmp_path, 
     import shutil
 
     from maxent_grpo.errors import ConfigError
-    from maxent_grpo.training.config import load_config
-    from maxent_grpo.training.trl_config import load_trl_config
+    from maxent_grpo.config.load import load_config
+    from maxent_grpo.config.trl import load_trl_config
 
     recipe = tmp_path / "recipe"
     shutil.copytree(classifier_dir, recipe / "rm")

@@ -337,7 +337,7 @@ def test_trl_style_function_runs_unchanged(user_rewards):
 
 
 def test_build_reward_spec_entry_forms_and_errors():
-    from maxent_grpo.training.config import RewardEntry
+    from maxent_grpo.config.load import RewardEntry
 
     spec = build_reward_spec([RewardEntry("format", 0.5, {"style": "answer_tag"}), "tag_count"])
     assert spec.weights == (0.5, 1.0)

@@ -13,7 +13,7 @@ from maxent_grpo.cli import main
 from maxent_grpo.rollout.backends import BackendInputs, check_vllm_version, default_max_model_len
 from maxent_grpo.rollout.settings import VllmConfig
 from maxent_grpo.rollout.vllm_server import shared_memory_sync_dir
-from maxent_grpo.training.config import ConfigError, load_config
+from maxent_grpo.config.load import ConfigError, load_config
 from maxent_grpo.training.metrics import read_metrics
 from tiny_runs import compiled
 from tiny_runs import tiny_overrides

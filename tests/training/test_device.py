@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from maxent_grpo.training.config import ConfigError, load_config
+from maxent_grpo.config.load import ConfigError, load_config
 from maxent_grpo.training.distributed import Dist, log_device
 from tiny_runs import compiled
 

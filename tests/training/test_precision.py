@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from maxent_grpo.training.config import ConfigError, load_config
-from maxent_grpo.training.plan import compile_run
+from maxent_grpo.config.load import ConfigError, load_config
+from maxent_grpo.config.compile import compile_run
 from maxent_grpo.training.precision import Machine, bf16_is_fast
 from tiny_runs import compiled
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from maxent_grpo.training.checkpoint import verify_checkpoint
-from maxent_grpo.training.config import ConfigError, GenerationConfig, load_config
+from maxent_grpo.config.load import ConfigError, GenerationConfig, load_config
 from tiny_runs import compiled
 
 from ddp_step_worker import build_rows, micro_batches, step  # noqa: E402

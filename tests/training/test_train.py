@@ -13,7 +13,7 @@ import pytest
 
 from maxent_grpo.cli import main
 from maxent_grpo.methods import METHODS
-from maxent_grpo.training.config import ConfigError, load_config, parse_override
+from maxent_grpo.config.load import ConfigError, load_config, parse_override
 from maxent_grpo.training.metrics import read_metrics
 from tiny_runs import compiled
 from tiny_runs import tiny_overrides as tiny_run_args
@@ -180,7 +180,7 @@ def test_bad_config_one_line_error(sets, needles, tmp_path):
 
 @pytest.mark.parametrize("sets, message", [
     # The core's settings records hold these bounds; the config builds them before any model
-    # loads and names the key the user wrote (training/plan.py).
+    # loads and names the key the user wrote (config/compile.py).
     ({"maxent.tau_lr": -1.0}, "maxent.tau_lr: must be a finite number >= 0"),
     ({"maxent.tau_min": 2.0, "maxent.tau_max": 1.0}, "maxent.tau_min: must be <= the maximum, got 2.0 > 1.0"),
     ({"maxent.tau_target_final": 1.0}, "maxent.tau_target_final: needs a start value, the target entropy"),
@@ -267,7 +267,7 @@ def test_help_explains_every_config_key():
     import dataclasses
 
     from maxent_grpo.methods.xdr import XdrConfig
-    from maxent_grpo.training.config_help import field_help
+    from maxent_grpo.config.help import field_help
 
     rows = field_help()
     # Every key has its line of help on its own field (metadata["help"]), nowhere else.
@@ -300,8 +300,8 @@ def test_lora_run_uses_base_model_as_reference(tiny_model_dir, tmp_path):
 def test_the_configuration_reference_is_generated_from_the_fields():
     from pathlib import Path
 
-    from maxent_grpo.training.config_help import config_reference
+    from maxent_grpo.config.help import config_reference
 
     doc = Path(__file__).resolve().parents[2] / "docs" / "CONFIG.md"
     assert doc.read_text() == config_reference(), (
-        "docs/CONFIG.md is out of date: python -m maxent_grpo.training.config_help --write docs/CONFIG.md")
+        "docs/CONFIG.md is out of date: python -m maxent_grpo.config.help --write docs/CONFIG.md")

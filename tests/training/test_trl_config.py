@@ -13,12 +13,12 @@ import yaml
 from maxent_grpo.cli import main
 from maxent_grpo.errors import ConfigError
 from maxent_grpo.training.metrics import read_metrics
-from maxent_grpo.training.plan import compile_run
+from maxent_grpo.config.compile import compile_run
 from maxent_grpo.training.precision import Machine
-from maxent_grpo.training.trl_config import (
+from maxent_grpo.config.trl import (
     GRPO_FIELDS, SCRIPT_FIELDS, TRAINING_ARGUMENTS_FIELDS, TRL_FIELDS, Mapped, convert, load_trl_config,
 )
-from maxent_grpo.training.trl_doc import markdown_table
+from maxent_grpo.config.trl_doc import markdown_table
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "TRL.md"
 
@@ -208,7 +208,7 @@ def test_the_cli_refuses_before_any_model_loads(tmp_path, capsys):
 
 
 def test_the_doc_table_is_the_generated_one():
-    assert markdown_table() in DOC.read_text(), "regenerate: python -m maxent_grpo.training.trl_doc --write docs/TRL.md"
+    assert markdown_table() in DOC.read_text(), "regenerate: python -m maxent_grpo.config.trl_doc --write docs/TRL.md"
     counts = [sum(isinstance(e, Mapped) for e in table.values()) for table in (GRPO_FIELDS, TRAINING_ARGUMENTS_FIELDS, SCRIPT_FIELDS)]
     assert f"{counts[0]} mapped" in DOC.read_text()
 

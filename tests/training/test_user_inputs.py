@@ -15,8 +15,8 @@ import pytest
 
 from maxent_grpo.cli import main
 from maxent_grpo.rewards.registry import RewardFunctionError, build_reward_spec, evaluate_rewards
-from maxent_grpo.training.config import load_config
-from maxent_grpo.training.config_schema import TrainConfig
+from maxent_grpo.config.load import load_config
+from maxent_grpo.config.schema import TrainConfig
 from maxent_grpo.training.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]

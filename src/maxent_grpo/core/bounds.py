@@ -2,7 +2,7 @@
 
 Each bound is written once, in the record or pure function that holds the value
 (``ClipSettings``, ``LossSpec``, a loss's params, ``check_rollout_correction``...);
-``training.plan.compile_run`` re-raises a ``SpecError`` as one ``ConfigError``
+``config.compile.compile_run`` re-raises a ``SpecError`` as one ``ConfigError``
 naming the dotted config key.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 class SpecError(ValueError):
     """A setting out of its bounds. ``setting`` names it (``epsilon_low``, ``tau_pos``...), so
-    ``training.plan.compile_run`` can name the config key; the message says the bound once."""
+    ``config.compile.compile_run`` can name the config key; the message says the bound once."""
 
     def __init__(self, setting: str, problem: str):
         super().__init__(f"{setting} {problem}")

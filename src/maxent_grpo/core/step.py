@@ -20,7 +20,7 @@ groups and the reduction averages, so the term counts once whatever the world
 size. Its metrics join the step's.
 
 What the step trains with is one :class:`LossSpec` (built once per run by
-``training.plan.compile_run``); how the model is scored is one
+``config.compile.compile_run``); how the model is scored is one
 :class:`~maxent_grpo.core.logprobs.Scoring`; how it reaches other processes is
 one :class:`Comm`.
 """

@@ -28,7 +28,7 @@ from maxent_grpo.rewards.maxent import MaxEntConfig, RewardComputation, SeedGrpo
 
 @dataclass(frozen=True)
 class PlanInputs:
-    """The plain values a method plans from (``training.plan.compile_run`` builds them).
+    """The plain values a method plans from (``config.compile.compile_run`` builds them).
 
     ``loss`` is the spec the ``loss:`` section describes, before the method changes it;
     ``settings`` is the method's own section (None without one); ``maxent`` the MaxEnt

@@ -1,1 +1,2 @@
-"""The training shell: config, data, pipeline, loop, metrics, checkpoints."""
+"""The run, from its compiled plan (``maxent_grpo.config`` compiles it): setup, data, pipeline, loop,
+metrics, checkpoints."""

@@ -16,7 +16,7 @@ natively: CUDA devices that support it, and CPUs with AVX-512 BF16 or AMX.
 Elsewhere (an AVX2-only CPU, for one) PyTorch falls back to a reference bf16
 matmul that is many times slower than float32, so ``auto`` means float32 there.
 
-Every function here is pure: ``training/plan.py`` calls them while it compiles the run, with the
+Every function here is pure: ``config/compile.py`` calls them while it compiles the run, with the
 :class:`Machine` the run is on, and keeps the lines that say what each ``auto`` became.
 """
 

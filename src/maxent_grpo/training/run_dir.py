@@ -188,7 +188,7 @@ def history_line(step: int, changes: list[ConfigChange]) -> str:
 
 
 def save_config(source: dict, path: str | Path, header: list[str] | None = None) -> None:
-    """Write a config (as ``training.config.to_dict`` gives it) as YAML (atomically: a reader never sees half a
+    """Write a config (as ``config.load.to_dict`` gives it) as YAML (atomically: a reader never sees half a
     file), below ``header``'s comment lines (the run's resume history)."""
     text = "".join(line + "\n" for line in header or []) + yaml.safe_dump(source, sort_keys=False)
     write_text_atomic(path, text)

@@ -1,6 +1,6 @@
 """The compiled plan's records: :class:`RunPlan` and what completes it at run time.
 
-``training/plan.py``'s ``compile_run`` builds a :class:`RunPlan` once, in the CLI; the run (setup,
+``config/compile.py``'s ``compile_run`` builds a :class:`RunPlan` once, in the CLI; the run (setup,
 loop, pipeline, evaluation) reads these records and never the configuration schema. The plan is
 completed once the data is read (:func:`with_run_length`), and the step's loss takes the KL
 controller's live beta (:func:`with_beta`).

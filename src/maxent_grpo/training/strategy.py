@@ -12,7 +12,7 @@ and never ask which one they hold.
   ranks sample in lockstep); every rank writes its optimizer shard
   (``training/sharded_checkpoint.py``).
 
-The class attributes are what ``training/config.py`` checks before any model loads.
+The class attributes are what ``config/load.py`` checks before any model loads.
 """
 
 from __future__ import annotations

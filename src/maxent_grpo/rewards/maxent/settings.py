@@ -122,7 +122,7 @@ class WeightingSettings:
 @dataclass
 class MaxEntConfig:
     """The ``maxent:`` config section: listwise targets and the tau / beta / meta controllers
-    (``training/plan.py`` maps it onto :class:`WeightingSettings`)."""
+    (``config/compile.py`` maps it onto :class:`WeightingSettings`)."""
 
     tau: float = field(default=0.5, metadata={"help": "MaxEnt temperature of the listwise weights"})
     q_temperature: float = field(default=1.0, metadata={"help": "temperature of q = softmax(r / T_q)"})

@@ -1,7 +1,7 @@
 """The table of ``--from-trl``: every field TRL's ``trl grpo`` reads from a GRPO YAML, as
 :class:`Mapped` (our keys, TRL's meaning and default), :class:`Refused` (one line why) or
 :class:`Ignored` (no effect here), with the value transforms the mapped ones need. The conversion
-that applies it is training/trl_config.py; its module docstring explains the batch and step arithmetic.
+that applies it is config/trl.py; its module docstring explains the batch and step arithmetic.
 """
 
 from __future__ import annotations

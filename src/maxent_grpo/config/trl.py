@@ -1,6 +1,6 @@
 """A TRL GRPO YAML (the file ``trl grpo --config`` reads) as this project's config: ``--from-trl FILE``.
 
-:data:`TRL_FIELDS` (training/trl_fields.py) is the whole mapping, one entry per field TRL's ``trl grpo`` reads from such a
+:data:`TRL_FIELDS` (config/trl_fields.py) is the whole mapping, one entry per field TRL's ``trl grpo`` reads from such a
 file: every field of TRL 1.16's ``GRPOConfig`` of its own, the ``TrainingArguments`` fields a GRPO
 YAML uses, and the script's ``GRPOScriptArguments``, ``ModelConfig`` and ``DatasetMixtureConfig``.
 Each field is
@@ -12,7 +12,7 @@ Each field is
 * :class:`Ignored`: no effect here (a DeepSpeed knob, a console display); a line says why.
 
 A field in none of them is refused as unknown. docs/TRL.md's table is :func:`markdown_table` of
-this mapping (training/trl_doc.py: ``python -m maxent_grpo.training.trl_doc --write docs/TRL.md``).
+this mapping (config/trl_doc.py: ``python -m maxent_grpo.config.trl_doc --write docs/TRL.md``).
 
 Batch sizes: TRL counts completions, we count prompts. In TRL each process takes
 ``per_device_train_batch_size`` completions per forward/backward and ``gradient_accumulation_steps``
@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from maxent_grpo.errors import ConfigError
-from maxent_grpo.training.config import build_config, read_yaml
-from maxent_grpo.training.trl_fields import (
+from maxent_grpo.config.load import build_config, read_yaml
+from maxent_grpo.config.trl_fields import (
     GRPO_FIELDS,
     SCRIPT_FIELDS,
     TRAINING_ARGUMENTS_FIELDS,

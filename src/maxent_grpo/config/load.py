@@ -24,9 +24,9 @@ from maxent_grpo.methods import METHODS, get_method
 from maxent_grpo.rewards.user_code import resolve_reference
 from maxent_grpo.rollout.open_plane import check_data_plane
 from maxent_grpo.training.trackers import TRACKER_NAMES
-# The sections live in config_schema.py; imported here so that ``training.config``
+# The sections live in config/schema.py; imported here so that ``config.load``
 # stays the one import for the whole configuration.
-from maxent_grpo.training.config_schema import (
+from maxent_grpo.config.schema import (
     DEFAULT_SOURCE,
     CheckpointConfig,
     DataConfig,
@@ -241,7 +241,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict[str,
 
 
 def build_config(keys: dict[str, Any], config_dir: Path | None, overrides: list[str] | dict[str, Any] | None = None) -> TrainConfig:
-    """A config from dotted keys (a converted TRL file: training/trl_config.py) over the default run's
+    """A config from dotted keys (a converted TRL file: config/trl.py) over the default run's
     values, as :func:`load_config` reads a YAML file; references resolve against ``config_dir``."""
     tree: dict = {}
     for key, value in keys.items():
@@ -301,7 +301,7 @@ def _check(ok: bool, key: str, message: str) -> None:
 
 def validate(cfg: TrainConfig) -> None:
     """Each key's own checks (a range, a known name, a package that must be installed); each failure
-    names its key. The rules between sections are ``compile_run``'s (training/config_rules.py)."""
+    names its key. The rules between sections are ``compile_run``'s (config/rules.py)."""
     g, t, lo = cfg.generation, cfg.training, cfg.loss
     _check(g.num_generations >= 2, "generation.num_generations", f"must be >= 2 (a group needs two completions), got {g.num_generations}")
     _check(g.max_new_tokens >= 1, "generation.max_new_tokens", f"must be >= 1, got {g.max_new_tokens}")

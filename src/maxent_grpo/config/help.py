@@ -8,7 +8,7 @@ import types
 import typing
 from typing import Literal
 
-from maxent_grpo.training.config import TrainConfig
+from maxent_grpo.config.load import TrainConfig
 
 
 def field_help() -> list[tuple[str, str, str, str]]:
@@ -47,7 +47,7 @@ def _type_name(hint) -> str:
 def config_reference() -> str:
     """docs/CONFIG.md: every config key, its type, default and help, section by section."""
     out = ["# Configuration reference", "",
-           "Generated from the config dataclasses' fields (`python -m maxent_grpo.training.config_help "
+           "Generated from the config dataclasses' fields (`python -m maxent_grpo.config.help "
            "--write docs/CONFIG.md`); `maxent-grpo train --help` prints the same lines. Each key's help is "
            "declared on its field, beside its default.", ""]
     section = None

@@ -1,9 +1,9 @@
 """``compile_run(cfg, machine) -> RunPlan``: the configuration, compiled once into the typed records the run uses.
 
-The CLI reads YAML into :class:`TrainConfig` (``training/config.py``: presets, coercion, each
+The CLI reads YAML into :class:`TrainConfig` (``config/load.py``: presets, coercion, each
 key's own checks); ``compile_run`` is the only reader of it after that. It resolves every
 ``auto`` against the :class:`Machine` (a pure step, ``training/precision.py``), checks the rules
-between sections (``training/config_rules.py``), and builds one record per component, each
+between sections (``config/rules.py``), and builds one record per component, each
 defined beside the code that consumes it: the method's plan (its :class:`LossSpec` and hooks),
 scoring, the batch, the data, the model, the sampler, the optimizer, the rollout queue, the
 loop's schedule, logging, in-loop evaluation and the MaxEnt weighting. Each bound lives in the
@@ -34,8 +34,8 @@ from maxent_grpo.rewards.maxent import (
 )
 from maxent_grpo.rollout.backend import SamplingParams
 from maxent_grpo.rollout.backends import BACKENDS
-from maxent_grpo.training.config_rules import check_run, prompts_per_step
-from maxent_grpo.training.config_schema import TrainConfig
+from maxent_grpo.config.rules import check_run, prompts_per_step
+from maxent_grpo.config.schema import TrainConfig
 from maxent_grpo.training.run_plan import BatchPlan, RunPlan, with_steps
 from maxent_grpo.training.data import DataPlan
 from maxent_grpo.training.policy import LoraPlan, ModelPlan, OptimizerPlan

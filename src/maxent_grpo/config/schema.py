@@ -5,11 +5,11 @@ The defaults ARE the built-in default run (``maxent-grpo train`` with no
 sums and differences, generated offline) with MaxEnt listwise weights, 5-7
 minutes on 2 CPU cores. A recipe file starts from them and changes what it
 names. ``data.task_kwargs`` and ``data.few_shot`` belong to the default task:
-a config that names another ``data.source`` starts them empty (config.py).
+a config that names another ``data.source`` starts them empty (config/load.py).
 
-``training/config.py`` reads YAML onto these records, applies overrides and
+``config/load.py`` reads YAML onto these records, applies overrides and
 method presets, and checks the bounds that are not a record's own
-(``validate``); ``training/plan.py`` compiles the config into the typed plan
+(``validate``); ``config/compile.py`` compiles the config into the typed plan
 the run uses. The MaxEnt section lives with the weighting it sets
 (``rewards/maxent/settings.py``) and each method's own section in its file.
 """
@@ -339,7 +339,7 @@ METHOD_HELP = ("training method, one of maxent_grpo.methods: " + ", ".join(sorte
 class CoreConfig:
     """The sections every run has; :data:`TrainConfig` adds the methods' own sections."""
 
-    # A name registered in maxent_grpo.methods (checked by training/config.py).
+    # A name registered in maxent_grpo.methods (checked by config/load.py).
     method: str = field(default="maxent_listwise", metadata={"help": METHOD_HELP})
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -13,7 +13,7 @@ from maxent_grpo.envs import ENVIRONMENTS
 from maxent_grpo.errors import ConfigError
 from maxent_grpo.methods import get_method
 from maxent_grpo.rollout.backends import BACKENDS
-from maxent_grpo.training.config_schema import TrainConfig, TrainingConfig
+from maxent_grpo.config.schema import TrainConfig, TrainingConfig
 from maxent_grpo.training.precision import Machine
 from maxent_grpo.training.replay import check_replay
 from maxent_grpo.training.strategy import STRATEGIES, Strategy

@@ -9,6 +9,6 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARA
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 export HF_HOME="$(mktemp -d)"
 trap 'rm -rf "$HF_HOME"' EXIT
-if [ "$#" -eq 0 ]; then set -- tests/rollout/test_vllm.py tests/rollout/test_vllm_async.py; fi
+if [ "$#" -eq 0 ]; then set -- tests/rollout/test_vllm.py tests/rollout/test_vllm_async.py tests/rollout/test_vllm_lora_adapter.py; fi
 # -p no:logging: vLLM logs from atexit handlers after pytest has closed its capture streams.
 .venv-vllm/bin/python -m pytest -q -p no:logging "$@"

@@ -24,12 +24,14 @@ def free_port() -> int:
 
 
 def start_server(model_dir, log: Path, *, dtype: str = "float32", python: str = sys.executable,
-                 taskset: str | None = None, vllm_args: tuple[str, ...] = ()):
+                 taskset: str | None = None, vllm_args: tuple[str, ...] = (), lora_rank: int | None = None):
     """``(process, url)`` of a documented ``maxent-grpo serve`` (eager) once it answers;
-    ``taskset``: the cores it may run on; ``vllm_args``: more of vLLM's own flags."""
+    ``taskset``: the cores it may run on; ``vllm_args``: more of vLLM's own flags; ``lora_rank``:
+    ``--lora-rank`` (LoRA adapters loaded at run time)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
-    cmd = [python, "-m", "maxent_grpo.cli", "serve", str(model_dir), "--port", str(port), "--dtype", dtype,
+    lora = [] if lora_rank is None else ["--lora-rank", str(lora_rank)]
+    cmd = [python, "-m", "maxent_grpo.cli", "serve", str(model_dir), "--port", str(port), "--dtype", dtype, *lora,
            "--", "--enforce-eager", *vllm_args]
     if taskset is not None:
         cmd = ["taskset", "-c", taskset, *cmd]

@@ -107,6 +107,9 @@ prompt (4 groups of 8 on modebench_pkg data); an answer its verifier cannot scor
     srv.add_argument("--cpu-kv-cache-gib", type=int, default=None, metavar="GIB",
                      help="vLLM's CPU build: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE); default: the variable, "
                      "else 2 when no GPU is visible")
+    srv.add_argument("--lora-rank", type=int, default=None, metavar="R",
+                     help="plan the server for LoRA adapters of rank R, loaded at run time "
+                     "(generation.vllm.lora_sync: adapter; R = model.lora.r)")
     srv.add_argument("--print-command", action="store_true", help="print the command instead of running it")
 
     rep = sub.add_parser("report", help="plots and an HTML page for runs", description="Plot one run, or overlay several.")
@@ -222,10 +225,11 @@ def _serve(args) -> int:
         kv_gib = DEFAULT_CPU_KV_CACHE_GIB
     cmd, env = server_command(
         resolve_model_path(args.model), host=args.host, port=args.port, dtype=args.dtype, extra=args.vllm_args,
-        cpu_kv_cache_gib=kv_gib,
+        cpu_kv_cache_gib=kv_gib, lora_rank=args.lora_rank,
     )
     if args.print_command:
-        shown = {k: env[k] for k in ("VLLM_SERVER_DEV_MODE", "VLLM_CPU_KVCACHE_SPACE") if k in env}
+        shown = {k: env[k] for k in ("VLLM_SERVER_DEV_MODE", "VLLM_CPU_KVCACHE_SPACE",
+                                     "VLLM_ALLOW_RUNTIME_LORA_UPDATING") if k in env}
         print(" ".join(f"{k}={v}" for k, v in shown.items()) + " " + shlex.join(cmd))
         return 0
     os.execvpe(cmd[0], cmd, env)

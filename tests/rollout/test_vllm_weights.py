@@ -1,5 +1,6 @@
 """What a vLLM push sends (``rollout/vllm_weights.py``), without vLLM: names, dtype, a tied head once,
-LoRA merged. The engine taking them is tested in tests/rollout/test_vllm.py."""
+LoRA merged, or the adapter alone in peft's own format. The engine taking them is tested in
+tests/rollout/test_vllm.py and tests/rollout/test_vllm_lora_adapter.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import torch
 
 from maxent_grpo.core.logprobs import get_per_token_logps
 from maxent_grpo.models import apply_lora, load_model_and_tokenizer
-from maxent_grpo.rollout.vllm_weights import full_state_items
+from maxent_grpo.rollout.vllm_weights import (
+    ENGINE_LORA_RANKS, adapter_rank, engine_lora_rank, full_state_items, write_adapter,
+)
 
 
 def _model(tiny_model_dir):
@@ -65,3 +68,45 @@ def test_lora_is_sent_merged_under_the_base_names_and_the_adapters_stay_apart(ti
     after = peft.state_dict()
     assert all(torch.equal(after[k], before[k]) for k in before)  # read, not merged into
     assert not any(m.merged for m in peft.modules() if hasattr(m, "merged"))
+
+
+@pytest.mark.parametrize("use_rslora", [False, True])
+def test_the_adapter_alone_is_peft_s_own_adapter_and_the_base_goes_unmerged(tiny_model_dir, tmp_path, use_rslora):
+    """lora_sync: adapter. What write_adapter leaves is an adapter peft itself loads back onto the base
+    (the format vLLM's LoRA loader reads, use_rslora included) that computes the trained policy's log-probs
+    to float64 rounding; each version replaces the last; the base push sends the base weights untouched."""
+    from peft import PeftModel
+
+    model, tok = _model(tiny_model_dir)
+    peft = apply_lora(copy.deepcopy(model), r=4, alpha=8.0, dropout=0.0, target_modules="all-linear",
+                      use_rslora=use_rslora)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.3 * torch.randn_like(p))
+    peft = peft.eval().double()
+    assert adapter_rank(peft) == 4 and engine_lora_rank(4) == 8 and engine_lora_rank(8) == 8
+    write_adapter(peft, tmp_path, 1, torch.float64)
+    folder, nbytes = write_adapter(peft, tmp_path, 2, torch.float64)
+    assert [p.name for p in tmp_path.iterdir()] == ["adapter-000002"] == [folder.name]
+    lora_params = {n: p for n, p in peft.named_parameters() if "lora_" in n}
+    assert nbytes == sum(p.numel() * 8 for p in lora_params.values())
+    loaded = PeftModel.from_pretrained(copy.deepcopy(model).double(), str(folder)).eval()
+    ids = tok(["What is 2 + 2? The answer is 4 because 2 + 2 = 4."], return_tensors="pt")["input_ids"]
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        lp_trained = get_per_token_logps(peft, ids, mask, 4)
+        lp_loaded = get_per_token_logps(loaded, ids, mask, 4)
+    assert float((lp_trained - lp_loaded).abs().max()) < 1e-10
+    base = dict(full_state_items(peft, torch.float64, merge_lora=False))
+    assert list(base) == list(model.state_dict())
+    assert all(torch.equal(t, model.state_dict()[k].double()) for k, t in base.items())
+
+
+def test_what_vllm_cannot_take_as_an_adapter_is_one_line(tiny_model_dir):
+    model, _ = _model(tiny_model_dir)
+    with pytest.raises(ValueError, match="needs a LoRA policy"):
+        adapter_rank(model)
+    with pytest.raises(ValueError, match="ranks up to 512"):
+        engine_lora_rank(ENGINE_LORA_RANKS[-1] + 1)

@@ -83,6 +83,13 @@ CASES = {
                        "training.max_steps: null counts the run in passes over the data: set data.num_epochs"),
     "two-warm-ups": (["--set", "training.warmup_steps=2", "--set", "training.warmup_ratio=0.1"],
                      "training.warmup_ratio: give warmup_steps or warmup_ratio, not both"),
+    "adapter-sync-without-lora": (["--set", "generation.vllm.lora_sync=adapter"],
+                                  "generation.vllm.lora_sync: adapter sends a LoRA policy's adapter to a vLLM backend; "
+                                  "it needs model.lora.enabled and generation.backend vllm or vllm_server, got backend "
+                                  "hf with model.lora.enabled=False"),
+    "adapter-sync-rank": (["--set", "model.lora.enabled=true", "--set", "model.lora.r=1024",
+                           "--set", "generation.backend=vllm", "--set", "generation.vllm.lora_sync=adapter"],
+                          "model.lora.r: 1024 is above the largest rank vLLM's LoRA engine takes (512)"),
 }
 
 

@@ -13,6 +13,7 @@ from maxent_grpo.envs import ENVIRONMENTS
 from maxent_grpo.errors import ConfigError
 from maxent_grpo.methods import get_method
 from maxent_grpo.rollout.backends import BACKENDS
+from maxent_grpo.rollout.vllm_weights import ENGINE_LORA_RANKS
 from maxent_grpo.config.schema import TrainConfig, TrainingConfig
 from maxent_grpo.training.precision import Machine
 from maxent_grpo.training.replay import check_replay
@@ -86,6 +87,14 @@ def check_run(cfg: TrainConfig, machine: Machine, master: str) -> None:
     require(g.dtype in (None, "auto") or not lora or BACKENDS[g.backend].owns_weights, "generation.dtype",
             "a separate generation copy is not supported with model.lora.enabled and generation.backend=hf; "
             "set it to null")
+    require(g.vllm.lora_sync == "merged" or (lora and BACKENDS[g.backend].owns_weights), "generation.vllm.lora_sync",
+            f"adapter sends a LoRA policy's adapter to a vLLM backend; it needs model.lora.enabled and "
+            f"generation.backend vllm or vllm_server, got backend {g.backend} with model.lora.enabled={lora}")
+    require(g.vllm.lora_sync == "merged" or cfg.model.lora.r <= ENGINE_LORA_RANKS[-1], "model.lora.r",
+            f"{cfg.model.lora.r} is above the largest rank vLLM's LoRA engine takes ({ENGINE_LORA_RANKS[-1]}) "
+            "for generation.vllm.lora_sync: adapter; use merged")
+    require(g.vllm.lora_sync == "merged" or not g.vllm.enable_sleep_mode, "generation.vllm.lora_sync",
+            "adapter leaves the base weights in the engine, which sleep mode discards; use merged with sleep mode")
     require(g.compile is not True or g.backend == "hf", "generation.compile",
             f"applies to generation.backend hf; vLLM compiles its own graphs (generation.vllm.enforce_eager), "
             f"got generation.backend {g.backend}")

@@ -4,7 +4,8 @@ Training (``training/setup.py``) and evaluation (``eval_command.py``) both build
 their sampler here, so a new backend is one entry: what it needs before any
 model loads (``check``), how it is built (``build``), and the facts the config
 checks and the precision choices read (``owns_weights``). Every backend samples LoRA
-policies (vLLM from the merged weights) and continues an episode from its token ids.
+policies (vLLM from the merged weights, or the adapter alone: ``vllm.lora_sync``) and
+continues an episode from its token ids.
 
 ``owns_weights``: the backend samples from its own copy of the weights (a vLLM
 engine or server), refreshed by ``sync_weights`` after each optimizer step, so
@@ -16,6 +17,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -28,6 +32,7 @@ from maxent_grpo.errors import ConfigError
 from maxent_grpo.rollout.backend import GenerationBackend
 from maxent_grpo.rollout.hf import HFGenerationBackend
 from maxent_grpo.rollout.settings import VllmConfig
+from maxent_grpo.rollout.vllm_weights import adapter_rank
 
 
 @dataclass(frozen=True)
@@ -147,12 +152,29 @@ def _build_vllm(i: BackendInputs) -> GenerationBackend:
     from maxent_grpo.rollout.vllm_colocate import VLLMColocateBackend  # vllm is optional
 
     v = i.vllm
-    return VLLMColocateBackend(
+    adapter = v.lora_sync == "adapter"
+    backend = VLLMColocateBackend(
         i.model_path, i.tokenizer, model_dtype=i.model.dtype, sample_dtype=i.sample_dtype,
         gpu_memory_utilization=v.gpu_memory_utilization, max_model_len=default_max_model_len(i),
         enable_sleep_mode=v.enable_sleep_mode, enforce_eager=v.enforce_eager, world_size=i.world_size, seed=i.seed,
         max_num_seqs=v.max_num_seqs, max_num_batched_tokens=v.max_num_batched_tokens,
+        lora_rank=adapter_rank(i.model) if adapter else None,
+        adapter_dir=_adapter_dir(i.default_sync_dir) if adapter else None,
     )
+    if adapter:
+        weakref.finalize(backend, shutil.rmtree, backend.adapter_dir, True)
+        backend.sync_weights(i.model)  # the engine samples the policy's adapter from the first step
+    return backend
+
+
+def _adapter_dir(default_sync_dir: Path | None) -> Path:
+    """Where a colocated engine's adapter pushes go: a folder of this process under /dev/shm (memory),
+    else under the run's sync folder."""
+    shm = Path("/dev/shm")
+    root = shm if shm.is_dir() else default_sync_dir
+    if root is None:
+        raise ValueError("lora_sync: adapter needs /dev/shm or default_sync_dir: where the adapter push writes")
+    return root / f"maxent-grpo-{os.getpid()}-lora"
 
 
 def default_max_model_len(i: BackendInputs) -> int | None:
@@ -183,7 +205,7 @@ def _build_vllm_server(i: BackendInputs) -> GenerationBackend:
     backend = VLLMServerBackend(
         v.server_url, i.tokenizer, sync_dir=sync_dir, is_main=i.is_main, any_rank=i.any_rank,
         timeout_s=v.request_timeout_s, remove_sync_dir=shm is not None,
-        dtype=i.sample_dtype if i.sample_dtype is not None else i.model.dtype,
+        dtype=i.sample_dtype if i.sample_dtype is not None else i.model.dtype, lora_adapter=v.lora_sync == "adapter",
     )
     # The server may still hold another run's weights: start it from this policy.
     backend.sync_weights(i.model)
@@ -193,7 +215,7 @@ def _build_vllm_server(i: BackendInputs) -> GenerationBackend:
 BACKENDS: dict[str, Backend] = {
     b.name: b for b in (
         Backend("hf", _check_hf, _build_hf, owns_weights=False),
-        # LoRA: the push sends the merged weights (rollout/vllm_weights.py).
+        # LoRA: the push sends the merged weights, or the adapter alone (rollout/vllm_weights.py).
         Backend("vllm", _check_vllm, _build_vllm, owns_weights=True, plans_context=True),
         Backend("vllm_server", _check_vllm_server, _build_vllm_server, owns_weights=True, samples_beside=True),
     )

@@ -50,6 +50,13 @@ class VllmConfig:
         "vllm_server disk sync: folder for the weights (null = /dev/shm for a server on this machine, "
         "else OUTPUT_DIR/vllm_weights)")})
     request_timeout_s: float = field(default=600.0, metadata={"help": "vllm_server: seconds to wait for one request"})
+    # How a LoRA policy reaches vLLM after each step: merged into the base weights (the whole model
+    # per push, vLLM's plain kernels) or as the adapter itself (a few MB per push, vLLM's LoRA
+    # kernels; a server must be started with `maxent-grpo serve --lora-rank R`). docs/VLLM.md.
+    lora_sync: Literal["merged", "adapter"] = field(default="merged", metadata={"help": (
+        "model.lora.enabled with a vLLM backend: push the adapters merged into the base weights (merged: "
+        "the whole model per step) or the adapter alone (adapter: its A and B per step, sampled with "
+        "vLLM's LoRA kernels; a server needs maxent-grpo serve --lora-rank R)")})
 
 
 

@@ -10,6 +10,13 @@ works on vLLM's CPU build, where the ``model_runner.model.load_weights`` path
 TRL uses fails), then resets the prefix cache: without that, prompts whose KV
 blocks were cached under the old weights keep them.
 
+A LoRA policy is pushed merged, or with ``lora_sync: adapter`` (``adapter_dir`` set) as
+the adapter alone: the engine is planned for LoRA (``enable_lora``, one adapter at a
+time, the rank rounded up to one vLLM plans for), each push writes the adapter into a
+fresh folder (``vllm_weights.write_adapter``) and the next generate calls ask for it by
+a new ``LoRARequest`` (name and id per version, so neither vLLM's adapter cache nor its
+prefix cache, whose blocks are keyed by the adapter, serves an older one).
+
 GPU-only options (docs/VLLM.md): ``gpu_memory_utilization`` and sleep mode,
 whose wake / sleep sequence ``rollout/vllm_sleep.py`` owns: the weights wake
 alone for a push, the KV cache wakes once per rollout phase
@@ -21,13 +28,14 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import AbstractContextManager
+from pathlib import Path
 
 import torch
 
 from maxent_grpo.rollout.backend import PromptGroup, SamplingParams, TokenPrompts
 from maxent_grpo.rollout.vllm_common import engine_dtype, request_seeds, sampling_kwargs, to_completion
 from maxent_grpo.rollout.vllm_sleep import EngineSleep
-from maxent_grpo.rollout.vllm_weights import full_state_items
+from maxent_grpo.rollout.vllm_weights import engine_lora_rank, full_state_items, write_adapter
 
 log = logging.getLogger("maxent_grpo")
 
@@ -39,7 +47,7 @@ class VLLMColocateBackend(TokenPrompts):
         self, model_path: str, tokenizer, *, model_dtype: torch.dtype, sample_dtype: torch.dtype | None = None,
         gpu_memory_utilization: float = 0.3, max_model_len: int | None = None, enable_sleep_mode: bool = False,
         enforce_eager: bool = False, world_size: int = 1, seed: int = 0, max_num_seqs: int | None = None,
-        max_num_batched_tokens: int | None = None,
+        max_num_batched_tokens: int | None = None, lora_rank: int | None = None, adapter_dir: Path | None = None,
     ):
         # The engine core and its worker must live in this process: the weight push hands
         # them a generator of tensors that cannot cross a process boundary (and copying
@@ -50,6 +58,14 @@ class VLLMColocateBackend(TokenPrompts):
 
         self.tokenizer = tokenizer
         self.dtype = engine_dtype(model_dtype, sample_dtype)
+        if (lora_rank is None) != (adapter_dir is None):
+            raise ValueError("an adapter push needs both lora_rank and adapter_dir")
+        if enable_sleep_mode and adapter_dir is not None:
+            raise ValueError("sleep mode discards the base weights an adapter push leaves in the engine")
+        # lora_sync: adapter: the engine samples each version of the adapter (the last push's) on its own base.
+        self.adapter_dir, self._lora, self._pushes = adapter_dir, None, 0
+        lora = {} if lora_rank is None else {"enable_lora": True, "max_lora_rank": engine_lora_rank(lora_rank),
+                                             "max_loras": 1}
         self.llm = vllm.LLM(
             model=str(model_path),
             tokenizer=str(model_path),
@@ -66,6 +82,7 @@ class VLLMColocateBackend(TokenPrompts):
             tensor_parallel_size=1,
             max_num_seqs=max_num_seqs,  # None: vLLM's default for the platform
             max_num_batched_tokens=max_num_batched_tokens,
+            **lora,
         )
         self.sleep = EngineSleep(self.llm, enabled=enable_sleep_mode)
         self._sampling_params = vllm.SamplingParams
@@ -79,6 +96,7 @@ class VLLMColocateBackend(TokenPrompts):
             [{"prompt_token_ids": list(ids)} for ids in prompt_ids],
             sampling_params=[self._sampling_params(**sampling_kwargs(params, num_generations, s)) for s in seeds],
             use_tqdm=False,
+            lora_request=self._lora,
         )
         groups = []
         for prompt, ids, out in zip(prompts, prompt_ids, outputs):
@@ -92,7 +110,7 @@ class VLLMColocateBackend(TokenPrompts):
         return groups
 
     def sync_weights(self, policy: torch.nn.Module) -> None:
-        """Push ``policy``'s weights into the engine (cast to its dtype, LoRA merged) and drop cached prompt blocks."""
+        """Push ``policy``'s weights into the engine (cast to its dtype, LoRA merged, or its adapter alone)."""
         self.sleep.push(lambda: self._load(policy))
 
     def rollout_phase(self, policy: torch.nn.Module) -> AbstractContextManager[None]:
@@ -101,8 +119,15 @@ class VLLMColocateBackend(TokenPrompts):
         return self.sleep.rollout_phase(lambda: self._load(policy))
 
     def _load(self, policy: torch.nn.Module) -> None:
-        items = full_state_items(policy, _TORCH_DTYPES[self.dtype])
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+        if self.adapter_dir is None:
+            items = full_state_items(policy, _TORCH_DTYPES[self.dtype])
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+            return
+        from vllm.lora.request import LoRARequest
+
+        self._pushes += 1
+        folder, _ = write_adapter(policy, self.adapter_dir, self._pushes, _TORCH_DTYPES[self.dtype])
+        self._lora = LoRARequest(f"policy-{self._pushes}", self._pushes, str(folder))
 
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

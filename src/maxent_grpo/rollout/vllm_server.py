@@ -21,6 +21,13 @@ concurrently. Weight sync after each optimizer step:
 The disk sync is the only one: a transfer over NCCL would need vLLM's weight-transfer API
 with CUDA on both ends (docs/VLLM.md).
 
+With ``lora_sync: adapter`` (a server started with ``maxent-grpo serve --lora-rank R``)
+the first push sends the base weights (the server may hold another run's), and every
+push then writes the adapter alone into a fresh folder (``vllm_weights.write_adapter``),
+loads it under a new name (``/v1/load_lora_adapter``, ``policy-<n>``), unloads the last
+one and sends the completions to that name. Every process counts the pushes, so all ask
+for the same adapter.
+
 Every process sends its own prompts; only the main process pushes weights,
 and ``any_rank`` keeps the others from sampling before the push has finished
 and tells every process whether it worked: a failed push stops them all.
@@ -49,7 +56,7 @@ from safetensors.torch import save_file
 from maxent_grpo.errors import UserError
 from maxent_grpo.rollout.backend import PromptGroup, SamplingParams, TokenPrompts
 from maxent_grpo.rollout.vllm_common import request_seeds, sampling_kwargs, to_completion
-from maxent_grpo.rollout.vllm_weights import full_state_items
+from maxent_grpo.rollout.vllm_weights import engine_lora_rank, full_state_items, write_adapter
 
 log = logging.getLogger("maxent_grpo")
 
@@ -62,21 +69,26 @@ DEFAULT_CPU_KV_CACHE_GIB = 2
 
 def server_command(
     model_path: str, *, host: str = "127.0.0.1", port: int = 8000, dtype: str = "auto", extra: list[str] = (),
-    python: str = sys.executable, cpu_kv_cache_gib: int | None = None,
+    python: str = sys.executable, cpu_kv_cache_gib: int | None = None, lora_rank: int | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The command and environment that start vLLM's server the way this client expects it.
 
     ``vllm serve`` through :mod:`maxent_grpo.rollout.vllm_serve`, which also runs it on vLLM's CPU
     build (where the ``vllm`` command fails at a package-metadata lookup);
     ``VLLM_SERVER_DEV_MODE=1`` turns on ``/collective_rpc`` and ``/reset_prefix_cache``;
-    ``cpu_kv_cache_gib`` sets the CPU build's ``VLLM_CPU_KVCACHE_SPACE``.
+    ``cpu_kv_cache_gib`` sets the CPU build's ``VLLM_CPU_KVCACHE_SPACE``; ``lora_rank`` plans the
+    server for one LoRA adapter of that rank, loaded at run time (``lora_sync: adapter``).
     """
+    lora = [] if lora_rank is None else ["--enable-lora", "--max-lora-rank", str(engine_lora_rank(lora_rank)),
+                                         "--max-loras", "1"]
     cmd = [
         python, "-m", "maxent_grpo.rollout.vllm_serve", str(model_path),
         "--host", host, "--port", str(port), "--dtype", dtype, "--logprobs-mode", "processed_logprobs",
-        *extra,
+        *lora, *extra,
     ]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    if lora_rank is not None:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if cpu_kv_cache_gib is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_gib)
     return cmd, env
@@ -99,7 +111,10 @@ class VLLMServerError(UserError, RuntimeError):
     """The server could not be reached or answered with an error; the message has its URL and reply."""
 
 
-def _request(base_url: str, method: str, path: str, body: dict | None, timeout_s: float) -> dict:
+def _request(base_url: str, method: str, path: str, body: dict | None, timeout_s: float, *,
+             reply_json: bool = True) -> dict:
+    """The JSON reply of ``method path`` (``reply_json=False``: a route that answers in plain text, whose
+    text is not read: its HTTP status says whether it worked)."""
     url = base_url.rstrip("/") + path
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
@@ -117,6 +132,8 @@ def _request(base_url: str, method: str, path: str, body: dict | None, timeout_s
         # other ranks waited for it in a collective.
         raise VLLMServerError(f"{method} {url}: the reply broke off ({type(err).__name__}: {err}); "
                               "did the server die?") from None
+    if not reply_json:
+        return {}
     try:
         return json.loads(raw) if raw.strip() else {}
     except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
@@ -124,18 +141,25 @@ def _request(base_url: str, method: str, path: str, body: dict | None, timeout_s
 
 
 def served_model(base_url: str, *, timeout_s: float = 30.0) -> str:
-    """The name of the one model the server at ``base_url`` serves (an error if none or several)."""
-    models = _request(base_url, "GET", "/v1/models", None, timeout_s)["data"]
+    """The name of the one base model the server at ``base_url`` serves (an error if none or several);
+    LoRA adapters loaded on it (listed with their base as ``parent``) are not counted."""
+    models = [m for m in _request(base_url, "GET", "/v1/models", None, timeout_s)["data"] if m.get("parent") is None]
     if len(models) != 1:
         raise VLLMServerError(f"{base_url} serves {len(models)} models; this client needs exactly one")
     return models[0]["id"]
+
+
+def loaded_adapters(base_url: str, *, timeout_s: float = 30.0) -> list[str]:
+    """The names of the LoRA adapters loaded on the server."""
+    return [m["id"] for m in _request(base_url, "GET", "/v1/models", None, timeout_s)["data"]
+            if m.get("parent") is not None]
 
 
 class VLLMServerBackend(TokenPrompts):
     def __init__(
         self, base_url: str, tokenizer, *, sync_dir: str | Path, is_main: bool = True,
         any_rank: Callable[[bool], bool] | None = None, timeout_s: float = 600.0, max_concurrency: int = 64,
-        dtype: torch.dtype | None = None, remove_sync_dir: bool = False,
+        dtype: torch.dtype | None = None, remove_sync_dir: bool = False, lora_adapter: bool = False,
     ):
         self.base_url = base_url.rstrip("/")
         self.dtype = dtype  # what the disk sync writes (the server's dtype); None: the policy's own
@@ -147,12 +171,14 @@ class VLLMServerBackend(TokenPrompts):
         self.max_concurrency = max_concurrency
         self._pushes = 0
         self.model_name = served_model(self.base_url, timeout_s=timeout_s)
+        # lora_sync: adapter: the requests name the last adapter pushed (adapter_pushes counts them on every rank).
+        self.lora_adapter, self.adapter_pushes = lora_adapter, 0
         if remove_sync_dir and is_main:
             # A folder of our own under /dev/shm is memory: do not leave the last weights in it.
             weakref.finalize(self, shutil.rmtree, self.sync_dir, True)
 
-    def _request(self, method: str, path: str, body: dict | None = None) -> dict:
-        return _request(self.base_url, method, path, body, self.timeout_s)
+    def _request(self, method: str, path: str, body: dict | None = None, *, reply_json: bool = True) -> dict:
+        return _request(self.base_url, method, path, body, self.timeout_s, reply_json=reply_json)
 
     # ------------------------------------------------------------ generation
 
@@ -192,7 +218,33 @@ class VLLMServerBackend(TokenPrompts):
         return nullcontext()  # nothing to wake or put to sleep
 
     def sync_weights(self, policy: torch.nn.Module) -> None:
-        items = full_state_items(policy, self.dtype)
+        if not self.lora_adapter:
+            self._push_weights(full_state_items(policy, self.dtype))
+            return
+        if self.adapter_pushes == 0:  # the base weights once: the server may hold another run's
+            self._push_weights(full_state_items(policy, self.dtype, merge_lora=False))
+        self._push_adapter(policy)
+
+    def _push_adapter(self, policy: torch.nn.Module) -> None:
+        self.adapter_pushes += 1
+        name = f"policy-{self.adapter_pushes}"
+        failed: VLLMServerError | None = None
+        if self.is_main:
+            folder, _ = write_adapter(policy, self.sync_dir, self.adapter_pushes, self.dtype)
+            try:
+                # Every adapter loaded (this run's last version, or another run's, which may bear this
+                # version's name) goes first: no request is in flight during a push.
+                for old in loaded_adapters(self.base_url, timeout_s=self.timeout_s):
+                    self._request("POST", "/v1/unload_lora_adapter", {"lora_name": old}, reply_json=False)
+                self._request("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)},
+                              reply_json=False)
+            except VLLMServerError as err:
+                failed = VLLMServerError(f"{err} (lora_sync: adapter needs a server started with maxent-grpo serve "
+                                         "--lora-rank R)")
+        self._agree(failed)
+        self.model_name = name
+
+    def _push_weights(self, items) -> None:
         failed: VLLMServerError | None = None
         if not self.is_main:
             for _ in items:  # sharded weights are gathered by every rank; only the main one keeps them
@@ -209,8 +261,11 @@ class VLLMServerBackend(TokenPrompts):
                 for old in self.sync_dir.glob("weights-*"):
                     if old != folder:
                         shutil.rmtree(old)
-        # In place of a barrier: a rank that only waited would sit in it until the process group's
-        # timeout if the main rank's push failed; here every rank learns the outcome and stops with it.
+        self._agree(failed)
+
+    def _agree(self, failed: VLLMServerError | None) -> None:
+        """In place of a barrier after a push: a rank that only waited would sit in it until the process
+        group's timeout if the main rank's push failed; here every rank learns the outcome and stops with it."""
         if self.any_rank is not None and self.any_rank(failed is not None) and failed is None:
             failed = VLLMServerError("the main process's weight push to the vLLM server failed (its error is in its log)")
         if failed is not None:

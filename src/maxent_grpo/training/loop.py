@@ -98,7 +98,6 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
             # run or any number of processes samples exactly what an uninterrupted run would.
             run.rollouts.begin_step(step)
             record = run.rollouts.take(step)
-            state.skips.update(record.dropped)
             outcome = finish_batch(ctx, record, state.weighting)
             if not isinstance(outcome, Skipped) and not ctx.dist.any_rank(outcome.has_signal):
                 _count_no_signal(run, outcome, step + 1)
@@ -111,6 +110,9 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
         # From here to the end of the step a second Ctrl-C finishes the step (and its metrics
         # line and checkpoint) rather than tearing it; the stop check then saves and exits.
         with stop.protected():
+            # Counted once the step is sure to end: a step abandoned before this point saves its batch
+            # (still on the plane) for the resumed run, which counts it then.
+            state.skips.update(record.dropped)
             if isinstance(outcome, Skipped):
                 state.skips[outcome.stage] += 1
                 log.warning("skipping batch: %s", outcome)

@@ -36,13 +36,15 @@ RESULTS = REPO / "benchmarks" / "results" / "default_learning"
 
 # arm -> overrides of the built-in default (dotted keys).
 ARMS: dict[str, dict] = {
-    "default": {},  # (a) maxent_listwise, weighted MLE on token-mean scores
+    # (a) the default the study started from: maxent_listwise, weighted MLE on token-mean scores
+    "default": {"maxent.listwise_loss": "weighted_mle"},
     "cross_entropy": {"maxent.listwise_loss": "cross_entropy"},  # (b) the spec's listwise cross-entropy
     "mle_sum": {"maxent.listwise_score": "sum"},  # (c) weighted MLE on summed (not length-normalised) scores
     "mle_rewarded": {"maxent.zero_weight_unrewarded": True},  # (d) zero weight on zero-reward answers
     "dr_grpo": {"method": "dr_grpo"},  # (e)
     # (f) from the mechanism of ALGORITHMS.md §4: the weights minus their group mean 1/G, so an
     # answer weighted below uniform is pushed down, not up (the gradient sums to 0 over a group).
+    # The study chose it: the built-in default since (its keys restate the default).
     "centered_mle": {"maxent.listwise_loss": "centered_mle"},
 }
 PINNED = {"training.autocast_bf16": False, "generation.dtype": None, "logging.progress_bar": False,

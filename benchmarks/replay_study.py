@@ -2,6 +2,7 @@
 
     python -m benchmarks.replay_study run       # train + evaluate every (arm, seed) not yet in the results
     python -m benchmarks.replay_study analyze   # the tables from the committed raw results (seconds)
+    python -m benchmarks.replay_study length    # one arm and seed, pass@8 every --every steps: the study's length
     python -m benchmarks.replay_study smoke --work-dir DIR   # tiny model, two arms, two steps
 
 BENCHMARKS.md §12. Every arm trains from ``recipes/modebench_replay.yaml`` (SmolLM2-135M-Instruct on
@@ -113,6 +114,78 @@ def cmd_run(args) -> int:
     return 0
 
 
+# The study's length (§12b): the first checkpoint from MIN_LENGTH steps on after which pass@8 falls by
+# no more than LENGTH_TOLERANCE at any later checkpoint (about a third of one 96-prompt measurement's SE).
+MIN_LENGTH = 40
+LENGTH_TOLERANCE = 0.03
+
+
+def run_length(arm: str, seed: int, *, steps: int, every: int, results: Path, work: Path, base: list[str],
+               env: dict, eval_problems: int) -> list[tuple[int, dict]]:
+    """Train ``arm`` with ``seed`` for ``steps`` steps, a checkpoint every ``every``, and evaluate each one
+    like :func:`run_one` does a final model; return ``(step, summary)`` from step 0 (the start model, the
+    study's own :data:`START` run) on. ``<results>/length/<arm>/seed<s>/step-N/`` keeps each evaluation
+    (``done.json`` last); training resumes from its latest checkpoint, and evaluated steps are skipped."""
+    start = run_one(START, seed, results=results, work=work, base=base, env=env, eval_problems=eval_problems)
+    out = results / "length" / arm / f"seed{seed}"
+    out.mkdir(parents=True, exist_ok=True)
+    run_dir, log = work / "length" / arm / f"seed{seed}", out / "log.txt"
+    marks = range(every, steps + 1, every)
+    if not all((out / f"step-{n}" / "done.json").is_file() for n in marks):
+        ckpts = run_dir / "checkpoints"
+        if not (ckpts / f"step-{steps}").is_dir():
+            overrides = {**ARMS[arm], "training.seed": seed, "training.max_steps": steps,
+                         "checkpoint.save_steps": every, "checkpoint.save_minutes": 0, "checkpoint.keep_last": None,
+                         "logging.report_to": [], "logging.progress_bar": False, "eval.every_steps": 0}
+            resume = ["--resume"] if ckpts.is_dir() and any(ckpts.glob("step-*")) else ["--overwrite"]
+            _run([_cli(), "train", *base, "--output-dir", str(run_dir), *_sets(overrides), *resume], log, env)
+            shutil.copy(run_dir / "config.yaml", out / "config.yaml")
+            shutil.copy(run_dir / "metrics.jsonl", out / "train_metrics.jsonl")
+        for n in marks:
+            done = out / f"step-{n}" / "done.json"
+            if done.is_file():
+                continue
+            t0 = time.time()
+            eval_sets = {"data.task_kwargs.split": "eval", "data.size": eval_problems, "training.seed": EVAL_SEED}
+            _run([_cli(), "eval", str(ckpts / f"step-{n}"), *base, *_sets(eval_sets), "--num-prompts",
+                  str(eval_problems), "--output", str(run_dir / "eval" / f"step-{n}")], log, env)
+            _slim(run_dir / "eval" / f"step-{n}", done.parent / "eval")
+            done.write_text(json.dumps({"arm": arm, "seed": seed, "step": n, "eval_s": time.time() - t0,
+                                        "eval_seed": EVAL_SEED}, indent=1) + "\n")
+        shutil.rmtree(run_dir, ignore_errors=True)
+    summary = [(0, json.loads((start / "eval" / "summary.json").read_text()))]
+    return summary + [(n, json.loads((out / f"step-{n}" / "eval" / "summary.json").read_text())) for n in marks]
+
+
+def study_length(curve: list[tuple[int, float]], min_length: int = MIN_LENGTH,
+                 tolerance: float = LENGTH_TOLERANCE) -> int | None:
+    """The first step ``>= min_length`` of ``curve`` ((step, pass@8) in step order) from which no later
+    pass@8 is lower by more than ``tolerance``: where the sharpening has stopped; None when pass@8 is
+    still falling at the last checkpoint."""
+    for i, (step, value) in enumerate(curve):
+        if step >= min_length and all(later >= value - tolerance for _, later in curve[i + 1:]):
+            return step
+    return None
+
+
+def cmd_length(args) -> int:
+    if args.arm not in ARMS or args.arm == START:
+        raise ValueError(f"--arm: {args.arm!r} is not a trained arm of {list(ARMS)}")
+    base = ["--config", str(args.config), *[a for kv in args.set for a in ("--set", kv)]]
+    work = args.work_dir or Path(tempfile.gettempdir()) / "replay-study-length"  # the same folder: resumes
+    summaries = run_length(args.arm, args.seed, steps=args.steps, every=args.every, results=args.results,
+                           work=work, base=base, env=_env(args.threads), eval_problems=args.eval_problems)
+    print(f"{args.arm} seed {args.seed}, {args.eval_problems} eval prompts (ModeBench's metrics, k = eval.k)\n")
+    print("| step | pass@k | accuracy | distinct@k | greedy pass@1 |\n|---|---|---|---|---|")
+    for step, s in summaries:
+        print(f"| {step} | {s['mb/pass@k']:.3f} | {s['mb/accuracy']:.3f} | {s['mb/distinct@k']:.3f} "
+              f"| {s['greedy_pass@1']:.3f} |")
+    length = study_length([(step, s["mb/pass@k"]) for step, s in summaries], min(MIN_LENGTH, args.steps))
+    print(f"\nthe study's length (first step >= {MIN_LENGTH} after which pass@8 falls by <= {LENGTH_TOLERANCE}): "
+          + (f"{length}" if length is not None else "none yet: pass@8 still falls at the last checkpoint"))
+    return 0
+
+
 def cmd_analyze(args) -> int:
     from benchmarks.replay_study_stats import analyze
 
@@ -147,13 +220,25 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--results", type=Path, default=RESULTS, help="raw results folder (resumes from it)")
     run.add_argument("--work-dir", type=Path, help="scratch folder for checkpoints (deleted per run)")
     run.add_argument("--threads", type=int, default=1, help="torch threads per child process")
+    lp = sub.add_parser("length", help="one arm and seed, pass@8 every --every steps (the study's length)")
+    lp.add_argument("--arm", default="dr_grpo", help=f"one of {list(ARMS)[1:]}")
+    lp.add_argument("--seed", type=int, default=0, help="training seed")
+    lp.add_argument("--steps", type=int, default=80, help="optimizer steps")
+    lp.add_argument("--every", type=int, default=10, help="evaluate a checkpoint every this many steps")
+    lp.add_argument("--eval-problems", type=int, default=EVAL_PROBLEMS, help="eval problems (prompts)")
+    lp.add_argument("--config", type=Path, default=RECIPE, help="the base recipe")
+    lp.add_argument("--set", action="append", default=[], help="KEY=VALUE override")
+    lp.add_argument("--results", type=Path, default=RESULTS, help="raw results folder (resumes from it)")
+    lp.add_argument("--work-dir", type=Path, help=(
+        "scratch folder for checkpoints, kept until every step is evaluated (default: TMPDIR/replay-study-length)"))
+    lp.add_argument("--threads", type=int, default=1, help="torch threads per child process")
     ana = sub.add_parser("analyze", help="the tables from the raw results")
     ana.add_argument("--results", type=Path, default=RESULTS)
     smoke = sub.add_parser("smoke", help="tiny model, two arms, two steps")
     smoke.add_argument("--work-dir", type=Path, required=True)
     smoke.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
-    commands = {"run": cmd_run, "analyze": cmd_analyze, "smoke": cmd_smoke}
+    commands = {"run": cmd_run, "length": cmd_length, "analyze": cmd_analyze, "smoke": cmd_smoke}
     return commands[args.command](args)
 
 

@@ -14,7 +14,8 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # benchmarks/ is a top-level folder, not part of the package
 
-from benchmarks.replay_study import ARMS, RECIPE, START, main  # noqa: E402
+from benchmarks.modebench import smoke_model  # noqa: E402
+from benchmarks.replay_study import ARMS, RECIPE, START, main, study_length  # noqa: E402
 from benchmarks.replay_study_stats import analyze, arm_mean, effects, load, prompt_metrics  # noqa: E402
 
 
@@ -140,3 +141,38 @@ def test_smoke_two_arms_two_steps(tmp_path, capsys):
     stamps = {p: p.stat().st_mtime_ns for p in results.glob("*/seed0/**/*") if p.is_file()}
     assert main(["smoke", "--work-dir", str(tmp_path)]) == 0
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+
+
+def test_study_length_is_where_pass_at_8_stops_falling():
+    curve = [(0, 0.50), (10, 0.45), (20, 0.40), (30, 0.36), (40, 0.35), (50, 0.30), (60, 0.29), (70, 0.31), (80, 0.28)]
+    assert study_length(curve) == 50  # from 50 on nothing is lower by more than 0.03 (0.28 >= 0.27)
+    assert study_length(curve, tolerance=0.0) == 80
+    assert study_length([(0, 0.5), (40, 0.4), (50, 0.3)]) == 50  # the last checkpoint has nothing after it
+    assert study_length([(0, 0.5), (10, 0.2), (20, 0.3)], min_length=40) is None  # never reached 40 steps
+    assert study_length([(0, 0.5), (40, 0.3), (50, 0.35), (60, 0.29)]) == 40  # a rise and a fall within 0.03
+
+
+@pytest.mark.slow
+def test_length_evaluates_every_checkpoint_and_resumes(tmp_path, capsys):
+    pytest.importorskip("modebench.api", reason="modebench is not installed")
+    model_dir = smoke_model(tmp_path)
+    args = ["length", "--steps", "2", "--every", "1", "--eval-problems", "2", "--work-dir", str(tmp_path / "runs"),
+            "--results", str(tmp_path / "results"), *[a for kv in (
+                f"model.name_or_path={model_dir}", "generation.num_generations=4", "generation.max_new_tokens=8",
+                "training.micro_batch_size=4", "eval.k=4") for a in ("--set", kv)]]
+    assert main(args) == 0
+    report = capsys.readouterr().out
+    out = tmp_path / "results" / "length" / "dr_grpo" / "seed0"
+    assert [json.loads((out / f"step-{n}" / "done.json").read_text())["step"] for n in (1, 2)] == [1, 2]
+    assert (tmp_path / "results" / START / "seed0" / "done.json").is_file()  # step 0: the study's start run
+    assert len((out / "train_metrics.jsonl").read_text().splitlines()) == 2
+    assert [line.split("|")[1].strip() for line in report.splitlines() if line.startswith("| ") and "step" not in line] \
+        == ["0", "1", "2"]
+    assert not (tmp_path / "runs" / "length" / "dr_grpo" / "seed0").exists()  # checkpoints go once all are evaluated
+    # Resumable: a step not evaluated yet (its checkpoints gone, so the run trains again) is evaluated
+    # alone; a step already evaluated is kept as it was.
+    (out / "step-2" / "done.json").unlink()
+    stamp = (out / "step-1" / "done.json").stat().st_mtime_ns
+    assert main(args) == 0
+    assert (out / "step-2" / "done.json").is_file()
+    assert (out / "step-1" / "done.json").stat().st_mtime_ns == stamp

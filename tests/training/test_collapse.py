@@ -89,7 +89,7 @@ def test_a_collapsing_run_is_warned_on_the_console_and_in_the_tracker(tiny_model
     out = tmp_path / "run"
     args = tiny_overrides(model, out, steps=12, num_generations=8, max_new_tokens=16, prompts_per_step=2,
                           rewards="[{name: length, kwargs: {max_length: 16, direction: favour, unit: tokens}}]",
-                          extra=["method=maxent_listwise", "maxent.q_temperature=100", "training.learning_rate=1e-3",
+                          extra=["method=maxent_listwise", "maxent.listwise_loss=weighted_mle", "maxent.q_temperature=100", "training.learning_rate=1e-3",
                                  "training.micro_batch_size=8", "logging.collapse_window=3",
                                  "logging.report_to=[tensorboard]"])
     with caplog.at_level(logging.WARNING, logger="maxent_grpo"):

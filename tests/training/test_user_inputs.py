@@ -143,7 +143,7 @@ def test_help_shows_the_default_runs_values(capsys):
         main(["train", "--help"])
     out = capsys.readouterr().out
     assert f"generation.max_new_tokens  [int, default {TrainConfig().generation.max_new_tokens}]" in out
-    assert "maxent.listwise_loss  [cross_entropy|weighted_mle|centered_mle, default 'weighted_mle']" in out
+    assert "maxent.listwise_loss  [cross_entropy|weighted_mle|centered_mle, default 'centered_mle']" in out
     assert "7 + 1 = \\\\boxed{8}" in out
 
 

@@ -56,6 +56,6 @@ def _loss(inputs: PlanInputs):
 register(Method(
     "maxent_listwise", "maxent", "MaxEnt listwise: target weights from q and the reference, matched per group",
     loss=_loss, weighting="listwise", kl_in_token_loss=False, check=_check, targets=_targets,
-    collapse_advice=("maxent.listwise_loss=centered_mle (pushes completions weighted below uniform down), "
-                     "maxent.zero_weight_unrewarded=true, or a lower training.learning_rate"),
+    collapse_advice=("maxent.listwise_loss=centered_mle (the default: pushes completions weighted below uniform "
+                     "down), maxent.zero_weight_unrewarded=true, or a lower training.learning_rate"),
 ))

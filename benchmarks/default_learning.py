@@ -1,6 +1,6 @@
 """Does the built-in default learn on every seed? Arms x seeds of README command 1's training.
 
-    python -m benchmarks.default_learning run [--arms default,dr_grpo] [--seeds 0-9] [--results DIR] [-- TRAIN ARGS]
+    python -m benchmarks.default_learning run [--arms weighted_mle,dr_grpo] [--seeds 0-9] [--results DIR] [-- TRAIN ARGS]
     python -m benchmarks.default_learning table [--results DIR]
 
 BENCHMARKS.md §3. Every arm is the built-in default run (``maxent-grpo train`` with no config:
@@ -37,7 +37,7 @@ RESULTS = REPO / "benchmarks" / "results" / "default_learning"
 # arm -> overrides of the built-in default (dotted keys).
 ARMS: dict[str, dict] = {
     # (a) the default the study started from: maxent_listwise, weighted MLE on token-mean scores
-    "default": {"maxent.listwise_loss": "weighted_mle"},
+    "weighted_mle": {"maxent.listwise_loss": "weighted_mle"},
     "cross_entropy": {"maxent.listwise_loss": "cross_entropy"},  # (b) the spec's listwise cross-entropy
     "mle_sum": {"maxent.listwise_score": "sum"},  # (c) weighted MLE on summed (not length-normalised) scores
     "mle_rewarded": {"maxent.zero_weight_unrewarded": True},  # (d) zero weight on zero-reward answers

@@ -45,8 +45,8 @@ def test_interval_is_student_t():
 
 def test_table_counts_per_arm(tmp_path):
     for arm, seed, rewards, lengths in [
-        ("default", 0, [0.5] * 3 + [0.2] * 3, [10] * 3 + [4] * 3),  # collapses
-        ("default", 1, [0.5] * 3 + [0.7] * 3, [10] * 6),  # learns
+        ("weighted_mle", 0, [0.5] * 3 + [0.2] * 3, [10] * 3 + [4] * 3),  # collapses
+        ("weighted_mle", 1, [0.5] * 3 + [0.7] * 3, [10] * 6),  # learns
         ("centered_mle", 0, [0.5] * 3 + [0.7] * 3, [10] * 6),
     ]:
         out = tmp_path / arm / f"seed{seed}"
@@ -55,9 +55,9 @@ def test_table_counts_per_arm(tmp_path):
         (out / "done.json").write_text("{}")
     (tmp_path / "dr_grpo" / "seed0").mkdir(parents=True)  # cut off: no done.json, not counted
     by_arm = load(tmp_path)
-    assert list(by_arm) == ["default", "centered_mle"]
+    assert list(by_arm) == ["weighted_mle", "centered_mle"]
     text = table(by_arm)
-    assert "| default | 2 | 1 | 1 | 0.500 -> 0.450 |" in text
+    assert "| weighted_mle | 2 | 1 | 1 | 0.500 -> 0.450 |" in text
     assert "| centered_mle | 1 | 0 | 1 |" in text
     assert "| 0 | 0.50 -> 0.20 C | 0.50 -> 0.70 |" in per_seed(by_arm)
 
@@ -70,11 +70,11 @@ def test_run_trains_each_arm_and_seed_once_and_resumes(tiny_model_dir, tmp_path,
              "--set", "generation.num_generations=4", "--set", "generation.max_new_tokens=8",
              "--set", "training.prompts_per_step=2", "--set", "training.micro_batch_size=4",
              "--set", "training.max_steps=6"]
-    argv = ["run", "--arms", "default,centered_mle", "--seeds", "0", "--results", str(results),
+    argv = ["run", "--arms", "weighted_mle,centered_mle", "--seeds", "0", "--results", str(results),
             "--work-dir", str(tmp_path / "work"), "--", *extra]
     assert main(argv) == 0
     done = {p.parent.parent.name: json.loads(p.read_text()) for p in results.glob("*/seed0/done.json")}
-    assert set(done) == {"default", "centered_mle"} and all(d["steps"] == 6 for d in done.values())
+    assert set(done) == {"weighted_mle", "centered_mle"} and all(d["steps"] == 6 for d in done.values())
     for arm in done:
         assert not (tmp_path / "work" / arm / "seed0").exists()  # removed once its metrics are kept
         rows = [json.loads(line) for line in (results / arm / "seed0" / "metrics.jsonl").read_text().splitlines()]

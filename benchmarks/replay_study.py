@@ -70,16 +70,23 @@ def run_one(arm: str, seed: int, *, results: Path, work: Path, base: list[str], 
         # The same weights and the same eval seed give the same samples: the twin's evaluation is this one's.
         shutil.copytree(twin / "eval", out / "eval")
     else:
-        eval_sets = {"data.task_kwargs.split": "eval", "data.size": eval_problems, "training.seed": EVAL_SEED}
-        _run([_cli(), "eval", str(final), *base, *_sets(eval_sets), "--num-prompts", str(eval_problems),
-              "--output", str(run_dir / "eval")], log, env)
-        _slim(run_dir / "eval", out / "eval")
+        _evaluate(final, run_dir / "eval", out / "eval", base=base, eval_problems=eval_problems, log=log, env=env)
     (out / "done.json").write_text(json.dumps({
         "arm": arm, "seed": seed, "steps": steps, "train_s": train_s, "eval_s": time.time() - t1,
         "eval_seed": EVAL_SEED, "weights_sha256": weights,
         "eval_of": None if twin is None else twin.parent.name}, indent=1) + "\n")
     shutil.rmtree(run_dir, ignore_errors=True)
     return out
+
+
+def _evaluate(model: Path | str, scratch: Path, dest: Path, *, base: list[str], eval_problems: int, log: Path,
+              env: dict) -> None:
+    """``maxent-grpo eval`` of ``model`` on the fixed eval split (:data:`EVAL_SEED`'s draws) into ``scratch``,
+    kept without prompt text in ``dest``."""
+    eval_sets = {"data.task_kwargs.split": "eval", "data.size": eval_problems, "training.seed": EVAL_SEED}
+    _run([_cli(), "eval", str(model), *base, *_sets(eval_sets), "--num-prompts", str(eval_problems),
+          "--output", str(scratch)], log, env)
+    _slim(scratch, dest)
 
 
 def _same_weights(results: Path, seed: int, weights: str | None) -> Path | None:
@@ -146,10 +153,8 @@ def run_length(arm: str, seed: int, *, steps: int, every: int, results: Path, wo
             if done.is_file():
                 continue
             t0 = time.time()
-            eval_sets = {"data.task_kwargs.split": "eval", "data.size": eval_problems, "training.seed": EVAL_SEED}
-            _run([_cli(), "eval", str(ckpts / f"step-{n}"), *base, *_sets(eval_sets), "--num-prompts",
-                  str(eval_problems), "--output", str(run_dir / "eval" / f"step-{n}")], log, env)
-            _slim(run_dir / "eval" / f"step-{n}", done.parent / "eval")
+            _evaluate(ckpts / f"step-{n}", run_dir / "eval" / f"step-{n}", done.parent / "eval", base=base,
+                      eval_problems=eval_problems, log=log, env=env)
             done.write_text(json.dumps({"arm": arm, "seed": seed, "step": n, "eval_s": time.time() - t0,
                                         "eval_seed": EVAL_SEED}, indent=1) + "\n")
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -181,8 +186,8 @@ def cmd_length(args) -> int:
         print(f"| {step} | {s['mb/pass@k']:.3f} | {s['mb/accuracy']:.3f} | {s['mb/distinct@k']:.3f} "
               f"| {s['greedy_pass@1']:.3f} |")
     length = study_length([(step, s["mb/pass@k"]) for step, s in summaries], min(MIN_LENGTH, args.steps))
-    print(f"\nthe study's length (first step >= {MIN_LENGTH} after which pass@8 falls by <= {LENGTH_TOLERANCE}): "
-          + (f"{length}" if length is not None else "none yet: pass@8 still falls at the last checkpoint"))
+    print(f"\nthe study's length (first step >= {MIN_LENGTH} after which pass@k falls by <= {LENGTH_TOLERANCE}): "
+          + (f"{length}" if length is not None else "none yet: pass@k still falls at the last checkpoint"))
     return 0
 
 

@@ -85,18 +85,25 @@ def test_an_exemplar_without_a_response_token_raises():
 
 def test_layout_token_gradient_and_padding():
     """Through a float64 toy model's token log-probs: d/d logp = -alpha (G-1) / (G^2 n_R M_g T)
-    on exemplar tokens, 0 on prompt and padding; right padding leaves a score unchanged."""
+    on exemplar tokens, 0 on padding; a group's rows repeat one left-padded prompt row; the
+    padding leaves a score unchanged."""
     groups = [((5, 6, 7), [(1, 2), (3, 4, 2, 9)]), ((8,), [(4,)])]
     layout = replay_layout(groups, pad_token_id=0)
-    assert layout.input_ids.tolist() == [[5, 6, 7, 1, 2, 0, 0], [5, 6, 7, 3, 4, 2, 9], [8, 4, 0, 0, 0, 0, 0]]
-    assert layout.response_mask.int().tolist() == [[0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1], [1, 0, 0, 0, 0, 0]]
+    assert layout.prompt_length == 3
+    assert layout.input_ids.tolist() == [[5, 6, 7, 1, 2, 0, 0], [5, 6, 7, 3, 4, 2, 9], [0, 0, 8, 4, 0, 0, 0]]
+    assert layout.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 0, 0, 0]]
+    assert layout.response_mask.int().tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
     assert layout.group_sizes == (2, 1)
+
+    def exemplar_logps(layout):
+        """log p(token t | token t-1) for every completion position (a bigram toy model)."""
+        p = layout.prompt_length
+        logits = table[layout.input_ids[:, p - 1 : -1]]
+        return torch.log_softmax(logits, -1).gather(-1, layout.input_ids[:, p:, None])[..., 0]
 
     torch.manual_seed(0)
     table = torch.randn(10, 10, dtype=torch.float64)  # logits of the next token given this one
-    logits = table[layout.input_ids[:, :-1]]
-    token_logps = torch.log_softmax(logits, -1).gather(-1, layout.input_ids[:, 1:, None])[..., 0]
-    token_logps = token_logps.detach().requires_grad_(True)
+    token_logps = exemplar_logps(layout).detach().requires_grad_(True)
     alpha, G = 0.1, 8
     loss = replay_scale(alpha, G) * verified_likelihood_loss(mode_scores(token_logps, layout.response_mask),
                                                              layout.group_sizes).loss
@@ -108,8 +115,9 @@ def test_layout_token_gradient_and_padding():
     assert torch.allclose(token_logps.grad, expected, rtol=1e-14, atol=0)
 
     alone = replay_layout([groups[1]], pad_token_id=0)
-    lone_logps = torch.log_softmax(table[alone.input_ids[:, :-1]], -1).gather(-1, alone.input_ids[:, 1:, None])[..., 0]
-    padded, lone = mode_scores(token_logps.detach(), layout.response_mask)[2], mode_scores(lone_logps, alone.response_mask)[0]
+    assert alone.input_ids.tolist() == [[8, 4]] and alone.prompt_length == 1
+    padded = mode_scores(token_logps.detach(), layout.response_mask)[2]
+    lone = mode_scores(exemplar_logps(alone), alone.response_mask)[0]
     assert float(padded) == pytest.approx(float(lone), rel=1e-15)
 
 

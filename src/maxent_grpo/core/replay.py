@@ -15,14 +15,17 @@ rows are likelihood only: no advantage, ratio, clip, KL or correction weight, an
 they are outside the fresh loss's normalisers.
 
 Unlike remax, the reductions keep the input dtype (no float32 cast), so a float64
-model gives float64 values.
+model gives float64 values. Unlike remax's right-padded rows, a group's rows share their
+prompt, left-padded as the fresh batch's are, so that the scoring runs it once for all its
+exemplars (``Scoring.share_prompts``), and one differentiable pass gives both the gradient
+and the value (remax runs a no-grad pass for the value first).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -43,16 +46,20 @@ def replay_scale(coef: float, num_generations: int) -> float:
 
 @dataclass(frozen=True)
 class ReplayLayout:
-    """The teacher-forcing batch of some replay groups, one row per exemplar, right-padded.
+    """The teacher-forcing batch of some replay groups, one row per exemplar.
 
-    ``input_ids``/``attention_mask`` ``[M, L]``; ``response_mask`` ``[M, L-1]`` marks the
-    exemplar's tokens after the causal shift (position ``t`` predicts token ``t+1``);
-    ``group_sizes`` the exemplars per group, in order.
+    ``input_ids``/``attention_mask`` ``[M, prompt_length + T]``: the prompt left-padded to
+    ``prompt_length`` (the longest prompt), then the exemplar right-padded to ``T`` (the longest
+    exemplar), the fresh batch's layout, so the rows of a group repeat one prompt row;
+    ``response_mask`` ``[M, T]`` marks the exemplar's tokens (the positions the completion
+    log-probs ``[M, T]`` of ``Scoring.logps(..., prompt_length)`` predict); ``group_sizes`` the
+    exemplars per group, in order.
     """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     response_mask: torch.Tensor
+    prompt_length: int
     group_sizes: tuple[int, ...]
 
 
@@ -60,32 +67,34 @@ def replay_layout(groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]
                   device: torch.device | str = "cpu") -> ReplayLayout:
     """Rows ``prompt + exemplar`` for ``groups`` = ``[(prompt ids, [exemplar ids, ...]), ...]``.
 
-    The same layout as remax's ``materialize_canonical_replay_batch``: right padding with
-    ``pad_token_id``, the response mask from ``prompt_length - 1`` for the exemplar's length.
+    The rows of remax's ``materialize_canonical_replay_batch`` with the prompts left-padded and
+    the exemplars right-padded with ``pad_token_id`` (the same real tokens, positions and masks).
     """
     if not groups:
         raise ValueError("replay needs at least one group")
     if pad_token_id < 0:
         raise ValueError(f"pad_token_id must be >= 0, got {pad_token_id}")
-    rows: list[tuple[tuple[int, ...], int]] = []
+    rows: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     sizes = []
     for prompt, exemplars in groups:
         prompt = tuple(int(t) for t in prompt)
         if not prompt or not exemplars or any(len(e) == 0 for e in exemplars):
             raise ValueError("a replay group needs a prompt and at least one exemplar with a response token")
         sizes.append(len(exemplars))
-        rows += [(prompt + tuple(int(t) for t in e), len(prompt)) for e in exemplars]
-    if any(t < 0 for seq, _ in rows for t in seq):
+        rows += [(prompt, tuple(int(t) for t in e)) for e in exemplars]
+    if any(t < 0 for prompt, exemplar in rows for t in prompt + exemplar):
         raise ValueError("replay token ids must be >= 0")
-    width = max(len(seq) for seq, _ in rows)
-    input_ids = torch.full((len(rows), width), int(pad_token_id), dtype=torch.long)
+    prompt_length = max(len(prompt) for prompt, _ in rows)
+    width = max(len(exemplar) for _, exemplar in rows)
+    input_ids = torch.full((len(rows), prompt_length + width), int(pad_token_id), dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
-    response_mask = torch.zeros((len(rows), width - 1), dtype=torch.bool)
-    for i, (seq, prompt_length) in enumerate(rows):
-        input_ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attention_mask[i, : len(seq)] = 1
-        response_mask[i, prompt_length - 1 : len(seq) - 1] = True
-    return ReplayLayout(input_ids.to(device), attention_mask.to(device), response_mask.to(device), tuple(sizes))
+    for i, (prompt, exemplar) in enumerate(rows):
+        span = slice(prompt_length - len(prompt), prompt_length + len(exemplar))
+        input_ids[i, span] = torch.tensor(prompt + exemplar, dtype=torch.long)
+        attention_mask[i, span] = 1
+    response_mask = attention_mask[:, prompt_length:].bool()
+    return ReplayLayout(input_ids.to(device), attention_mask.to(device), response_mask.to(device), prompt_length,
+                        tuple(sizes))
 
 
 def mode_scores(token_logps: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -172,6 +181,18 @@ class ReplayBatch:
             raise ValueError(f"rows_per_pass must be >= 1, got {self.rows_per_pass}")
 
 
+def _chunk(layout: ReplayLayout, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Rows ``start:stop`` of ``layout`` as ``(input_ids, attention_mask, response_mask, prompt_length)``,
+    without the columns that are padding in every one of them."""
+    mask = layout.attention_mask[start:stop]
+    prompt_real = mask[:, : layout.prompt_length].any(dim=0).nonzero()
+    first = int(prompt_real[0]) if prompt_real.numel() else layout.prompt_length
+    width = int(layout.response_mask[start:stop].any(dim=0).nonzero()[-1]) + 1
+    end = layout.prompt_length + width
+    return (layout.input_ids[start:stop, first:end], mask[:, first:end], layout.response_mask[start:stop, :width],
+            layout.prompt_length - first)
+
+
 def _row_coefficients(group_sizes: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:
     """``dL/ds_m = -c_m``: ``c_m = 1/(n_R M_g)`` for the rows of group ``g`` (unit weights)."""
     return torch.cat([torch.full((m,), 1.0 / (len(group_sizes) * m), dtype=dtype, device=device) for m in group_sizes])
@@ -181,27 +202,30 @@ def replay_backward(model, batch: ReplayBatch, scoring: Scoring) -> dict[str, fl
     """Accumulate ``scale * dL_replay/dtheta`` into the gradients (exact zeros with ``compute_only``)
     and return the ``replay/*`` metrics.
 
-    Two passes, as remax runs them: one without gradients for the value and diagnostics, then a
-    differentiable one, ``rows_per_pass`` rows at a time. L_replay is linear in the scores,
-    ``L = -sum_m c_m s_m``, so the chunks' backwards add up to the whole term. The rows are
-    scored under ``scoring`` (the sampling temperature, bf16 autocast) without prompt sharing
-    (each row has its own prompt), from position 1 with the exemplar mask.
+    One differentiable pass, ``rows_per_pass`` rows at a time: L_replay is linear in the scores,
+    ``L = -sum_m c_m s_m``, so the chunks' backwards add up to the whole term, and the chunks'
+    detached scores give its value and diagnostics. The rows are scored under ``scoring`` (the
+    sampling temperature, bf16 autocast, prompt sharing and packing), so the rows of a group in a
+    chunk run their prompt once.
     """
     layout = batch.layout
-    rows = replace(scoring, share_prompts=False, rows_per_pass=batch.rows_per_pass)
-    logps, _ = rows.score_rows(model, layout.input_ids, layout.attention_mask, 1)
-    scores = mode_scores(logps, layout.response_mask)
-    value = verified_likelihood_loss(scores, layout.group_sizes)
-    raw = batch.scale * float(value.loss)
-    coefficients = _row_coefficients(layout.group_sizes, logps.dtype, logps.device)
-    for start in range(0, layout.input_ids.shape[0], batch.rows_per_pass):
-        chunk = slice(start, start + batch.rows_per_pass)
-        live, _ = rows.logps(model, layout.input_ids[chunk], layout.attention_mask[chunk], 1)
-        live_scores = mode_scores(live, layout.response_mask[chunk])
+    total = layout.input_ids.shape[0]
+    coefficients = None
+    kept = []
+    for start in range(0, total, batch.rows_per_pass):
+        input_ids, attention_mask, response_mask, prompt_length = _chunk(layout, start, start + batch.rows_per_pass)
+        live, _ = scoring.logps(model, input_ids, attention_mask, prompt_length)
+        live_scores = mode_scores(live, response_mask)
+        if coefficients is None:
+            coefficients = _row_coefficients(layout.group_sizes, live_scores.dtype, live_scores.device)
         if batch.compute_only:
             (live_scores * torch.zeros_like(live_scores)).sum().backward()
         else:
-            (-batch.scale * (coefficients[chunk].to(live_scores.dtype) * live_scores).sum()).backward()
+            (-batch.scale * (coefficients[start : start + live_scores.numel()] * live_scores).sum()).backward()
+        kept.append(live_scores.detach())
+    scores = torch.cat(kept)
+    value = verified_likelihood_loss(scores, layout.group_sizes)
+    raw = batch.scale * float(value.loss)
     return {
         "replay/loss": float(value.loss),
         "replay/raw_loss": raw,

@@ -210,18 +210,16 @@ def replay_backward(model, batch: ReplayBatch, scoring: Scoring) -> dict[str, fl
     """
     layout = batch.layout
     total = layout.input_ids.shape[0]
-    coefficients = None
+    coefficients = _row_coefficients(layout.group_sizes, torch.float64, layout.input_ids.device)
     kept = []
     for start in range(0, total, batch.rows_per_pass):
         input_ids, attention_mask, response_mask, prompt_length = _chunk(layout, start, start + batch.rows_per_pass)
         live, _ = scoring.logps(model, input_ids, attention_mask, prompt_length)
         live_scores = mode_scores(live, response_mask)
-        if coefficients is None:
-            coefficients = _row_coefficients(layout.group_sizes, live_scores.dtype, live_scores.device)
         if batch.compute_only:
             (live_scores * torch.zeros_like(live_scores)).sum().backward()
         else:
-            (-batch.scale * (coefficients[start : start + live_scores.numel()] * live_scores).sum()).backward()
+            (-batch.scale * (coefficients[start : start + live_scores.numel()].to(live_scores.dtype) * live_scores).sum()).backward()
         kept.append(live_scores.detach())
     scores = torch.cat(kept)
     value = verified_likelihood_loss(scores, layout.group_sizes)

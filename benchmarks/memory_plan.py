@@ -8,13 +8,14 @@ AdamW state of the trained parameters, sharded 1/N under FSDP2; the reference mo
 on-policy distillation's teacher (``teacher:``, counted from its own ``config.json``); a sampling copy; the activations of one micro-batch; the LM head's logits) and what a
 colocated vLLM engine takes. These are estimates for planning, not measurements:
 
-* parameters are counted from ``config.json`` (a Llama/Qwen2-style decoder: embeddings,
-  per layer q/k/v/o and a gated MLP with their biases where the family has them, two
-  RMSNorms; tests check the count against transformers' own model on the meta device);
+* parameters are counted from ``config.json`` by ``training/model_shape.py``'s ``Shape`` (a
+  Llama/Qwen2-style decoder; tests check the count against transformers' own model on the
+  meta device);
 * activations assume SDPA (no attention matrix kept) and count, per layer and token,
   the tensors autograd keeps: ``6h + 2 kv + 4i`` values in the compute dtype, or only
   the layer input ``h`` with ``training.gradient_checkpointing`` (plus one layer
-  recomputed at a time);
+  recomputed at a time): ``Shape.saved_values_per_token``, which ``training.micro_batch_size:
+  auto`` sizes its budget from too; with ``auto`` the plan counts its first guess of rows;
 * the logits are one micro-batch's completion positions in float32;
 * allocator fragmentation, CUDA context (about 0.5 GiB) and NCCL buffers are not counted.
 
@@ -26,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
@@ -37,55 +37,11 @@ from maxent_grpo.config.load import load_config  # noqa: E402
 from maxent_grpo.config.compile import compile_run  # noqa: E402
 from maxent_grpo.models import master_dtype  # noqa: E402
 from maxent_grpo.training.precision import Machine  # noqa: E402
+from maxent_grpo.training.model_shape import Shape  # noqa: E402,F401 (the plan counts from it)
 from maxent_grpo.training.strategy import STRATEGIES  # noqa: E402
 
 GIB = 2**30
 _BYTES = {"float32": 4, "bfloat16": 2, "float64": 8}
-_BIASED_QKV = {"qwen2"}  # families whose q/k/v projections carry a bias
-
-
-@dataclass(frozen=True)
-class Shape:
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    vocab: int
-    tied: bool
-    qkv_bias: bool
-
-    @classmethod
-    def from_config(cls, cfg: dict) -> "Shape":
-        return cls(
-            hidden=cfg["hidden_size"], intermediate=cfg["intermediate_size"], layers=cfg["num_hidden_layers"],
-            heads=cfg["num_attention_heads"], kv_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
-            vocab=cfg["vocab_size"], tied=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=cfg.get("model_type") in _BIASED_QKV or bool(cfg.get("attention_bias", False)),
-        )
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * (self.hidden // self.heads)
-
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in, out) of each linear module of one decoder layer, by its transformers name."""
-        h, kv, i = self.hidden, self.kv_dim, self.intermediate
-        return {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-
-    def layer_params(self) -> int:
-        linear = sum(a * b for a, b in self.linear_shapes().values())
-        bias = (self.hidden + 2 * self.kv_dim) if self.qkv_bias else 0
-        return linear + bias + 2 * self.hidden  # two RMSNorm gains
-
-    def params(self) -> int:
-        embed = self.vocab * self.hidden
-        return embed * (1 if self.tied else 2) + self.layers * self.layer_params() + self.hidden
-
-    def lora_params(self, r: int, targets: list[str]) -> int:
-        shapes = self.linear_shapes()
-        return self.layers * sum(r * (shapes[t][0] + shapes[t][1]) for t in targets if t in shapes)
 
 
 def plan(cfg, shape: Shape, gpus: int, gpu_memory_gib: float, prompt_tokens: int,
@@ -125,23 +81,21 @@ def plan(cfg, shape: Shape, gpus: int, gpu_memory_gib: float, prompt_tokens: int
     copy = run.sampler.sample_dtype
     if not backend.owns_weights and copy not in (None, master_dtype(cfg.model.dtype, lora.enabled)):
         rows.append(("sampling copy", _BYTES[copy] * p / GIB, f"generation.dtype {copy}, a whole model per GPU"))
-    tokens = t.micro_batch_size * (prompt_tokens + g.max_new_tokens)
-    h, kv, i = shape.hidden, shape.kv_dim, shape.intermediate
-    if t.gradient_checkpointing:
-        per_token = shape.layers * h + (6 * h + 2 * kv + 4 * i)
-        how = f"{tokens} tokens x (layer inputs + one layer recomputed)"
-    else:
-        per_token = shape.layers * (6 * h + 2 * kv + 4 * i)
-        how = f"{tokens} tokens x {shape.layers} layers x (6h + 2kv + 4i)"
+    micro = run.micro_batch_size  # training.micro_batch_size: auto plans its first guess
+    tokens = micro * (prompt_tokens + g.max_new_tokens)
+    per_token = shape.saved_values_per_token(t.gradient_checkpointing)
+    how = (f"{tokens} tokens x (layer inputs + one layer recomputed)" if t.gradient_checkpointing
+           else f"{tokens} tokens x {shape.layers} layers x (6h + 2kv + 4i)")
     rows.append(("activations (one micro-batch)", compute * tokens * per_token / GIB, how))
-    rows.append(("LM head logits (float32)", 4 * t.micro_batch_size * g.max_new_tokens * shape.vocab / GIB,
-                 f"{t.micro_batch_size} x {g.max_new_tokens} completion positions x V={shape.vocab}"))
+    rows.append(("LM head logits (float32)", 4 * micro * g.max_new_tokens * shape.vocab / GIB,
+                 f"{micro} x {g.max_new_tokens} completion positions x V={shape.vocab}"))
     if g.backend == "hf":
         rows_per_call = g.batch_size or run.batch.prompts_per_step * g.num_generations
         sample_bytes = _BYTES[copy] if copy is not None else stored  # the sampling model's dtype
         length = prompt_tokens + g.max_new_tokens
-        rows.append((f"{GENERATION}KV cache", sample_bytes * rows_per_call * length * shape.layers * 2 * kv / GIB,
-                     f"{rows_per_call} rows x {length} tokens x {shape.layers} layers x 2 x kv_dim {kv}"))
+        kv_bytes = sample_bytes * rows_per_call * length * shape.layers * 2 * shape.kv_dim
+        rows.append((f"{GENERATION}KV cache", kv_bytes / GIB,
+                     f"{rows_per_call} rows x {length} tokens x {shape.layers} layers x 2 x kv_dim {shape.kv_dim}"))
         rows.append((f"{GENERATION}one step's logits (float32)", 3 * 4 * rows_per_call * shape.vocab / GIB,
                      f"{rows_per_call} rows x V, three copies: the step's, the log-prob recorder's, a warper's"))
     if g.backend == "vllm":

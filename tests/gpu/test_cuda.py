@@ -85,6 +85,23 @@ def test_a_bf16_run_on_cuda_keeps_float32_master_weights_and_moves_them(model, r
     assert changed >= 0.9, f"{model}: only {changed:.1%} of the parameters changed"
 
 
+def test_auto_micro_batches_are_sized_from_the_free_memory_of_the_device(tiny_model_dir, tmp_path, caplog):
+    """training.micro_batch_size: auto on CUDA: the budget is logged once the models load, and the tiny
+    model's step (4 groups) fits in one micro-batch of whole groups, where a fixed count would take 4."""
+    from maxent_grpo.cli import main
+    from maxent_grpo.training.metrics import read_metrics
+    from tiny_runs import tiny_overrides
+
+    out = tmp_path / "run"
+    args = tiny_overrides(tiny_model_dir, out, rewards="[{name: length, kwargs: {max_length: 100000}}]", steps=2,
+                          prompts_per_step=4, source="modebench:pair_sum", extra=["training.micro_batch_size=auto"])
+    with caplog.at_level("INFO"):
+        assert main(["train", *args]) == 0
+    assert "sized at each step from the device memory left" in caplog.text
+    assert "GiB per micro-batch" in caplog.text
+    assert [r["micro_batch/rows"] for r in read_metrics(out / "metrics.jsonl")] == [16.0, 16.0]
+
+
 def test_ddp_and_fsdp2_give_the_same_bf16_gradients(tiny_model_dir, tmp_path):
     """DDP (autocast over float32 weights) and FSDP2 (bf16 gathers, float32 reduction, autocast) on the
     same rows: the same update to bf16 accuracy, float32 master weights on both. Two processes with two

@@ -188,6 +188,14 @@ def test_trls_optim_becomes_the_optimizer(optim, ours):
     assert keys["training.optimizer"] == ours
 
 
+@pytest.mark.parametrize("auto, micro", [(True, "auto"), (False, 16)])
+def test_trls_auto_find_batch_size_becomes_an_auto_micro_batch(auto, micro):
+    keys, _ = convert({"model_name_or_path": "m", "dataset_name": "d", "reward_funcs": ["think_format_reward"],
+                       "max_steps": 4, "per_device_train_batch_size": 16, "gradient_accumulation_steps": 2,
+                       "num_generations": 8, "auto_find_batch_size": auto})
+    assert (keys["training.prompts_per_step"], keys["training.micro_batch_size"]) == (4, micro)
+
+
 def test_trls_defaults_are_accepted_where_a_refused_field_asks_for_nothing():
     keys, notes = convert({"model_name_or_path": "m", "dataset_name": "d", "reward_funcs": ["think_format_reward"],
                            "max_steps": 4, "sync_ref_model": False, "use_bias_correction_kl": True,

@@ -38,6 +38,7 @@ from maxent_grpo.config.rules import check_run, prompts_per_step
 from maxent_grpo.config.schema import TrainConfig
 from maxent_grpo.training.run_plan import BatchPlan, RunPlan, with_steps
 from maxent_grpo.training.data import DataPlan
+from maxent_grpo.training.micro_batches import auto_rows
 from maxent_grpo.training.policy import LoraPlan, ModelPlan, OptimizerPlan
 from maxent_grpo.training.precision import Machine, Precision, resolve_precision
 from maxent_grpo.training.sampler import SamplerPlan
@@ -103,14 +104,28 @@ def _distill(cfg: TrainConfig) -> DistillTerm | None:
         raise ConfigError(f"teacher.{err.setting}: {err.problem}") from None
 
 
-def _compile_method(cfg: TrainConfig, rollout_correction: str) -> MethodPlan:
+def _micro_batch(cfg: TrainConfig, machine: Machine) -> tuple[int, bool, tuple[str, ...]]:
+    """(rows per forward/backward, whether each step sizes them from the memory left once the models
+    load, the note for ``auto``): ``training/micro_batches.py``."""
+    t, g = cfg.training, cfg.generation
+    if t.micro_batch_size != "auto":
+        return t.micro_batch_size, False, ()
+    rows = auto_rows(prompts_per_step(cfg) * g.num_generations, g.num_generations)
+    if machine.cuda:
+        return rows, True, ("training.micro_batch_size auto: sized at each step from the device memory left once "
+                            f"the models load, in whole groups ({rows} rows for the passes without gradients)",)
+    return rows, False, (f"training.micro_batch_size auto: {rows} (the CPU: its memory does not limit a micro-batch; "
+                         "sized from memory on CUDA)",)
+
+
+def _compile_method(cfg: TrainConfig, rollout_correction: str, micro_batch_size: int) -> MethodPlan:
     """The configured method's plan; its checks and its loss's bounds raise one ConfigError naming the key."""
     method = get_method(cfg.method)
     inputs = PlanInputs(
         loss=_base_loss(cfg, rollout_correction),
         settings=getattr(cfg, method.section) if method.section is not None else None,
         maxent=cfg.maxent, num_generations=cfg.generation.num_generations,
-        micro_batch_size=cfg.training.micro_batch_size, max_new_tokens=completion_budget(cfg),
+        micro_batch_size=micro_batch_size, max_new_tokens=completion_budget(cfg),
     )
     for key, problem in method.check(inputs):
         raise ConfigError(f"{key}: {problem}")
@@ -184,6 +199,7 @@ def compile_run(cfg: TrainConfig, machine: Machine) -> RunPlan:
     check_run(cfg, machine, master)
     weighting = _weighting(cfg)  # loss.beta and maxent.*: before the method's own loss bounds
     precision = _precision(cfg, machine, master)
+    micro_batch_size, micro_batch_from_memory, micro_note = _micro_batch(cfg, machine)
     episodes = episode_limits(cfg.environment, g.max_new_tokens)
     sampling = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                               top_k=g.top_k, stop=tuple(g.stop))
@@ -203,12 +219,13 @@ def compile_run(cfg: TrainConfig, machine: Machine) -> RunPlan:
     )
     lora = m.lora
     plan = RunPlan(
-        method=_compile_method(cfg, precision.rollout_correction),
+        method=_compile_method(cfg, precision.rollout_correction, micro_batch_size),
         scoring=Scoring(temperature=g.temperature, share_prompts=precision.share_prompts,
-                        autocast_bf16=precision.autocast_bf16, rows_per_pass=t.micro_batch_size,
+                        autocast_bf16=precision.autocast_bf16, rows_per_pass=micro_batch_size,
                         packing=precision.packing),
         batch=batch,
-        micro_batch_size=t.micro_batch_size,
+        micro_batch_size=micro_batch_size,
+        micro_batch_from_memory=micro_batch_from_memory,
         release_host_memory=t.release_host_memory,
         num_iterations=t.num_iterations,
         max_grad_norm=t.max_grad_norm,
@@ -266,6 +283,6 @@ def compile_run(cfg: TrainConfig, machine: Machine) -> RunPlan:
         dist_timeout_minutes=t.dist_timeout_minutes,
         seed=t.seed,
         source=dataclasses.asdict(cfg),
-        notes=precision.notes,
+        notes=precision.notes + micro_note,
     )
     return plan if t.max_steps is None else with_steps(plan, t.max_steps)

@@ -63,6 +63,9 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
+        for literal in (a for a in inner[1:] if typing.get_origin(a) is Literal):
+            if value in typing.get_args(literal):  # int | Literal["auto"]: the word, else the number
+                return value
         return _coerce(value, inner[0], key)
     if origin is Literal:
         if value not in args:
@@ -322,7 +325,7 @@ def validate(cfg: TrainConfig) -> None:
     _check(t.dist_timeout_minutes > 0, "training.dist_timeout_minutes", f"must be > 0, got {t.dist_timeout_minutes}")
     _check(t.batch_size is None or t.batch_size > 0, "training.batch_size", f"must be > 0 or null, got {t.batch_size}")
     _check(t.prompts_per_step >= 1, "training.prompts_per_step", f"must be >= 1, got {t.prompts_per_step}")
-    _check(t.micro_batch_size >= 1, "training.micro_batch_size", "must be >= 1")
+    _check(t.micro_batch_size == "auto" or t.micro_batch_size >= 1, "training.micro_batch_size", "must be >= 1 or auto")
     _check(cfg.method in METHODS, "method", f"unknown method {cfg.method!r}; methods: {', '.join(sorted(METHODS))}")
     _check(t.learning_rate >= 0, "training.learning_rate", "must be >= 0")
     _check(t.num_iterations >= 1, "training.num_iterations", "must be >= 1")

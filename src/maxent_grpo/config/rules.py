@@ -56,7 +56,7 @@ def check_run(cfg: TrainConfig, machine: Machine, master: str) -> None:
     require(not (t.gradient_checkpointing and t.share_prompts is True), "training.gradient_checkpointing",
             "needs training.share_prompts: false (a shared prompt's KV cache cannot be recomputed in the backward)")
     total = prompts_per_step(cfg) * g.num_generations
-    require(total % t.micro_batch_size == 0, "training.micro_batch_size",
+    require(t.micro_batch_size == "auto" or total % t.micro_batch_size == 0, "training.micro_batch_size",
             f"{t.micro_batch_size} does not divide the {total} completions of a step")
     require(g.vllm.max_model_len is None or g.vllm.max_model_len > g.max_new_tokens, "generation.vllm.max_model_len",
             f"must exceed generation.max_new_tokens={g.max_new_tokens}")

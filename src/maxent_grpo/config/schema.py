@@ -219,8 +219,10 @@ class TrainingConfig:
     # when set it must be a multiple of num_generations and replaces prompts_per_step.
     batch_size: int | None = field(default=None, metadata={"help": (
         "completions per step (TRL convention; must be a multiple of G)")})
-    micro_batch_size: int = field(default=8, metadata={"help": (
-        "sequences per forward/backward (gradient accumulation splits the step)")})
+    micro_batch_size: int | Literal["auto"] = field(default=8, metadata={"help": (
+        "sequences per forward/backward (gradient accumulation splits the step); auto: on CUDA, as many "
+        "whole groups as the memory left once the models load holds at each step's lengths, on the CPU 8 "
+        "(whole groups)")})
     learning_rate: float = field(default=1e-5, metadata={"help": "AdamW learning rate"})
     optimizer: Literal["adamw", "adamw_fused", "adamw_8bit"] = field(default="adamw", metadata={"help": (
         "adamw (torch's; its fused kernel on CUDA for unsharded parameters), adamw_fused (torch's fused "

@@ -82,6 +82,14 @@ class Dist:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t[0] > 0), int(-t[1])
 
+    def max_over_ranks(self, values: list[int]) -> list[int]:
+        """Each integer's largest value over ranks, in one collective."""
+        if self.world_size == 1:
+            return [int(v) for v in values]
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [int(v) for v in t.tolist()]
+
     def broadcast_object(self, value):
         """The main process's ``value`` on every rank (any picklable object)."""
         if self.world_size == 1:

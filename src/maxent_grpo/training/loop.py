@@ -198,7 +198,8 @@ def _policy_update(run: Run, prepared, step: int, timings: dict):
     if state.entropy is not None:  # loss.adaptive_entropy: the coefficient the last step left
         spec = dataclasses.replace(spec, entropy_coef=state.entropy.applied(plan.adaptive_entropy))
     replay, bank_metrics = _replay(run, prepared, timings)
-    micro_batches = prepared.micro_batches(plan.micro_batch_size, old_logps)
+    rows = _micro_batch_rows(run, prepared.packed)
+    micro_batches = prepared.micro_batches(rows, old_logps)
     for _ in range(plan.num_iterations):
         result = grpo_step(run.train_model, run.optimizer, micro_batches, spec, plan.scoring,
                            comm=run.comm, hooks=hooks, replay=replay)
@@ -208,6 +209,7 @@ def _policy_update(run: Run, prepared, step: int, timings: dict):
         plan.scoring.forward_positions(run.train_model, mb.input_ids, mb.attention_mask, mb.prompt_length)
         for mb in micro_batches))
     result.metrics["tokens/real"] = float(prepared.total_input_tokens)
+    result.metrics["micro_batch/rows"] = float(rows)
     if plan.ref_sync is not None:  # loss.sync_ref_model: after the step's optimizer update, when due
         synced = due(step, plan.ref_sync.sync_steps)
         if synced:
@@ -217,6 +219,18 @@ def _policy_update(run: Run, prepared, step: int, timings: dict):
         result.metrics["entropy_coef"] = spec.entropy_coef
         state.entropy = update_entropy_coef(state.entropy, result.metrics["entropy"], plan.adaptive_entropy)
     return result
+
+
+def _micro_batch_rows(run: Run, packed) -> int:
+    """Rows per micro-batch: the plan's, or under a memory budget (``training.micro_batch_size: auto``
+    on CUDA) the most whole groups that fit at this step's lengths, the longest over ranks so that
+    every rank splits alike."""
+    budget = run.micro_batch_budget
+    if budget is None:
+        return run.plan.micro_batch_size
+    seq_len, completion_len = run.ctx.dist.max_over_ranks(
+        [packed.input_ids.shape[1], packed.completion_mask.shape[1]])
+    return budget.rows(packed.input_ids.shape[0], seq_len, completion_len)
 
 
 _PHASE_TIMINGS = {"replay": "replay/time_s", "update": "time/optimizer"}

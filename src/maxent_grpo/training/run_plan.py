@@ -68,7 +68,10 @@ class RunPlan:
     method: MethodPlan
     scoring: Scoring
     batch: BatchPlan
-    micro_batch_size: int
+    micro_batch_size: int  # rows per forward/backward; with micro_batch_from_memory, the passes without gradients
+    # training.micro_batch_size: auto on CUDA: each step's rows come from the memory left once the models
+    # load (training/micro_batches.py; the run's MicroBatchBudget)
+    micro_batch_from_memory: bool
     release_host_memory: bool  # training/host_memory.py, before each micro-batch's passes (the CPU)
     num_iterations: int
     max_grad_norm: float | None
@@ -96,7 +99,8 @@ class RunPlan:
         """One line for the start of a run: what one optimizer step trains on."""
         p, g = self.batch.prompts_per_step, self.batch.num_generations
         return (f"global batch: {p} prompts x {processes} process(es) x {g} completions = {p * processes * g} "
-                f"completions per optimizer step (micro-batches of {self.micro_batch_size}, "
+                f"completions per optimizer step (micro-batches of "
+                f"{'whole groups sized from memory' if self.micro_batch_from_memory else self.micro_batch_size}, "
                 f"{self.num_iterations} pass(es))")
 
 

@@ -101,6 +101,19 @@ def test_the_shape_reads_the_saved_values_of_a_real_config_and_refuses_a_non_dec
         Shape.from_config({"model_type": "t5", "d_model": 512, "num_layers": 6, "num_heads": 8, "vocab_size": 32128})
 
 
+def test_a_model_folder_auto_cannot_size_is_refused_in_one_line_naming_the_setting(tiny_model_dir, tmp_path):
+    shape = Shape.from_pretrained(str(tiny_model_dir), "training.micro_batch_size: auto")
+    cfg = json.loads((Path(tiny_model_dir) / "config.json").read_text())
+    assert (shape.hidden, shape.layers, shape.vocab) == (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"])
+    t5 = tmp_path / "t5"
+    t5.mkdir()
+    (t5 / "config.json").write_text(json.dumps({"model_type": "t5", "d_model": 64, "num_layers": 2, "num_heads": 2,
+                                                "vocab_size": 100}))
+    with pytest.raises(ConfigError, match=r"^training\.micro_batch_size: auto cannot size .*t5: model_type 't5' "
+                                          r"has no hidden_size, intermediate_size.*; set a number$"):
+        Shape.from_pretrained(str(t5), "training.micro_batch_size: auto")
+
+
 def test_auto_compiles_to_whole_groups_on_the_cpu_and_to_a_budget_on_cuda():
     cfg = load_config(None, ["training.micro_batch_size=auto", "generation.num_generations=4",
                              "training.prompts_per_step=6"])

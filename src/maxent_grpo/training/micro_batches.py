@@ -23,9 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
+from maxent_grpo.errors import ConfigError
+from maxent_grpo.training.distributed import Dist
 from maxent_grpo.training.model_shape import Shape
 
 GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float64": 8}
 MARGIN = 0.05  # of the device's memory: fragmentation and the CUDA context's growth
 CPU_ROWS = 8  # auto on the CPU
 
@@ -99,3 +102,19 @@ def size_budget(*, free_bytes: int, device_bytes: int, trained: int, shape: Shap
         budget_bytes=budget, token_bytes=compute_bytes * shape.saved_values_per_token(gradient_checkpointing),
         logit_bytes=4 * shape.vocab, num_generations=num_generations,
     )
+
+
+def device_budget(model: torch.nn.Module, shape: Shape, dist: Dist, *, compute_bytes: int,
+                  gradient_checkpointing: bool, num_generations: int) -> MicroBatchBudget:
+    """:func:`size_budget` from this CUDA device as it is now (every model loaded): its free memory
+    plus what torch's allocator holds unused, the smallest over ranks (every rank must split its
+    step alike). A ConfigError naming the setting when nothing is left."""
+    free, device_bytes = torch.cuda.mem_get_info(dist.device)
+    free += torch.cuda.memory_reserved(dist.device) - torch.cuda.memory_allocated(dist.device)
+    free = -dist.max_over_ranks([-free])[0]
+    try:
+        return size_budget(free_bytes=free, device_bytes=device_bytes, trained=trained_bytes(model), shape=shape,
+                           compute_bytes=compute_bytes, gradient_checkpointing=gradient_checkpointing,
+                           num_generations=num_generations)
+    except ValueError as err:
+        raise ConfigError(f"training.micro_batch_size: auto: {err}") from None

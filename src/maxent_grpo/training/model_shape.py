@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from maxent_grpo.errors import ConfigError
+
 _BIASED_QKV = {"qwen2"}  # families whose q/k/v projections carry a bias
 _KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
@@ -39,6 +41,16 @@ class Shape:
             vocab=cfg["vocab_size"], tied=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=cfg.get("model_type") in _BIASED_QKV or bool(cfg.get("attention_bias", False)),
         )
+
+    @classmethod
+    def from_pretrained(cls, model_path: str, needed_by: str) -> "Shape":
+        """From a model folder's config.json; a ConfigError naming ``needed_by`` when it is not a decoder's."""
+        from transformers import AutoConfig
+
+        try:
+            return cls.from_config(AutoConfig.from_pretrained(model_path).to_dict())
+        except ValueError as err:
+            raise ConfigError(f"{needed_by} cannot size {model_path}: {err}; set a number") from None
 
     @property
     def kv_dim(self) -> int:

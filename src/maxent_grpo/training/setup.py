@@ -13,7 +13,6 @@ import torch
 
 from maxent_grpo.core.step import Comm
 from maxent_grpo.envs import ENVIRONMENT_COLUMN
-from maxent_grpo.errors import ConfigError
 from maxent_grpo.data.datasets import PromptSampler
 from maxent_grpo.models import resolve_model_path
 from maxent_grpo.rewards.registry import build_reward_spec
@@ -28,7 +27,7 @@ from maxent_grpo.training.checkpoint import (
 from maxent_grpo.training.data import load_rows, row_episodes
 from maxent_grpo.training.distributed import Dist, log_device
 from maxent_grpo.training.host_memory import host_memory_release
-from maxent_grpo.training.micro_batches import MicroBatchBudget, size_budget, trained_bytes
+from maxent_grpo.training.micro_batches import DTYPE_BYTES, MicroBatchBudget, device_budget
 from maxent_grpo.training.model_shape import Shape
 from maxent_grpo.training.pipeline import PipelineContext
 from maxent_grpo.training.run_plan import RunPlan, describe_rollout_correction, with_run_length
@@ -146,7 +145,7 @@ def build_run(
     reward_spec = build_reward_spec(list(plan.rewards))
     model_path = resolve_model_path(plan.model.name_or_path)
     # training.micro_batch_size: auto on CUDA sizes from the model's shape: a config it cannot read fails before the load.
-    shape = model_shape(model_path) if plan.micro_batch_from_memory else None
+    shape = Shape.from_pretrained(model_path, "training.micro_batch_size: auto") if plan.micro_batch_from_memory else None
     BACKENDS[plan.sampler.backend].check(plan.sampler.vllm, model_path)
     teacher_path = None if plan.teacher is None else check_teacher(plan.teacher, model_path)
     if dist.is_main:
@@ -184,7 +183,9 @@ def build_run(
         synced_gpus=strategy.collective_forward,
     )
     # Every model and the engine are in memory now; the first optimizer step still adds gradients and AdamW state.
-    budget = None if shape is None else memory_budget(plan, shape, model, dist)
+    budget = None if shape is None else device_budget(
+        model, shape, dist, compute_bytes=2 if plan.model.autocast_bf16 else DTYPE_BYTES[plan.model.dtype],
+        gradient_checkpointing=plan.model.gradient_checkpointing, num_generations=plan.batch.num_generations)
     if budget is not None:
         log.info("training.micro_batch_size auto: %s", budget.describe())
     ctx = PipelineContext(
@@ -220,34 +221,6 @@ def build_run(
     if ckpt is not None:
         _resume(run, ckpt)
     return run
-
-
-def model_shape(model_path: str) -> Shape:
-    """The policy's sizes from its config.json, for ``training.micro_batch_size: auto``."""
-    from transformers import AutoConfig
-
-    try:
-        return Shape.from_config(AutoConfig.from_pretrained(model_path).to_dict())
-    except ValueError as err:
-        raise ConfigError(f"training.micro_batch_size: auto cannot size {model_path}: {err}; "
-                          "set a number of rows") from None
-
-
-def memory_budget(plan: RunPlan, shape: Shape, model: torch.nn.Module, dist: Dist) -> MicroBatchBudget:
-    """The micro-batch budget from this device's free memory, the smallest over ranks (every rank
-    must split its step alike)."""
-    free, device_bytes = torch.cuda.mem_get_info(dist.device)
-    free = -dist.max_over_ranks([-free])[0]
-    compute = 2 if plan.model.autocast_bf16 else _DTYPE_BYTES[plan.model.dtype]
-    try:
-        return size_budget(free_bytes=free, device_bytes=device_bytes, trained=trained_bytes(model), shape=shape,
-                           compute_bytes=compute, gradient_checkpointing=plan.model.gradient_checkpointing,
-                           num_generations=plan.batch.num_generations)
-    except ValueError as err:
-        raise ConfigError(f"training.micro_batch_size: auto: {err}") from None
-
-
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float64": 8}
 
 
 def _claim(output_dir: Path, dist: Dist, *, resume: bool, overwrite: bool) -> RunLock | None:

@@ -82,8 +82,7 @@ def _batch(value, f) -> dict:
             f"{per_device} x gradient_accumulation_steps {accum} = {completions} completions per process and "
             f"step is not a multiple of num_generations {g}: here each process samples whole groups "
             "(training.prompts_per_step prompts x num_generations)"))
-    # auto_find_batch_size halves the batch after an out-of-memory error; here auto sizes it from the free memory.
-    micro = "auto" if f["auto_find_batch_size"] else per_device
+    micro = "auto" if f["auto_find_batch_size"] else per_device  # auto: sized from free memory, not halved on OOM
     return {"training.prompts_per_step": completions // g, "training.micro_batch_size": micro}
 
 
@@ -387,9 +386,8 @@ TRAINING_ARGUMENTS_FIELDS: dict[str, Mapped | Refused | Ignored] = {
                                           "prompts = this x gradient_accumulation_steps / num_generations; "
                                           "micro-batch = this (completions)"),
     "gradient_accumulation_steps": Mapped(1, "training.prompts_per_step", _nothing, "read with per_device_train_batch_size"),
-    "auto_find_batch_size": Mapped(False, "training.micro_batch_size", _nothing,
-                                   "true: auto (sized from free memory, not halved after an out-of-memory error); "
-                                   "read with per_device_train_batch_size"),
+    "auto_find_batch_size": Mapped(False, "training.micro_batch_size", _nothing, "true: auto (sized from free "
+                                   "memory, not halved after an out-of-memory error); read with per_device_train_batch_size"),
     "max_steps": Mapped(-1, "training.max_steps", _max_steps,
                         "updates / num_iterations; -1: null (num_train_epochs passes over the data)"),
     "num_train_epochs": Mapped(3.0, "data.num_epochs", _epochs, "with max_steps -1 only; whole passes"),

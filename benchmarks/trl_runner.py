@@ -38,8 +38,11 @@ def grpo_config_kwargs(setting: BenchSetting, output_dir: str) -> dict:
         bf16=setting.bf16,  # TRL's default is bf16=True: always say it
         fp16=False,
         # On a GPU, float32 weights under bf16=True's autocast: float32 master weights, as ours keeps.
-        # With LoRA the base is frozen, stored in the compute dtype as ours stores it.
-        model_init_kwargs={"dtype": "bfloat16" if setting.bf16 and (setting.device == "cpu" or setting.lora_r)
+        # With LoRA the base is frozen, stored in the compute dtype as ours stores it. With a static cache,
+        # bfloat16 weights: transformers 5.17 (the GPU machine's) allocates that cache in the weights' dtype
+        # and autocast's bfloat16 keys cannot be written into a float32 one (5.24 casts them).
+        model_init_kwargs={"dtype": "bfloat16" if setting.bf16 and (setting.device == "cpu" or setting.lora_r
+                                                                    or setting.trl_cache == "static")
                            else "float32"},
         per_device_train_batch_size=setting.micro_batch_size,
         gradient_accumulation_steps=accumulation,

@@ -179,6 +179,19 @@ def test_ours_config_extra_sections_merge_into_the_defaults(tmp_path):
     assert config["maxent"] == {"tau": 0.3}
 
 
+def test_trl_keeps_float32_master_weights_on_a_gpu_except_with_a_static_cache(tmp_path):
+    """TRL's weights on a GPU: float32 under bf16 autocast, as ours; bfloat16 on the CPU, with LoRA, and
+    with cache_implementation static (transformers 5.17 cannot write autocast's keys into a float32 cache)."""
+    from benchmarks.trl_runner import grpo_config_kwargs
+
+    gpu = PRESETS["tiny"].replace(device="cuda", bf16=True)
+    dtype = {name: grpo_config_kwargs(s, str(tmp_path))["model_init_kwargs"]["dtype"] for name, s in (
+        ("gpu", gpu), ("gpu-static", gpu.replace(trl_cache="static")), ("gpu-lora", gpu.replace(lora_r=4)),
+        ("cpu", PRESETS["tiny"].replace(bf16=True)))}
+    assert dtype == {"gpu": "float32", "gpu-static": "bfloat16", "gpu-lora": "bfloat16", "cpu": "bfloat16"}
+    assert grpo_config_kwargs(gpu.replace(trl_cache="static"), str(tmp_path))["cache_implementation"] == "static"
+
+
 def test_bench_setting_rejects_bad_values_by_name():
     with pytest.raises(ValueError, match="micro_batch_size"):
         BenchSetting(name="x", model="tiny", prompts_per_step=2, num_generations=4, micro_batch_size=3)

@@ -91,7 +91,7 @@ def test_the_gpu_benchmark_plans_without_them(replica_env):
     assert "## gpu-qwen2.5-0.5b" in out and "pair_sum" in out
 
 
-@pytest.mark.parametrize("stages", ["tier,decode,gpu-0.5b", "gpu-1.5b,decode-ragged,profile,gpu-7b"],
+@pytest.mark.parametrize("stages", ["tier,gpu-0.5b,decode-ragged", "decode,gpu-1.5b,profile,gpu-7b"],
                          ids=["first-call", "the-rest"])
 def test_the_gpu_check_runs_each_stage_on_the_cpu(replica_env, tmp_path, stages):
     """``run --cpu``: the tier (collected, skipped without CUDA), the decode stages on the tiny model
@@ -106,9 +106,10 @@ def test_the_gpu_check_runs_each_stage_on_the_cpu(replica_env, tmp_path, stages)
     if "decode" in stages.split(","):
         assert "### Decoding alone" in summary and "| compiled |" in summary and "| generate-static |" in summary
         assert "| ours, packed |" not in summary
+    else:  # decode-ragged's variants alone
+        assert "| compiled-shrink |" in summary and "| generate |" not in summary
     if "profile" in stages:
         assert "| ours |" in summary and "| ours, packed |" in summary  # the profile's table, on the tiny model
-        assert "| compiled-shrink |" in summary and "| generate |" not in summary  # decode-ragged's variants
         assert "## gpu-qwen2.5-7b-lora16" in (out / "gpu-7b.log").read_text()  # 7B: LoRA on one GPU
     assert "trl-static" in (out / ("gpu-0.5b.log" if "gpu-0.5b" in stages else "gpu-1.5b.log")).read_text()
     files = {p.name for p in out.iterdir()}

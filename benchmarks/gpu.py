@@ -120,6 +120,9 @@ def table(setting: BenchSetting, runs: dict[str, RunResult], params: float, peak
         lines += ["", "ours/TRL tokens/s: " + ", ".join(
             f"{tokens_per_s['ours'] / tokens_per_s[side]:.2f}x against {side}" for side in ("trl", "trl-static")
             if side in tokens_per_s)]
+    if "trl-static" in runs:  # benchmarks/trl_runner.py: the one side whose weights are not float32
+        lines += ["* trl-static trains bfloat16 weights (transformers 5.17's static cache takes no autocast keys "
+                  "over float32 ones); ours and trl keep float32 master weights under bf16 autocast"]
     return "\n".join(lines)
 
 

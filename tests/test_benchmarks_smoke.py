@@ -481,6 +481,8 @@ def test_gpu_side_meters_three_phases_per_step_on_both_sides_with_the_same_promp
     assert [line.split(" | ")[0] for line in rows] == ["| ours", "| trl"]
     assert all(line.endswith("| 3.0 | 1.0 | 2.0 |") for line in rows)
     assert lines[-1].startswith("ours/TRL tokens/s: ")
+    static = table(setting, {**runs, "trl-static": runs["trl"]}, 1e6, 989.0).splitlines()
+    assert static[-2].endswith("x against trl-static") and static[-1].startswith("* trl-static trains bfloat16")
     # No final checkpoint on our side: the benchmark times steps, TRL's side writes none either.
     assert not (tmp_path / "ours" / "out" / "checkpoints").exists() or not any((tmp_path / "ours" / "out" / "checkpoints").iterdir())
 

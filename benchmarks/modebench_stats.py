@@ -70,9 +70,12 @@ def arm_effects(df: pd.DataFrame, metric: str, baseline: str) -> pd.DataFrame:
     for name in fit.params.index:
         if not name.startswith(prefix):
             continue
-        est, se = float(fit.params[name]), float(fit.bse[name])
-        lo, hi = (float(v) for v in fit.conf_int(0.05).loc[name])
-        p_value = float(fit.pvalues[name])
+        # An arm equal to the baseline everywhere has a covariance of rounding size, possibly negative: its
+        # sqrt is NaN (numpy would warn), and the branch below gives it a zero-width interval.
+        with np.errstate(invalid="ignore"):
+            est, se = float(fit.params[name]), float(fit.bse[name])
+            lo, hi = (float(v) for v in fit.conf_int(0.05).loc[name])
+            p_value = float(fit.pvalues[name])
         if not np.isfinite(se) or se < 1e-12:  # the arm equals the baseline on every observation: no spread
             se, lo, hi, p_value = 0.0, est, est, 1.0
         # TOST: H0 |effect| >= margin, rejected when both one-sided tests reject (same t reference as the fit's).

@@ -10,9 +10,9 @@ below two verified answers); greedy pass@1. A run with an unscorable completion 
 
 Intervals, prompt-clustered: an arm's mean is the mean over prompts of the prompt's mean over
 runs, with a t interval over prompts (clusters - 1 df); an effect against the baseline is the OLS of
-``benchmarks/modebench_stats.arm_effects`` (arm + train-seed fixed effects, clustered by prompt, Holm
-across arms per metric). PCMD enters only where defined, so its effects compare the prompts and
-runs where each arm had two verified answers.
+``benchmarks/modebench_stats.arm_effects`` on that arm's and the baseline's observations (arm +
+train-seed fixed effects, clustered by prompt), Holm across arms per metric. PCMD enters only where
+defined, so its effects compare the prompts and runs where each arm had two verified answers.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from benchmarks.modebench_stats import arm_effects
+from benchmarks.modebench_stats import arm_effects, holm
 from maxent_grpo.core.mode_metrics import prompt_pcmd
 
 METRICS = ("pass@8", "distinct@8", "pcmd", "accuracy", "greedy_pass@1")
@@ -95,16 +95,29 @@ def _effect(effects: pd.DataFrame, arm: str, scale: float, p_name: str = "p_holm
         return "n/a"
     e = effects.set_index("arm").loc[arm]
     digits = 1 if scale == 100 else 2  # points, or the metric's own unit
-    return (f"{scale * e.effect:+.{digits}f} [{scale * e.lo:+.{digits}f}, {scale * e.hi:+.{digits}f}] "
-            f"({p_name} {e[p_name]:.2f})")
+
+    def num(x: float) -> str:  # rounding first, then + 0.0, so that a rounding -0.0 prints as +0.0
+        return f"{round(scale * x, digits) + 0.0:+.{digits}f}"
+
+    return f"{num(e.effect)} [{num(e.lo)}, {num(e.hi)}] ({p_name} {e[p_name]:.2f})"
 
 
 def effects(df: pd.DataFrame, metric: str, baseline: str) -> pd.DataFrame:
-    """``arm_effects`` on the defined observations of ``metric``; empty with fewer than two arms there."""
+    """Each arm against ``baseline`` on the defined observations of ``metric``: one ``arm_effects`` fit per
+    arm on that arm's and the baseline's observations alone, then Holm across arms; empty with fewer than
+    two arms there.
+
+    One fit per pair, not one over every arm: the seed fixed effects of a joint fit are shared by all
+    arms, so where the observations are unbalanced (PCMD is defined on different prompts and runs per
+    arm; an arm may lack a seed) a third arm's values would move this arm's effect."""
     data = df[df["arm"] != START].dropna(subset=[metric])
-    if data["arm"].nunique() < 2 or baseline not in set(data["arm"]):
-        return pd.DataFrame(columns=["arm", "effect", "lo", "hi", "p_holm"])
-    return arm_effects(data, metric, baseline)
+    arms = [a for a in data["arm"].unique() if a != baseline]
+    if not arms or baseline not in set(data["arm"]):
+        return pd.DataFrame(columns=["arm", "effect", "lo", "hi", "p", "p_holm"])
+    table = pd.concat([arm_effects(data[data["arm"].isin([arm, baseline])], metric, baseline) for arm in arms],
+                      ignore_index=True)
+    table["p_holm"] = holm(list(table["p"]))
+    return table
 
 
 def results_table(df: pd.DataFrame, arms: list[str], baseline: str) -> str:
@@ -203,8 +216,9 @@ def analyze(results: Path, *, arms: list[str], baseline: str) -> str:
     head = (f"Verified replay on ModeBench: {df['arm'].nunique()} arms (the start model included), train seeds "
             f"{sorted(int(s) for s in df['train_seed'].unique())}, {df['prompt'].nunique()} eval prompts "
             f"({', '.join(f'{t} {n}' for t, n in df.groupby('task')['prompt'].nunique().items())}), {len(df)} "
-            f"observations (arm, seed, prompt). Means [95% CI] over prompts; effects vs {baseline}: OLS with "
-            "train-seed fixed effects, prompt-clustered SEs, Holm across arms per metric; PCMD where defined "
+            f"observations (arm, seed, prompt). Means [95% CI] over prompts; effects vs {baseline}: one OLS per "
+            "arm on its and the baseline's observations, train-seed fixed effects, prompt-clustered SEs, Holm "
+            "across arms per metric; PCMD where defined "
             "(two or more verified answers over the prompt's draws).")
     if failed:
         head += f" Left out (an unscorable completion): {', '.join(failed)}."

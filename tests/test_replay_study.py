@@ -103,6 +103,27 @@ def test_analyze_reads_runs_and_gives_prompt_clustered_intervals(tmp_path):
     assert "| redr | 4 | 2 | 2.000 | 0.020 | 0.203 | 0.102 | 2.000 |" in report
 
 
+
+def test_an_arm_equal_to_the_baseline_reads_zero_whatever_the_other_arms():
+    """PCMD is defined on different runs per arm, and an arm may lack a seed: an arm whose every value
+    equals the baseline's has effect 0 and its own rows alone decide it. A joint fit with shared seed
+    effects fails this (the third arm's seed-1 values move the seed effect the baseline is measured from)."""
+    import pandas as pd
+
+    rows = []
+    for prompt in range(6):
+        for seed in (0, 1):
+            rows.append({"arm": "dr_grpo", "train_seed": seed, "prompt": f"p{prompt}", "pcmd": 0.0})
+            rows.append({"arm": "remax", "train_seed": seed, "prompt": f"p{prompt}", "pcmd": 0.2 + 0.6 * seed + 0.05 * prompt})
+        rows.append({"arm": "maxent_listwise", "train_seed": 0, "prompt": f"p{prompt}", "pcmd": 0.0})
+    df = pd.DataFrame(rows).assign(task="graph_coloring", eval_seed=0)
+    table = effects(df, "pcmd", "dr_grpo").set_index("arm")
+    assert abs(table.loc["maxent_listwise", "effect"]) < 1e-12
+    # remax against the baseline alone: its mean difference within seeds, (0.325 + 0.925) / 2.
+    assert table.loc["remax", "effect"] == pytest.approx(0.625, abs=1e-12)
+    # Holm across the two arms: the smaller p doubled, the larger never below it.
+    assert table.loc["remax", "p_holm"] == pytest.approx(min(1.0, 2 * table.loc["remax", "p"]), rel=1e-12)
+
 def test_every_arm_compiles_with_its_loss_replay_and_advantage():
     from tiny_runs import compiled
 

@@ -106,34 +106,45 @@ class Trained:
     log: Path
     final: Path | str  # the final checkpoint, or the start model's name
     steps: int
-    train_s: float
+    train_s: float  # this call's training time (from ``resumed_from`` on)
+    resumed_from: int  # the checkpoint step a cut-off run resumed from; 0 when trained from the start
+
+
+# A run saves a checkpoint every SAVE_EVERY steps (the last one only is kept), so that a run cut off part-way
+# resumes from it; resuming restores the weights, optimizer and samplers' state (README: resume).
+SAVE_EVERY = 10
 
 
 def train_arm(arm: str, arm_sets: dict, seed: int, *, results: Path, work: Path, base: list[str], env) -> Trained | None:
     """Train ``arm`` (its ``--set`` overrides ``arm_sets``) with ``seed``, the run's metrics and config kept in
-    ``results/ARM/seedN``; None when that folder holds a ``done.json`` (a finished run is skipped, a cut-off
-    one starts over). The :data:`START` arm is not trained: its final model is the base recipe's."""
+    ``results/ARM/seedN``; None when that folder holds a ``done.json`` (a finished run is skipped). A run cut
+    off part-way resumes from its latest checkpoint in ``work``, or starts over when it has none. The
+    :data:`START` arm is not trained: its final model is the base recipe's."""
     out = results / arm / f"seed{seed}"
     if (out / "done.json").is_file():
         return None
-    if out.exists():
-        shutil.rmtree(out)  # a run cut off part-way starts over
-    out.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)  # a cut-off run's log.txt is kept and appended to
     run_dir = work / arm / f"seed{seed}"
-    shutil.rmtree(run_dir, ignore_errors=True)
+    ckpts = run_dir / "checkpoints"
+    saved = sorted(int(p.name.split("-")[1]) for p in ckpts.glob("step-*")) if arm != START else []
+    if not saved:
+        shutil.rmtree(run_dir, ignore_errors=True)
     log = out / "log.txt"
     overrides = {**arm_sets, "training.seed": seed, "logging.report_to": [], "logging.progress_bar": False,
-                 "checkpoint.save_steps": 0, "eval.every_steps": 0}
+                 "checkpoint.save_steps": SAVE_EVERY, "checkpoint.save_minutes": 0, "checkpoint.keep_last": 1,
+                 "eval.every_steps": 0}
     t0 = time.time()
     if arm == START:  # the start model, untrained: evaluated like every arm
         final, steps = _start_model(base), 0
     else:
-        _run([_cli(), "train", *base, "--output-dir", str(run_dir), *_sets(overrides)], log, env)
-        steps = max(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*"))
-        final = run_dir / "checkpoints" / f"step-{steps}"
+        resume = ["--resume"] if saved else []
+        _run([_cli(), "train", *base, "--output-dir", str(run_dir), *_sets(overrides), *resume], log, env)
+        steps = max(int(p.name.split("-")[1]) for p in ckpts.glob("step-*"))
+        final = ckpts / f"step-{steps}"
         shutil.copy(run_dir / "config.yaml", out / "config.yaml")
         shutil.copy(run_dir / "metrics.jsonl", out / "train_metrics.jsonl")
-    return Trained(out=out, run_dir=run_dir, log=log, final=final, steps=steps, train_s=time.time() - t0)
+    return Trained(out=out, run_dir=run_dir, log=log, final=final, steps=steps, train_s=time.time() - t0,
+                   resumed_from=saved[-1] if saved else 0)
 
 
 def run_one(arm: str, seed: int, *, results: Path, work: Path, base: list[str], eval_seeds, env,
@@ -146,6 +157,8 @@ def run_one(arm: str, seed: int, *, results: Path, work: Path, base: list[str], 
                                                 trained.steps, trained.train_s)
     t1 = time.time()
     eval_dirs = [run_dir / f"eval-seed{e}" for e in eval_seeds]
+    for partial in eval_dirs:  # left by a run cut off while evaluating
+        shutil.rmtree(partial, ignore_errors=True)
     # Both eval seeds in one child process (one torch start-up); each is exactly `maxent-grpo eval`.
     _run([sys.executable, "-m", "benchmarks.modebench", "eval-child", str(final), "--eval-problems", str(eval_problems),
           "--seeds", ",".join(map(str, eval_seeds)), "--out", str(run_dir), "--base", json.dumps(base)], log, env)
@@ -153,7 +166,7 @@ def run_one(arm: str, seed: int, *, results: Path, work: Path, base: list[str], 
         _slim(eval_dir, out / f"eval-seed{e}")
     evals = {"eval_s": time.time() - t1, "eval_seeds": list(eval_seeds)}
     (out / "done.json").write_text(json.dumps({"arm": arm, "seed": seed, "steps": steps, "train_s": train_s,
-                                               **evals}, indent=1) + "\n")
+                                               "resumed_from": trained.resumed_from, **evals}, indent=1) + "\n")
     shutil.rmtree(run_dir, ignore_errors=True)
     return out
 

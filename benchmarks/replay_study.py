@@ -66,13 +66,16 @@ def run_one(arm: str, seed: int, *, results: Path, work: Path, base: list[str], 
     t1 = time.time()
     weights = None if arm == START else hashlib.sha256((final / "model.safetensors").read_bytes()).hexdigest()
     twin = _same_weights(results, seed, weights)
+    for partial in (out / "eval", run_dir / "eval"):  # left by a run cut off while evaluating
+        shutil.rmtree(partial, ignore_errors=True)
     if twin is not None:
         # The same weights and the same eval seed give the same samples: the twin's evaluation is this one's.
         shutil.copytree(twin / "eval", out / "eval")
     else:
         _evaluate(final, run_dir / "eval", out / "eval", base=base, eval_problems=eval_problems, log=log, env=env)
     (out / "done.json").write_text(json.dumps({
-        "arm": arm, "seed": seed, "steps": steps, "train_s": train_s, "eval_s": time.time() - t1,
+        "arm": arm, "seed": seed, "steps": steps, "train_s": train_s, "resumed_from": trained.resumed_from,
+        "eval_s": time.time() - t1,
         "eval_seed": EVAL_SEED, "weights_sha256": weights,
         "eval_of": None if twin is None else twin.parent.name}, indent=1) + "\n")
     shutil.rmtree(run_dir, ignore_errors=True)

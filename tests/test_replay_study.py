@@ -124,6 +124,7 @@ def test_an_arm_equal_to_the_baseline_reads_zero_whatever_the_other_arms():
     # Holm across the two arms: the smaller p doubled, the larger never below it.
     assert table.loc["remax", "p_holm"] == pytest.approx(min(1.0, 2 * table.loc["remax", "p"]), rel=1e-12)
 
+
 def test_every_arm_compiles_with_its_loss_replay_and_advantage():
     from tiny_runs import compiled
 
@@ -163,6 +164,46 @@ def test_smoke_two_arms_two_steps(tmp_path, capsys):
     assert main(["smoke", "--work-dir", str(tmp_path)]) == 0
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
 
+
+
+@pytest.mark.slow
+def test_a_cut_off_run_resumes_from_its_checkpoint_as_if_never_cut(tmp_path):
+    """A study run cut off after step 1 (a 1-step call: its checkpoint, no done.json) resumes from that
+    checkpoint when called for 2 steps, and ends where an uninterrupted 2-step run ends: the same step
+    records (the replay bank's included) and the same final weights, bit for bit on one thread."""
+    pytest.importorskip("modebench.api", reason="modebench is not installed")
+    import hashlib
+
+    from benchmarks.modebench import _env, train_arm
+
+    model_dir = smoke_model(tmp_path)
+    sets = [f"model.name_or_path={model_dir}", "generation.num_generations=4", "generation.max_new_tokens=8",
+            "training.micro_batch_size=4"]
+
+    def train(name: str, steps: int):
+        base = ["--config", str(RECIPE), *[a for kv in [*sets, f"training.max_steps={steps}"] for a in ("--set", kv)]]
+        return train_arm("redr", ARMS["redr"], 0, results=tmp_path / name, work=tmp_path / f"{name}-runs",
+                         base=base, env=_env(1))
+
+    cut = train("cut", 1)
+    assert (cut.steps, cut.resumed_from) == (1, 0)
+    resumed = train("cut", 2)
+    whole = train("whole", 2)
+    assert (resumed.steps, resumed.resumed_from, whole.resumed_from) == (2, 1, 0)
+
+    def records(trained):
+        rows = [json.loads(line) for line in (trained.out / "train_metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "replay/time")) and "time" not in k}
+                for r in rows]
+
+    assert [r["step"] for r in records(resumed)] == [1, 2]
+    assert records(resumed) == records(whole)
+    assert "bank/modes" in records(resumed)[1]
+
+    def weights(trained):
+        return hashlib.sha256((trained.final / "model.safetensors").read_bytes()).hexdigest()
+
+    assert weights(resumed) == weights(whole)
 
 def test_study_length_is_where_pass_at_8_stops_falling():
     curve = [(0, 0.50), (10, 0.45), (20, 0.40), (30, 0.36), (40, 0.35), (50, 0.30), (60, 0.29), (70, 0.31), (80, 0.28)]

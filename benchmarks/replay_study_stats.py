@@ -67,8 +67,12 @@ def load(results: Path) -> tuple[pd.DataFrame, list[str]]:
         if any(r["unscorable"] for r in records):
             failed.append(f"{info['arm']}/seed{info['seed']}")
             continue
+        # The evaluation's own verdict on the run's PCMD: ModeBench's rule (eval.min_defined_prompts prompts
+        # with two verified answers, 30 by default).
+        reportable = bool(json.loads((done.parent / "eval" / "summary.json").read_text())["mb/pcmd_reportable"])
         for p in prompt_metrics(records):
-            rows.append({"arm": info["arm"], "train_seed": info["seed"], "eval_seed": info["eval_seed"], **p})
+            rows.append({"arm": info["arm"], "train_seed": info["seed"], "eval_seed": info["eval_seed"],
+                         "pcmd_reportable": reportable, **p})
     if not rows:
         raise FileNotFoundError(f"no finished runs (done.json) under {results}")
     return pd.DataFrame(rows), failed
@@ -121,8 +125,8 @@ def effects(df: pd.DataFrame, metric: str, baseline: str) -> pd.DataFrame:
 
 
 def results_table(df: pd.DataFrame, arms: list[str], baseline: str) -> str:
-    """Per arm: runs, then pass@8, distinct@8, PCMD (with its defined observations), accuracy and greedy
-    pass@1 as mean [95% CI]; then the effects of pass@8, distinct@8 and PCMD against ``baseline``."""
+    """Per arm: runs, then pass@8, distinct@8, PCMD (with its defined observations and the runs whose
+    evaluation found it reportable), accuracy and greedy pass@1 as mean [95% CI]; then the effects of pass@8, distinct@8 and PCMD against ``baseline``."""
     fx = {m: effects(df, m, baseline) for m in ("pass@8", "distinct@8", "pcmd")}
     lines = ["| arm | runs | pass@8 | distinct@8 | PCMD (defined obs.) | accuracy | greedy pass@1 "
              "| Δpass@8 (points) | Δdistinct@8 | ΔPCMD |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -133,7 +137,8 @@ def results_table(df: pd.DataFrame, arms: list[str], baseline: str) -> str:
             mean, lo, hi, _ = arm_mean(mine, metric)
             text = "n/a" if np.isnan(mean) else f"{mean:.3f} [{lo:.3f}, {hi:.3f}]"
             if metric == "pcmd":
-                text += f" ({int(mine['pcmd'].notna().sum())}/{len(mine)})"
+                runs = mine.groupby("train_seed")["pcmd_reportable"].first()
+                text += f" ({int(mine['pcmd'].notna().sum())}/{len(mine)}; reportable in {int(runs.sum())}/{len(runs)} runs)"
             cells.append(text)
         if arm in (baseline, START):
             cells += ["(baseline)" if arm == baseline else "(not trained)"] * 3

@@ -52,10 +52,12 @@ def test_prompt_metrics_by_hand():
     assert half["pass@8"] == 0.5 and half["distinct@8"] == 0.5
 
 
-def _write_run(results: Path, arm: str, seed: int, records: list[dict], steps: list[dict] | None = None):
+def _write_run(results: Path, arm: str, seed: int, records: list[dict], steps: list[dict] | None = None,
+               reportable: bool = False):
     run = results / arm / f"seed{seed}"
     (run / "eval").mkdir(parents=True)
     (run / "eval" / "completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run / "eval" / "summary.json").write_text(json.dumps({"mb/pcmd_reportable": reportable}))
     if steps is not None:
         (run / "train_metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in steps))
     (run / "done.json").write_text(json.dumps({"arm": arm, "seed": seed, "steps": len(steps or []),
@@ -79,7 +81,7 @@ def test_analyze_reads_runs_and_gives_prompt_clustered_intervals(tmp_path):
         for seed in (0, 1):
             records = [r for p, ok in enumerate(passed) for r in _prompt(
                 p, [[(True, f"k{p}"), (bool(ok) and seed == 1, f"j{p}")] if ok else [MISS, MISS]], greedy=False)]
-            _write_run(results, arm, seed, records, _steps(arm != "dr_grpo"))
+            _write_run(results, arm, seed, records, _steps(arm != "dr_grpo"), reportable=(arm, seed) == ("redr", 1))
     # A run with an unscorable completion is left out whole (ModeBench's failure policy), and named.
     _write_run(results, "maxrl", 0, [_record(0, 0, 0, False, None, unscorable=True)], _steps(False))
     df, failed = load(results)
@@ -95,6 +97,9 @@ def test_analyze_reads_runs_and_gives_prompt_clustered_intervals(tmp_path):
     report = analyze(results, arms=list(ARMS), baseline="dr_grpo")
     assert "| dr_grpo | 2 |" in report and "(baseline)" in report and "Left out" in report
     assert "| redr - redr_control |" in report
+    # PCMD's reportability is each run's evaluation's verdict, counted per arm.
+    assert "reportable in 1/2 runs" in report.split("| redr | 2 |")[1].splitlines()[0]
+    assert "reportable in 0/2 runs" in report.split("| dr_grpo | 2 |")[1].splitlines()[0]
     # The control equals the baseline on every observation: effect 0, a zero-width interval.
     assert "| redr_control | 2 |" in report
     control = effects(df, "pass@8", "dr_grpo").set_index("arm").loc["redr_control"]

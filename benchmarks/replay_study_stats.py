@@ -163,6 +163,35 @@ def contrasts(df: pd.DataFrame, pairs: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
+
+def per_seed(df: pd.DataFrame, arms: list[str], baseline: str) -> str:
+    """Each training seed alone: every arm's pass@8 / distinct@8 (means over prompts); then each arm's
+    pass@8 difference from ``baseline`` per seed (the seeds both ran) and their mean with a t interval over
+    seeds (S - 1 df): the effect if the training seeds are a random draw, not the ones fixed here."""
+    from scipy import stats
+
+    trained = [a for a in arms if a in set(df["arm"]) and a != START]
+    means = df[df["arm"].isin(trained)].groupby(["arm", "train_seed"])[["pass@8", "distinct@8"]].mean()
+    seeds = sorted(int(s) for s in df.loc[df["arm"].isin(trained), "train_seed"].unique())
+    lines = ["| seed | " + " | ".join(trained) + " |", "|---" * (len(trained) + 1) + "|"]
+    for seed in seeds:
+        cells = [f"{means.loc[(a, seed), 'pass@8']:.3f} / {means.loc[(a, seed), 'distinct@8']:.3f}"
+                 if (a, seed) in means.index else "-" for a in trained]
+        lines.append(f"| {seed} | " + " | ".join(cells) + " |")
+    lines += ["", "| arm | Δpass@8 per seed (points) | mean over seeds [95% CI, seeds random] |", "|---|---|---|"]
+    for arm in [a for a in trained if a != baseline]:
+        both = [s for s in seeds if (arm, s) in means.index and (baseline, s) in means.index]
+        diffs = [100 * (means.loc[(arm, s), "pass@8"] - means.loc[(baseline, s), "pass@8"]) for s in both]
+        if not diffs:
+            continue
+        mean = float(np.mean(diffs))
+        interval = "n/a (one seed)"
+        if len(diffs) > 1:
+            half = float(stats.t(df=len(diffs) - 1).ppf(0.975) * np.std(diffs, ddof=1) / np.sqrt(len(diffs)))
+            interval = f"[{mean - half:+.1f}, {mean + half:+.1f}]"
+        lines.append(f"| {arm} | {', '.join(f'{s}: {d:+.1f}' for s, d in zip(both, diffs))} | {mean:+.1f} {interval} |")
+    return "\n".join(lines)
+
 def _train_runs(results: Path, arm: str) -> list[list[dict]]:
     runs = []
     for done in sorted(results.glob(f"{arm}/seed*/done.json")):
@@ -216,7 +245,8 @@ def replay_cost(results: Path, arms: list[str]) -> str:
 
 
 def analyze(results: Path, *, arms: list[str], baseline: str) -> str:
-    """The study's report: the setup line, the results table, the replay contrasts, training, cost."""
+    """The study's report: the setup line, the results table, the replay contrasts, each seed alone,
+    training, cost."""
     df, failed = load(results)
     head = (f"Verified replay on ModeBench: {df['arm'].nunique()} arms (the start model included), train seeds "
             f"{sorted(int(s) for s in df['train_seed'].unique())}, {df['prompt'].nunique()} eval prompts "
@@ -228,6 +258,6 @@ def analyze(results: Path, *, arms: list[str], baseline: str) -> str:
     if failed:
         head += f" Left out (an unscorable completion): {', '.join(failed)}."
     parts = [head, results_table(df, arms, baseline),
-             contrasts(df, [("redr", "redr_control"), ("remax", "maxrl")]),
+             contrasts(df, [("redr", "redr_control"), ("remax", "maxrl")]), per_seed(df, arms, baseline),
              training_table(results, arms), replay_cost(results, arms)]
     return "\n\n".join(parts)

@@ -16,7 +16,7 @@ sys.path.insert(0, str(REPO_ROOT))  # benchmarks/ is a top-level folder, not par
 
 from benchmarks.modebench import smoke_model  # noqa: E402
 from benchmarks.replay_study import ARMS, RECIPE, START, main, study_length  # noqa: E402
-from benchmarks.replay_study_stats import analyze, arm_mean, effects, load, prompt_metrics  # noqa: E402
+from benchmarks.replay_study_stats import analyze, arm_mean, effects, load, per_seed, prompt_metrics  # noqa: E402
 
 
 def _record(prompt, draw, sample, correct, key, mode="sampled", unscorable=False):
@@ -97,6 +97,10 @@ def test_analyze_reads_runs_and_gives_prompt_clustered_intervals(tmp_path):
     report = analyze(results, arms=list(ARMS), baseline="dr_grpo")
     assert "| dr_grpo | 2 |" in report and "(baseline)" in report and "Left out" in report
     assert "| redr - redr_control |" in report
+    # Each seed alone (pass@8 / distinct@8 over the 4 prompts; seed 1 verifies a second key on solved
+    # prompts), then the per-seed differences and their t interval over seeds (zero spread here).
+    assert "| 1 | 0.500 / 1.000 | 0.750 / 1.500 | 0.500 / 1.000 |" in report
+    assert "| redr | 0: +25.0, 1: +25.0 | +25.0 [+25.0, +25.0] |" in report
     # PCMD's reportability is each run's evaluation's verdict, counted per arm.
     assert "reportable in 1/2 runs" in report.split("| redr | 2 |")[1].splitlines()[0]
     assert "reportable in 0/2 runs" in report.split("| dr_grpo | 2 |")[1].splitlines()[0]
@@ -129,6 +133,21 @@ def test_an_arm_equal_to_the_baseline_reads_zero_whatever_the_other_arms():
     # Holm across the two arms: the smaller p doubled, the larger never below it.
     assert table.loc["remax", "p_holm"] == pytest.approx(min(1.0, 2 * table.loc["remax", "p"]), rel=1e-12)
 
+
+
+def test_per_seed_differences_and_their_interval_over_seeds():
+    """Seeds as a random draw: per-seed pass@8 differences +10, +20, +30 points (one prompt, so each is the
+    seed's mean), their mean 20 and t(0.975, 2) * 10 / sqrt(3) = 24.84 either side; a seed one arm lacks
+    is left out of that arm's differences."""
+    import pandas as pd
+
+    base = [0.2, 0.3, 0.4, 0.5]
+    rows = [{"arm": "dr_grpo", "train_seed": s, "prompt": "p0", "pass@8": b, "distinct@8": b} for s, b in enumerate(base)]
+    rows += [{"arm": "redr", "train_seed": s, "prompt": "p0", "pass@8": base[s] + d, "distinct@8": 1.0}
+             for s, d in enumerate((0.1, 0.2, 0.3))]
+    table = per_seed(pd.DataFrame(rows), ["dr_grpo", "redr"], "dr_grpo")
+    assert "| 3 | 0.500 / 0.500 | - |" in table
+    assert "| redr | 0: +10.0, 1: +20.0, 2: +30.0 | +20.0 [-4.8, +44.8] |" in table
 
 def test_every_arm_compiles_with_its_loss_replay_and_advantage():
     from tiny_runs import compiled

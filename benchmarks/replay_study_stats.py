@@ -126,7 +126,8 @@ def effects(df: pd.DataFrame, metric: str, baseline: str) -> pd.DataFrame:
 
 def results_table(df: pd.DataFrame, arms: list[str], baseline: str) -> str:
     """Per arm: runs, then pass@8, distinct@8, PCMD (with its defined observations and the runs whose
-    evaluation found it reportable), accuracy and greedy pass@1 as mean [95% CI]; then the effects of pass@8, distinct@8 and PCMD against ``baseline``."""
+    evaluation found it reportable), accuracy and greedy pass@1 as mean [95% CI]; then the effects of
+    pass@8, distinct@8 and PCMD against ``baseline``."""
     fx = {m: effects(df, m, baseline) for m in ("pass@8", "distinct@8", "pcmd")}
     lines = ["| arm | runs | pass@8 | distinct@8 | PCMD (defined obs.) | accuracy | greedy pass@1 "
              "| Δpass@8 (points) | Δdistinct@8 | ΔPCMD |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -138,7 +139,8 @@ def results_table(df: pd.DataFrame, arms: list[str], baseline: str) -> str:
             text = "n/a" if np.isnan(mean) else f"{mean:.3f} [{lo:.3f}, {hi:.3f}]"
             if metric == "pcmd":
                 runs = mine.groupby("train_seed")["pcmd_reportable"].first()
-                text += f" ({int(mine['pcmd'].notna().sum())}/{len(mine)}; reportable in {int(runs.sum())}/{len(runs)} runs)"
+                text += (f" ({int(mine['pcmd'].notna().sum())}/{len(mine)}; "
+                         f"reportable in {int(runs.sum())}/{len(runs)} runs)")
             cells.append(text)
         if arm in (baseline, START):
             cells += ["(baseline)" if arm == baseline else "(not trained)"] * 3
@@ -161,7 +163,6 @@ def contrasts(df: pd.DataFrame, pairs: list[tuple[str, str]]) -> str:
             cells.append(_effect(effects(pair, metric, ref), arm, scale, p_name="p"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
 
 
 def per_seed(df: pd.DataFrame, arms: list[str], baseline: str) -> str:
@@ -191,6 +192,7 @@ def per_seed(df: pd.DataFrame, arms: list[str], baseline: str) -> str:
             interval = f"[{mean - half:+.1f}, {mean + half:+.1f}]"
         lines.append(f"| {arm} | {', '.join(f'{s}: {d:+.1f}' for s, d in zip(both, diffs))} | {mean:+.1f} {interval} |")
     return "\n".join(lines)
+
 
 def _train_runs(results: Path, arm: str) -> list[list[dict]]:
     runs = []

@@ -123,7 +123,8 @@ def test_an_arm_equal_to_the_baseline_reads_zero_whatever_the_other_arms():
     for prompt in range(6):
         for seed in (0, 1):
             rows.append({"arm": "dr_grpo", "train_seed": seed, "prompt": f"p{prompt}", "pcmd": 0.0})
-            rows.append({"arm": "remax", "train_seed": seed, "prompt": f"p{prompt}", "pcmd": 0.2 + 0.6 * seed + 0.05 * prompt})
+            rows.append({"arm": "remax", "train_seed": seed, "prompt": f"p{prompt}",
+                         "pcmd": 0.2 + 0.6 * seed + 0.05 * prompt})
         rows.append({"arm": "maxent_listwise", "train_seed": 0, "prompt": f"p{prompt}", "pcmd": 0.0})
     df = pd.DataFrame(rows).assign(task="graph_coloring", eval_seed=0)
     table = effects(df, "pcmd", "dr_grpo").set_index("arm")
@@ -142,7 +143,8 @@ def test_per_seed_differences_and_their_interval_over_seeds():
     import pandas as pd
 
     base = [0.2, 0.3, 0.4, 0.5]
-    rows = [{"arm": "dr_grpo", "train_seed": s, "prompt": "p0", "pass@8": b, "distinct@8": b} for s, b in enumerate(base)]
+    rows = [{"arm": "dr_grpo", "train_seed": s, "prompt": "p0", "pass@8": b, "distinct@8": b}
+            for s, b in enumerate(base)]
     rows += [{"arm": "redr", "train_seed": s, "prompt": "p0", "pass@8": base[s] + d, "distinct@8": 1.0}
              for s, d in enumerate((0.1, 0.2, 0.3))]
     table = per_seed(pd.DataFrame(rows), ["dr_grpo", "redr"], "dr_grpo")

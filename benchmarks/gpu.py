@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import sys
 import tempfile
@@ -27,6 +28,10 @@ from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# bitsandbytes, imported through transformers/peft, warns on CPUs with AVX-512 bf16 that its optional 4-bit
+# CPU kernel cannot be fetched; that would break the one-line refusal a machine without CUDA gets.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 from benchmarks.children import ChildFailed, child_env, python_module_cmd, run_child  # noqa: E402
 from benchmarks.memory_plan import Shape, fits, format_plan, peak_gib, plan  # noqa: E402

@@ -250,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     # Every process meets the same warnings; the main one speaks for all.
     level = os.environ.get("MAXENT_GRPO_LOG", "INFO") if _is_main_process() else "ERROR"
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # bitsandbytes, imported through transformers/peft, warns on CPUs with AVX-512 bf16 that its optional
+    # 4-bit CPU kernel cannot be fetched from the hub; nothing here runs 4-bit matmuls on the CPU.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     handler = {"train": _train, "eval": _eval, "report": _report, "serve": _serve}[args.command]
     if os.environ.get("MAXENT_GRPO_DEBUG"):
         return handler(args)  # full tracebacks

@@ -161,6 +161,8 @@ def test_each_optimizer_checkpoints_and_resumes_exactly(optimizer, tiny_model_di
     dtypes = {t.dtype for t in flat if isinstance(t, torch.Tensor) and t.dim() > 0}
     if optimizer == "adamw_8bit":
         assert torch.uint8 in dtypes
-        assert expected[1]["loss"] != adamw[1]["loss"]  # step 2's loss follows step 1's 8-bit update
+        # The first update is sign(g) * lr whatever the moments' precision, so the 8-bit moments show from
+        # step 3 on (step 2's loss can equal AdamW's where the CPU kernel quantises step 1 exactly).
+        assert [r["loss"] for r in expected[2:]] != [r["loss"] for r in adamw[2:4]]
     else:
         assert dtypes == {torch.float32}

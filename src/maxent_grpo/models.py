@@ -250,13 +250,25 @@ def load_tokenizer(name_or_path: str | os.PathLike, *, trust_remote_code: bool =
     from transformers import AutoTokenizer
 
     path = resolve_model_path(name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return prepare_tokenizer(AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code))
+
+
+def prepare_tokenizer(tokenizer):
+    """``tokenizer`` (changed in place) padding on the left, with a pad token (eos when it has none)."""
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise ValueError(f"tokenizer of {os.fspath(name_or_path)!r} has neither a pad nor an eos token")
+            raise ModelError(f"tokenizer of {tokenizer.name_or_path!r} has neither a pad nor an eos token")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def is_peft_model(model) -> bool:
+    """Whether ``model`` is a peft model (LoRA adapters around a base); peft is imported only if it already is."""
+    import sys
+
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 def _load_model(path: str, dtype: torch.dtype, device: str | torch.device, trust_remote_code: bool):

@@ -34,7 +34,10 @@ from maxent_grpo.rewards.maxent import (
 )
 from maxent_grpo.rollout.backend import SamplingParams
 from maxent_grpo.rollout.backends import BACKENDS
-from maxent_grpo.config.rules import check_run, prompts_per_step
+from maxent_grpo.config.python_objects import (
+    PythonObjects, resolve_data, resolve_environment, resolve_model, resolve_rewards,
+)
+from maxent_grpo.config.rules import check_given_model, check_run, prompts_per_step
 from maxent_grpo.config.schema import TrainConfig
 from maxent_grpo.training.run_plan import BatchPlan, RunPlan, with_steps
 from maxent_grpo.training.data import DataPlan
@@ -192,11 +195,18 @@ def _precision(cfg: TrainConfig, machine: Machine, master: str) -> Precision:
     )
 
 
-def compile_run(cfg: TrainConfig, machine: Machine) -> RunPlan:
-    """Compile ``cfg`` (``load_config``'s result: presets applied, every key checked) for ``machine``."""
+def compile_run(cfg: TrainConfig, machine: Machine, objects: PythonObjects | None = None) -> RunPlan:
+    """Compile ``cfg`` (``load_config``'s result: presets applied, every key checked) for ``machine``.
+    ``objects``: what the config's ``python:`` references name (``maxent_grpo.train``, ``GRPOTrainer``)."""
     g, t, lo, d, m = cfg.generation, cfg.training, cfg.loss, cfg.data, cfg.model
+    objects = objects or PythonObjects()
     master = master_dtype(m.dtype, m.lora.enabled)
-    check_run(cfg, machine, master)
+    check_run(cfg, machine, master, eval_rows_given=objects.eval_dataset is not None)
+    given_model, given_tokenizer = resolve_model(m.name_or_path, objects)
+    if given_model is not None:
+        check_given_model(cfg)
+    given_rows, given_eval = resolve_data(d.source, d.eval_size, objects)
+    tools, classes = resolve_environment(cfg.environment.tools, cfg.environment.classes, objects)
     weighting = _weighting(cfg)  # loss.beta and maxent.*: before the method's own loss bounds
     precision = _precision(cfg, machine, master)
     micro_batch_size, micro_batch_from_memory, micro_note = _micro_batch(cfg, machine)
@@ -234,6 +244,7 @@ def compile_run(cfg: TrainConfig, machine: Machine) -> RunPlan:
             instruction=d.instruction, prompt_column=d.prompt_column, answer_column=d.answer_column,
             eval_size=d.eval_size,
             num_epochs=d.num_epochs, shuffle=d.shuffle, environment=cfg.environment, episodes=episodes,
+            tools=tools, classes=classes, given=given_rows, given_eval=given_eval,
         ),
         model=ModelPlan(
             name_or_path=m.name_or_path, dtype=m.dtype, master_dtype=master,
@@ -241,6 +252,7 @@ def compile_run(cfg: TrainConfig, machine: Machine) -> RunPlan:
                           target_modules=tuple(lora.target_modules), use_rslora=lora.use_rslora)
             if lora.enabled else None,
             gradient_checkpointing=t.gradient_checkpointing, autocast_bf16=precision.autocast_bf16,
+            given=given_model, given_tokenizer=given_tokenizer,
         ),
         sampler=SamplerPlan(
             backend=g.backend, sample_dtype=precision.sample_dtype, batch_size=g.batch_size,
@@ -266,12 +278,12 @@ def compile_run(cfg: TrainConfig, machine: Machine) -> RunPlan:
         logging=LoggingPlan(
             output_dir=cfg.logging.output_dir, report_to=tuple(cfg.logging.report_to),
             log_completions_every=cfg.logging.log_completions_every, progress_bar=cfg.logging.progress_bar,
-            collapse_window=cfg.logging.collapse_window,
+            collapse_window=cfg.logging.collapse_window, observers=tuple(objects.callbacks),
         ),
         eval=EvalPlan(num_prompts=cfg.eval.num_prompts, k=eval_k(cfg.eval.k, d.source), seed=t.seed,
                       draws=eval_draws(cfg.eval.draws, d.source), min_defined_prompts=cfg.eval.min_defined_prompts),
         weighting=weighting,
-        rewards=tuple(cfg.rewards),
+        rewards=resolve_rewards(cfg.rewards, objects),
         replay=cfg.replay,
         adaptive_entropy=AdaptiveEntropy(lo.entropy_target, lo.entropy_coef_delta, lo.entropy_coef_min,
                                          lo.entropy_coef_max) if lo.adaptive_entropy else None,

@@ -22,6 +22,7 @@ from maxent_grpo.envs.settings import episode_limits
 from maxent_grpo.errors import ConfigError
 from maxent_grpo.methods import METHODS, get_method
 from maxent_grpo.rewards.user_code import resolve_reference
+from maxent_grpo.config.python_objects import is_python_reference
 from maxent_grpo.rollout.open_plane import check_data_plane
 from maxent_grpo.training.trackers import TRACKER_NAMES
 # The sections live in config/schema.py; imported here so that ``config.load``
@@ -48,7 +49,7 @@ __all__ = [
     "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig", "FewShotExample", "GenerationConfig",
     "LoggingConfig", "LoraConfig", "LossSection", "ModelConfig", "RewardEntry",
     "TrainConfig", "TrainingConfig", "VllmConfig",
-    "build_config", "load_config", "parse_override", "read_yaml", "to_dict", "validate",
+    "build_config", "config_from_tree", "load_config", "parse_override", "read_yaml", "to_dict", "validate",
 ]
 
 
@@ -240,7 +241,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict[str,
     """Read YAML over the built-in default run's values (``path`` None: the default run itself),
     apply overrides and the method's preset, validate."""
     user = read_yaml(Path(path)) if path is not None else {}
-    return _from_tree(user, Path(path).resolve().parent if path is not None else None, overrides)
+    return config_from_tree(user, Path(path).resolve().parent if path is not None else None, overrides)
 
 
 def build_config(keys: dict[str, Any], config_dir: Path | None, overrides: list[str] | dict[str, Any] | None = None) -> TrainConfig:
@@ -249,10 +250,12 @@ def build_config(keys: dict[str, Any], config_dir: Path | None, overrides: list[
     tree: dict = {}
     for key, value in keys.items():
         _set_dotted(tree, key, value)
-    return _from_tree(tree, config_dir, overrides)
+    return config_from_tree(tree, config_dir, overrides)
 
 
-def _from_tree(user: dict, config_dir: Path | None, overrides) -> TrainConfig:
+def config_from_tree(user: dict, config_dir: Path | None, overrides) -> TrainConfig:
+    """A config from a tree of sections (a YAML file's mapping, or a dict from Python), as
+    :func:`load_config` reads one; ``user`` is changed in place."""
     items = overrides.items() if isinstance(overrides, dict) else [parse_override(o) for o in overrides or []]
     for key, value in items:
         _set_dotted(user, key, value)
@@ -270,13 +273,16 @@ def _from_tree(user: dict, config_dir: Path | None, overrides) -> TrainConfig:
         _set_dotted(preset, key, value)
     cfg = _build(TrainConfig, _merge(preset, user), "")
     validate(cfg)
+    # References to code beside the config file are made absolute; python: ones name objects a Python
+    # caller gives (config/python_objects.py).
     for entry in cfg.rewards:
-        if ":" in entry.name:
+        if ":" in entry.name and not is_python_reference(entry.name):
             entry.name = resolve_reference(entry.name, config_dir)
         if entry.name == "reward_model" and "model" in entry.kwargs:
             entry.kwargs["model"] = _resolve_model_path(entry.kwargs["model"], config_dir)
-    cfg.environment.tools = [resolve_reference(tool, config_dir, "tool") for tool in cfg.environment.tools]
-    cfg.environment.classes = {k: resolve_reference(v, config_dir, "environment class")
+    cfg.environment.tools = [tool if is_python_reference(tool) else resolve_reference(tool, config_dir, "tool")
+                             for tool in cfg.environment.tools]
+    cfg.environment.classes = {k: v if is_python_reference(v) else resolve_reference(v, config_dir, "environment class")
                                for k, v in cfg.environment.classes.items()}
     cfg.data.source = _resolve_data_file(cfg.data.source, config_dir)
     return cfg

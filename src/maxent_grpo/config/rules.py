@@ -45,8 +45,9 @@ def prompts_per_step(cfg: TrainConfig) -> int:
     return prompts
 
 
-def check_run(cfg: TrainConfig, machine: Machine, master: str) -> None:
-    """Every rule that ties two sections; ``master``: the dtype the trained weights are stored in."""
+def check_run(cfg: TrainConfig, machine: Machine, master: str, *, eval_rows_given: bool = False) -> None:
+    """Every rule that ties two sections; ``master``: the dtype the trained weights are stored in;
+    ``eval_rows_given``: held-out rows came from Python (an eval_dataset) rather than data.eval_size."""
     g, t, lo, lora = cfg.generation, cfg.training, cfg.loss, cfg.model.lora.enabled
     strategy = STRATEGIES[t.strategy]
     if machine.processes is not None:
@@ -104,12 +105,24 @@ def check_run(cfg: TrainConfig, machine: Machine, master: str) -> None:
     require(t.optimizer == "adamw" or not strategy.collective_forward, "training.optimizer",
             f"{t.optimizer} is not supported with training.strategy {strategy.name} (sharded DTensor "
             "parameters); use adamw")
-    require(cfg.eval.every_steps == 0 or cfg.data.eval_size > 0, "eval.every_steps",
-            "in-loop validation needs a held-out split: set data.eval_size > 0")
+    require(cfg.eval.every_steps == 0 or cfg.data.eval_size > 0 or eval_rows_given, "eval.every_steps",
+            "in-loop validation needs a held-out split: set data.eval_size > 0 (or give an eval_dataset)")
     _check_teacher(cfg)
     _check_ref_sync(cfg, strategy)
     _check_strategy(cfg, strategy, master)
     _check_environment(cfg)
+
+
+def check_given_model(cfg: TrainConfig) -> None:
+    """A model given as a Python object is trained in place, in this process: the paths that load the
+    model from its folder themselves cannot take it."""
+    strategy, backend = STRATEGIES[cfg.training.strategy], BACKENDS[cfg.generation.backend]
+    require(strategy.adopts_model, "training.strategy",
+            f"{strategy.name} builds the model on the meta device and reads its weights once; with a model "
+            "object use ddp, or give the model's folder (model.save_pretrained(DIR))")
+    require(not backend.owns_weights, "generation.backend",
+            f"{cfg.generation.backend} loads the model from its folder into the engine; with a model object "
+            "sample with hf, or give the model's folder (model.save_pretrained(DIR))")
 
 
 def _check_ref_sync(cfg: TrainConfig, strategy: type[Strategy]) -> None:

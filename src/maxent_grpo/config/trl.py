@@ -49,7 +49,7 @@ from maxent_grpo.config.trl_fields import (
 )
 
 __all__ = ["GRPO_FIELDS", "SCRIPT_FIELDS", "TRAINING_ARGUMENTS_FIELDS", "TRL_FIELDS", "Ignored", "Mapped", "Refused",
-           "convert", "load_trl_config"]
+           "convert", "convert_with_origin", "load_trl_config", "name_trl_field"]
 
 _UNSET = object()  # a field with no TRL default
 
@@ -62,34 +62,47 @@ def _default(entry) -> Any:
     return entry.default if isinstance(entry, Mapped) else _UNSET
 
 
-def convert(trl: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+def convert(trl: Mapping[str, Any], table: Mapping[str, Mapped | Refused | Ignored] = TRL_FIELDS
+            ) -> tuple[dict[str, Any], list[str]]:
     """``(our dotted keys -> values, notes)`` for a TRL GRPO YAML's mapping; raises ConfigError naming
-    the first refused or unknown field. ``notes``: one line per ignored field the file sets."""
-    keys, notes, _ = _convert(trl)
+    the first refused or unknown field. ``notes``: one line per ignored field the file sets. ``table``:
+    the fields read (``GRPOTrainer`` takes the model, data and rewards as objects, not as the script's fields)."""
+    keys, notes, _ = convert_with_origin(trl, table)
     return keys, notes
 
 
-def _convert(trl: Mapping[str, Any]) -> tuple[dict[str, Any], list[str], dict[str, str]]:
-    unknown = [name for name in trl if name not in TRL_FIELDS]
+def convert_with_origin(trl: Mapping[str, Any], table: Mapping[str, Mapped | Refused | Ignored] = TRL_FIELDS
+                        ) -> tuple[dict[str, Any], list[str], dict[str, str]]:
+    """:func:`convert`, and which TRL field gave each of our keys (to name it in a later error)."""
+    unknown = [name for name in trl if name not in table]
     if unknown:
         raise ConfigError(f"{unknown[0]}: not a field of TRL's GRPOConfig, TrainingArguments or the trl grpo "
                           "script that this converter knows (docs/TRL.md lists them)")
-    fields = {name: trl.get(name, _default(entry)) for name, entry in TRL_FIELDS.items()}
+    fields = {name: trl.get(name, _default(entry)) for name, entry in table.items()}
     notes = []
-    for name, entry in TRL_FIELDS.items():
+    for name, entry in table.items():
         if isinstance(entry, Refused) and name in trl and not entry.allows(trl[name], fields):
             raise ConfigError(f"{name}: {trl[name]!r} is refused: {entry.reason}")
         if isinstance(entry, Ignored) and name in trl:
             notes.append(f"{name}: ignored: {entry.reason}")
-    out, origin = _apply(fields)
+    out, origin = _apply(fields, table)
     return out, notes, origin
 
 
-def _apply(fields: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+def name_trl_field(err: ConfigError, origin: Mapping[str, str], trl: Mapping[str, Any]) -> ConfigError:
+    """A validator's error on one of our keys, named by the TRL field that gave the key (when one did)."""
+    field = next((name for key, name in origin.items() if str(err).startswith(f"{key}:")), None)
+    if field is None or field not in trl:
+        return err
+    return ConfigError(f"{field}: {trl[field]!r} (as {err})")
+
+
+def _apply(fields: Mapping[str, Any], table: Mapping[str, Mapped | Refused | Ignored]
+           ) -> tuple[dict[str, Any], dict[str, str]]:
     """The mapped fields' keys, and which TRL field gave each key."""
     out, origin = {}, {}
-    for name in [*_ORDER, *(n for n in TRL_FIELDS if n not in _ORDER)]:
-        entry = TRL_FIELDS[name]
+    for name in [*(n for n in _ORDER if n in table), *(n for n in table if n not in _ORDER)]:
+        entry = table[name]
         if isinstance(entry, Mapped):
             try:
                 keys = entry.to(fields[name], fields)
@@ -107,11 +120,8 @@ def load_trl_config(path: str | Path, overrides: list[str] | None = None):
     A value our validator refuses is named by its TRL field, then by our key."""
     path = Path(path)
     trl = read_yaml(path)
-    keys, notes, origin = _convert(trl)
+    keys, notes, origin = convert_with_origin(trl)
     try:
         return build_config(keys, path.resolve().parent, overrides), notes
     except ConfigError as err:
-        field = next((name for key, name in origin.items() if str(err).startswith(f"{key}:")), None)
-        if field is None or field not in trl:
-            raise
-        raise ConfigError(f"{field}: {trl[field]!r} (as {err})") from None
+        raise name_trl_field(err, origin, trl) from None

@@ -25,15 +25,23 @@ class Mapped:
     note: str = ""
 
 
+_FIRST_ACCEPTED = object()
+
+
 @dataclass(frozen=True)
 class Refused:
     """No equivalent here. A value in ``accepts`` (TRL's default: it asks for nothing) passes;
     ``when`` (text ``when_text``) accepts by the rest of the file."""
 
     reason: str
-    accepts: tuple = (None,)
+    accepts: tuple = (None,)  # the first is TRL's default, unless trl_default says otherwise
     when: Callable[[Any, Mapping[str, Any]], bool] | None = None
     when_text: str = ""
+    trl_default: Any = _FIRST_ACCEPTED
+
+    @property
+    def default(self) -> Any:
+        return self.accepts[0] if self.trl_default is _FIRST_ACCEPTED else self.trl_default
 
     def allows(self, value: Any, fields: Mapping[str, Any]) -> bool:
         if any(_number(value, ok) == ok and type(_number(value, ok)) is type(ok) for ok in self.accepts):
@@ -44,6 +52,7 @@ class Refused:
 @dataclass(frozen=True)
 class Ignored:
     reason: str
+    default: Any = None  # TRL's default (GRPOConfig's field default, front/grpo_config.py)
 
 
 def _number(value: Any, like: Any) -> Any:
@@ -288,14 +297,14 @@ GRPO_FIELDS: dict[str, Mapped | Refused | Ignored] = {
     "model_init_kwargs": Refused("from_pretrained options other than the dtype have no key here (model.dtype, model.lora)"),
     "trust_remote_code": Refused("models load without remote code here", (False,)),
     "router_aux_loss_coef": Refused("a mixture-of-experts router loss is not added here"),
-    "disable_dropout": Ignored("dropout is always off here (models.py), as with disable_dropout: true"),
+    "disable_dropout": Ignored("dropout is always off here (models.py), as with disable_dropout: true", False),
     "cast_lm_head_to_fp32": Refused("the head runs in the policy's dtype here (model.dtype: float32 for full precision)", (False,)),
     "num_generations": _same("generation.num_generations", 8),
     "num_generations_eval": Refused("TRL's in-training eval is refused; here eval.k sets samples per held-out prompt"),
     "max_completion_length": _same("generation.max_new_tokens", 512),
-    "ds3_gather_for_generation": Ignored(_DEEPSPEED),
+    "ds3_gather_for_generation": Ignored(_DEEPSPEED, True),
     "shuffle_dataset": _same("data.shuffle", True),
-    "pad_to_multiple_of": Ignored("padding for Neuron compilation; padding does not change the loss"),
+    "pad_to_multiple_of": Ignored("padding for Neuron compilation; padding does not change the loss", "auto"),
     "generation_batch_size": Refused("fixes the generation batch across processes in completions; here each process "
                                      "samples its training.prompts_per_step prompts each step"),
     "steps_per_generation": Refused(
@@ -319,8 +328,8 @@ GRPO_FIELDS: dict[str, Mapped | Refused | Ignored] = {
     "vllm_server_host": Mapped("0.0.0.0", "generation.vllm.server_url", _nothing, "read with vllm_server_base_url"),
     "vllm_server_port": Mapped(8000, "generation.vllm.server_url", _nothing, "read with vllm_server_base_url"),
     "vllm_server_timeout": Ignored("how long TRL waits for the server to start; here each request waits "
-                                   "generation.vllm.request_timeout_s"),
-    "vllm_group_port": Ignored("TRL's NCCL weight-update port; weights reach the server by generation.vllm.weight_sync"),
+                                   "generation.vllm.request_timeout_s", 240.0),
+    "vllm_group_port": Ignored("TRL's NCCL weight-update port; weights reach the server by generation.vllm.weight_sync", 51216),
     "vllm_gpu_memory_utilization": _same("generation.vllm.gpu_memory_utilization", 0.3),
     "vllm_max_model_length": _same("generation.vllm.max_model_len", None),
     "vllm_tensor_parallel_size": Refused(
@@ -368,15 +377,16 @@ GRPO_FIELDS: dict[str, Mapped | Refused | Ignored] = {
                                         "read with loss_type: set, the clipped-surrogate loss types train as OPSM"),
     "use_bias_correction_kl": Refused(
         "the KL term weighted by the importance ratio has no counterpart here; use_bias_correction_kl: false "
-        "trains with the plain k3 KL", (False,), when=lambda v, f: f["beta"] == 0, when_text="with beta 0"),
-    "log_completions": Ignored(_LOG),
-    "log_multimodal": Ignored(_LOG),
+        "trains with the plain k3 KL", (False,), when=lambda v, f: f["beta"] == 0, when_text="with beta 0",
+        trl_default=True),
+    "log_completions": Ignored(_LOG, False),
+    "log_multimodal": Ignored(_LOG, True),
     "num_completions_to_print": Ignored(_LOG),
-    "log_unique_prompts": Ignored(_LOG),
+    "log_unique_prompts": Ignored(_LOG, False),
     "log_completions_hub_repo": Refused("completions are not pushed to the Hub here (they are in completions/)"),
-    "use_transformers_continuous_batching": Ignored(_SPEED),
+    "use_transformers_continuous_batching": Ignored(_SPEED, False),
     "transformers_continuous_batching_config": Ignored(_SPEED),
-    "use_transformers_paged": Ignored(_SPEED),
+    "use_transformers_paged": Ignored(_SPEED, False),
 }
 
 TRAINING_ARGUMENTS_FIELDS: dict[str, Mapped | Refused | Ignored] = {
@@ -418,22 +428,22 @@ TRAINING_ARGUMENTS_FIELDS: dict[str, Mapped | Refused | Ignored] = {
     "save_steps": Mapped(500, "checkpoint.save_steps, checkpoint.save_minutes", _save,
                          "updates / num_iterations; time-based saving off"),
     "save_total_limit": _same("checkpoint.keep_last", None),
-    "save_only_model": Ignored("checkpoints here always hold the optimizer state, for exact resume"),
-    "logging_steps": Ignored(_LOG),
-    "logging_strategy": Ignored(_LOG),
-    "logging_first_step": Ignored(_LOG),
+    "save_only_model": Ignored("checkpoints here always hold the optimizer state, for exact resume", False),
+    "logging_steps": Ignored(_LOG, 10),
+    "logging_strategy": Ignored(_LOG, "steps"),
+    "logging_first_step": Ignored(_LOG, False),
     "logging_dir": Ignored(_LOG),
-    "log_level": Ignored(_LOG),
+    "log_level": Ignored(_LOG, "passive"),
     "run_name": Ignored("the run is named by its folder, logging.output_dir"),
     "report_to": Mapped("none", "logging.report_to", _key("logging.report_to", _report_to), "none: []"),
     "disable_tqdm": Mapped(None, "logging.progress_bar", _key("logging.progress_bar", lambda v: not v), "null: shown"),
     "eval_strategy": Refused("TRL's in-training eval (loss and rewards on a test split) is not done here; our "
                              "eval section measures pass@k on held-out prompts", ("no",)),
     "eval_steps": Ignored(_NO_EVAL),
-    "per_device_eval_batch_size": Ignored(_NO_EVAL),
+    "per_device_eval_batch_size": Ignored(_NO_EVAL, 8),
     "push_to_hub": Refused("models are not pushed to the Hub here", (False,)),
     "hub_model_id": Ignored("used only with push_to_hub, which is refused"),
-    "hub_strategy": Ignored("used only with push_to_hub, which is refused"),
+    "hub_strategy": Ignored("used only with push_to_hub, which is refused", "every_save"),
     "hub_private_repo": Ignored("used only with push_to_hub, which is refused"),
     "resume_from_checkpoint": Refused("resume with maxent-grpo train --resume [PATH]"),
     "overwrite_output_dir": Ignored("a run folder in use is refused; pass --overwrite"),
@@ -442,13 +452,13 @@ TRAINING_ARGUMENTS_FIELDS: dict[str, Mapped | Refused | Ignored] = {
     "fsdp_config": Ignored("used only with fsdp, which is refused"),
     "ddp_timeout": Mapped(1800, "training.dist_timeout_minutes", _key("training.dist_timeout_minutes", lambda v: v / 60), "seconds / 60"),
     "ddp_find_unused_parameters": Ignored("a DDP bookkeeping switch; the gradient is the same"),
-    "torch_compile": Ignored("a speed switch; the loss is the same"),
+    "torch_compile": Ignored("a speed switch; the loss is the same", False),
     "use_liger_kernel": Refused("Liger's fused GRPO loss is not used here", (False,)),
-    "dataloader_num_workers": Ignored("prompts are read in process here"),
-    "dataloader_pin_memory": Ignored("prompts are read in process here"),
-    "remove_unused_columns": Ignored("every dataset column reaches the reward functions here (TRL's GRPO default)"),
-    "do_train": Ignored("the train command trains"),
-    "do_eval": Ignored(_NO_EVAL),
+    "dataloader_num_workers": Ignored("prompts are read in process here", 0),
+    "dataloader_pin_memory": Ignored("prompts are read in process here", True),
+    "remove_unused_columns": Ignored("every dataset column reaches the reward functions here (TRL's GRPO default)", False),
+    "do_train": Ignored("the train command trains", False),
+    "do_eval": Ignored(_NO_EVAL, False),
 }
 
 SCRIPT_FIELDS: dict[str, Mapped | Refused | Ignored] = {

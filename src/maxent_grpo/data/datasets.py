@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import itertools
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -163,7 +164,8 @@ def _load_modebench_package(domain: str, size: int | None, seed: int, task_kwarg
     return Rows(rows)
 
 
-def _standardise(ds, source: str, prompt_column: str, answer_column: str, environment_prompts: bool = False):
+def _standardise(ds, source: str, prompt_column: str, answer_column: str, environment_prompts: bool = False,
+                 cast_answers: bool = True):
     columns = list(ds.column_names)
     if prompt_column not in columns and environment_prompts:
         # The rows' environments open the episodes (TRL: reset() gives the prompt): an empty prompt column.
@@ -183,7 +185,7 @@ def _standardise(ds, source: str, prompt_column: str, answer_column: str, enviro
             else:
                 # A copy: the reward functions still get the column under its own name (kwargs["solution"]).
                 ds = ds.add_column(wanted, ds[given])
-    if "answer" in ds.column_names:
+    if cast_answers and "answer" in ds.column_names:
         ds = _answers_as_strings(ds, source, answer_column)
     return ds
 
@@ -290,6 +292,35 @@ def load_prompt_dataset(
             ds = ds.select(range(size))
     ds = _standardise(ds, source, prompt_column, answer_column, environment_prompts)
     _check_prompts(ds, source, environment_prompts)
+    return ds
+
+
+def given_table(table: Any, name: str, *, prompt_column: str = "prompt", answer_column: str = "answer",
+                environment_prompts: bool = False, limit: int | None = None):
+    """A table given as a Python object (``train_dataset=`` of ``maxent_grpo.train`` or ``GRPOTrainer``),
+    checked as a loaded source is; ``name`` names it in errors.
+
+    ``table`` is a ``datasets.Dataset``, an iterable one (``IterableDataset``: its first ``limit`` rows
+    are read, all of them when ``limit`` is None), or a list of row dicts. TRL's formats: a ``prompt``
+    column of strings (standard) or of message lists (conversational); every other column reaches the
+    reward functions as it is (an ``answer`` column is not cast to str, as a file's is).
+    """
+    if isinstance(table, (list, tuple)):
+        bad = next((i for i, row in enumerate(table) if not isinstance(row, Mapping)), None)
+        if bad is not None:
+            raise DataError(f"{name}: a list of rows must hold dicts, row {bad} is {type(table[bad]).__name__}")
+        table = Rows(table)
+    elif not (hasattr(table, "column_names") and hasattr(table, "select")):
+        if not hasattr(table, "__iter__") or isinstance(table, (str, bytes, Mapping)):
+            raise DataError(f"{name}: expected a datasets.Dataset, an IterableDataset or a list of row dicts, "
+                            f"got {type(table).__name__}")
+        rows = list(itertools.islice(iter(table), limit))
+        bad = next((i for i, row in enumerate(rows) if not isinstance(row, Mapping)), None)
+        if bad is not None:
+            raise DataError(f"{name}: row {bad} is a {type(rows[bad]).__name__}, not a dict of columns")
+        table = Rows(rows)
+    ds = _standardise(table, name, prompt_column, answer_column, environment_prompts, cast_answers=False)
+    _check_prompts(ds, name, environment_prompts)
     return ds
 
 

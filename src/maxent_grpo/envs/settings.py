@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,29 +65,28 @@ def episode_limits(env: EnvironmentConfig, max_new_tokens: int) -> EpisodeLimits
                          step_timeout_s=env.step_timeout_s)
 
 
-def row_environments(env: EnvironmentConfig, column: Sequence[Any] | None) -> RowEnvironments:
+def row_environments(env: EnvironmentConfig, column: Sequence[Any] | None, *, tools: Sequence[Any] = (),
+                     classes: Mapping[str, Any] | None = None) -> RowEnvironments:
     """Which environment each row plays: its ``environment`` column, else ``env``'s default.
 
-    Imports the configured tools and classes and checks every row's name, so a bad one stops
-    the run before the model loads (one line naming the row and the column).
+    ``tools`` and ``classes`` are ``env.tools`` and ``env.classes`` as the plan holds them: each a
+    reference, imported here, or the object a Python caller gave. Checks every row's name, so a bad
+    one stops the run before the model loads (one line naming the row and the column).
     """
     table = dict(ENVIRONMENTS)
-    if env.tools:
-        tools = []
-        for i, ref in enumerate(env.tools):
+    if tools:
+        functions = []
+        for i, ref in enumerate(tools):
+            if not isinstance(ref, str):
+                functions.append(ref)
+                continue
             try:
-                tools.append(import_reference(ref, "tool"))
+                functions.append(import_reference(ref, "tool"))
             except RewardImportError as err:
                 raise ConfigError(f"environment.tools[{i}]: {err}") from None
-        table["tools"] = lambda: ToolEnvironment(tools, call_timeout_s=env.tool_timeout_s)
-    for name, ref in env.classes.items():
-        try:
-            cls = import_reference(ref, "environment class")
-        except RewardImportError as err:
-            raise ConfigError(f"environment.classes.{name}: {err}") from None
-        if not isinstance(cls, type):
-            raise ConfigError(f"environment.classes.{name}: {ref} is a {type(cls).__name__}, not a class")
-        table[name] = _trl_factory(cls, env.tool_timeout_s) if is_trl_environment(cls) else cls
+        table["tools"] = lambda: ToolEnvironment(functions, call_timeout_s=env.tool_timeout_s)
+    for name, ref in (classes or {}).items():
+        table[name] = _environment_factory(name, ref, env.tool_timeout_s)
     default = env.default_name
     if default not in table:
         raise ConfigError(f"environment.name: no environment {default!r}; registered: {', '.join(sorted(table))}")
@@ -96,6 +95,27 @@ def row_environments(env: EnvironmentConfig, column: Sequence[Any] | None) -> Ro
             raise DataError(f"row {row}: column {ENVIRONMENT_COLUMN!r} names {name!r}, which is no environment; "
                             f"registered: {', '.join(sorted(table))}")
     return RowEnvironments(table, default)
+
+
+def _environment_factory(name: str, ref: Any, timeout_s: float | None) -> EnvironmentFactory:
+    """The factory of ``environment.classes.NAME``: a class of this package's protocol, or a TRL
+    ``environment_factory`` (a class, or any callable returning an instance, used unchanged)."""
+    if isinstance(ref, str):
+        try:
+            ref = import_reference(ref, "environment class")
+        except RewardImportError as err:
+            raise ConfigError(f"environment.classes.{name}: {err}") from None
+        if not isinstance(ref, type):
+            raise ConfigError(f"environment.classes.{name}: {type(ref).__name__} is not a class")
+    elif not callable(ref):
+        raise ConfigError(f"environment.classes.{name}: a {type(ref).__name__} object is not a class or factory")
+    if isinstance(ref, type):
+        return _trl_factory(ref, timeout_s) if is_trl_environment(ref) else ref
+    # A factory function, as TRL takes one: its instances tell which protocol they follow.
+    probe = type(ref())
+    if not hasattr(probe, "reset"):
+        raise ConfigError(f"environment.classes.{name}: the factory's {probe.__name__} instances have no reset()")
+    return _trl_factory(ref, timeout_s) if is_trl_environment(probe) else ref
 
 
 def _trl_factory(cls: type, timeout_s: float | None) -> EnvironmentFactory:

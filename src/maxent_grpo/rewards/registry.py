@@ -66,6 +66,17 @@ class RewardEntry:
     timeout_s: float | None = None
 
 
+@dataclass(frozen=True)
+class GivenReward:
+    """A reward function given as a Python object (``maxent_grpo.train``, ``GRPOTrainer``): used as it
+    is, under ``name`` in the metrics; the config records it as ``python:NAME``."""
+
+    name: str
+    func: Callable
+    weight: float = 1.0
+    timeout_s: float | None = None
+
+
 class RewardConfigError(UserError, ValueError):
     """A ``rewards`` entry names no usable function; the message names the entry."""
 
@@ -163,11 +174,18 @@ def _entry_fields(entry: Any, index: int) -> tuple[str, float, dict[str, Any], f
 
 def build_reward_spec(entries: Sequence[Any]) -> RewardSpec:
     """A RewardSpec from config entries: `{"name": ..., "weight": 1.0, "kwargs": {...}}`
-    mappings, dataclasses with those fields (:class:`RewardEntry`), or bare names (weight 1)."""
+    mappings, dataclasses with those fields (:class:`RewardEntry`), or bare names (weight 1);
+    and functions given as objects (:class:`GivenReward`)."""
     if isinstance(entries, (str, Mapping)) or not isinstance(entries, Sequence):
         raise RewardConfigError(f"rewards must be a list of entries, got {type(entries).__name__}")
     names, funcs, weights, timeouts = [], [], [], []
     for index, entry in enumerate(entries):
+        if isinstance(entry, GivenReward):
+            names.append(entry.name)
+            funcs.append(entry.func)
+            weights.append(entry.weight)
+            timeouts.append(entry.timeout_s)
+            continue
         name, weight, kwargs, timeout = _entry_fields(entry, index)
         try:
             fn = resolve_reward_function(name, **kwargs)

@@ -38,10 +38,22 @@ def make_reward_model(*, model: str, batch_size: int = 8, dtype: str = "float32"
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
     device = _device()
-    classifier = AutoModelForSequenceClassification.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    classifier = AutoModelForSequenceClassification.from_pretrained(model, dtype=getattr(torch, dtype))
+    return reward_model_function(classifier, AutoTokenizer.from_pretrained(model), batch_size=batch_size,
+                                 device=device, name=model)
+
+
+def reward_model_function(classifier, tokenizer, *, batch_size: int = 8, device: torch.device | None = None,
+                          name: str | None = None) -> RewardFunction:
+    """The reward function of a loaded sequence classifier and its tokenizer (a reward model given as an
+    object from Python; :func:`make_reward_model` loads one by name)."""
+    device = _device() if device is None else device
+    name = name or getattr(classifier.config, "_name_or_path", "") or type(classifier).__name__
+    classifier = classifier.to(device).eval()
     if tokenizer.pad_token_id is None:
-        raise ValueError(f"reward model {model}: its tokenizer has no pad token")
+        if tokenizer.eos_token is None:
+            raise ValueError(f"reward model {name}: its tokenizer has no pad token")
+        tokenizer.pad_token = tokenizer.eos_token  # as TRL pads a reward model's inputs
     classifier.config.pad_token_id = tokenizer.pad_token_id
 
     def texts(prompts, completions) -> list[str]:

@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import get_scheduler
 
 from maxent_grpo.core.logprobs import Scoring
 from maxent_grpo.models import (
-    apply_lora, enable_activation_checkpointing, fill_pad_token, load_tokenizer, reference_context,
+    apply_lora, enable_activation_checkpointing, fill_pad_token, is_peft_model, load_tokenizer, prepare_tokenizer,
+    reference_context,
 )
 from maxent_grpo.training.strategy import Strategy
 
@@ -32,6 +34,10 @@ class ModelPlan:
     lora: LoraPlan | None  # None: full fine-tuning
     gradient_checkpointing: bool
     autocast_bf16: bool  # resolved from auto
+    # A model given as a Python object (name_or_path is then its python: reference): trained in place,
+    # with its own LoRA adapters when it is a peft model; and its tokenizer (None: read from its folder).
+    given: torch.nn.Module | None = None
+    given_tokenizer: Any = None
 
 
 @dataclass(frozen=True)
@@ -52,13 +58,14 @@ class OptimizerPlan:
     fused: bool
 
 
-def load_policy(m: ModelPlan, model_path: str, strategy: Strategy):
-    """The trained policy in its master dtype, with LoRA and activation checkpointing, placed by the strategy."""
-    tokenizer = load_tokenizer(model_path)
+def load_policy(m: ModelPlan, model_path: str | None, strategy: Strategy):
+    """The trained policy in its master dtype, with LoRA and activation checkpointing, placed by the
+    strategy; ``m.given`` (a model object, ``model_path`` None) is trained in place."""
+    tokenizer = prepare_tokenizer(m.given_tokenizer) if m.given is not None else load_tokenizer(model_path)
 
     def adapt(model: torch.nn.Module) -> torch.nn.Module:
         fill_pad_token(model, tokenizer)
-        if m.lora is not None:
+        if m.lora is not None and not is_peft_model(model):  # a given peft model brings its own adapters
             model = apply_lora(model, r=m.lora.r, alpha=m.lora.alpha, dropout=m.lora.dropout,
                                target_modules=list(m.lora.target_modules), use_rslora=m.lora.use_rslora)
         if m.gradient_checkpointing:
@@ -66,14 +73,22 @@ def load_policy(m: ModelPlan, model_path: str, strategy: Strategy):
         return model
 
     # Before the optimizer exists: it must hold the (sharded) parameters.
+    if m.given is not None:
+        dtype = None if is_peft_model(m.given) else m.master_dtype
+        return strategy.adopt_policy(m.given, dtype=dtype, adapt=adapt), tokenizer
     model = strategy.load_policy(model_path, dtype=m.master_dtype, adapt=adapt, bf16_compute=m.autocast_bf16)
     return model, tokenizer
 
 
-def load_reference(m: ModelPlan, model_path: str, strategy: Strategy) -> torch.nn.Module | None:
+def load_reference(m: ModelPlan, model_path: str | None, strategy: Strategy) -> torch.nn.Module | None:
     """The frozen reference model: a second copy of the start weights in the compute dtype, placed
-    by the strategy; None with LoRA (the reference is the base with its adapters off)."""
-    return None if m.lora is not None else strategy.load_reference(model_path, dtype=m.dtype)
+    by the strategy; None with LoRA (the reference is the base with its adapters off). Of a model
+    given as an object, load it before the policy: the copy is of its weights before any step."""
+    if m.lora is not None:
+        return None
+    if m.given is not None:
+        return strategy.adopt_reference(m.given, dtype=m.dtype)
+    return strategy.load_reference(model_path, dtype=m.dtype)
 
 
 def reference_scorer(scoring: Scoring, model, reference: torch.nn.Module | None):

@@ -32,6 +32,9 @@ class LoggingPlan:
     log_completions_every: int  # 0: never
     progress_bar: bool
     collapse_window: int  # steps per window of the collapse warning (training/collapse.py); 0: off
+    # Given from Python: objects told each step's metrics as a tracker is (log, log_table, close),
+    # on the main process: the GRPOTrainer's log history and transformers callbacks.
+    observers: tuple = ()
 
     def completions_due(self, step: int) -> bool:
         return bool(self.log_completions_every) and step % self.log_completions_every == 0

@@ -137,21 +137,28 @@ def build_run(
     seed_everything(plan.seed + dist.rank)
 
     # Data and rewards first: their errors must come before the slow model load.
-    train_ds, eval_rows = load_rows(plan.data, plan.batch.prompts_per_step, dist.world_size)
+    train_ds, eval_rows = load_rows(plan.data, plan.batch.prompts_per_step, dist.world_size, plan.schedule.max_steps)
     counted = plan.schedule.max_steps is None
     plan = with_run_length(plan, len(train_ds), dist.world_size)
     episodes = row_episodes(plan.data, train_ds[ENVIRONMENT_COLUMN] if ENVIRONMENT_COLUMN in train_ds.column_names
                             else None)
     reward_spec = build_reward_spec(list(plan.rewards))
-    model_path = resolve_model_path(plan.model.name_or_path)
+    given = plan.model.given  # a model object from Python: no folder to read (model_path None)
+    model_path = None if given is not None else resolve_model_path(plan.model.name_or_path)
     # training.micro_batch_size: auto on CUDA sizes from the model's shape: a config it cannot read fails before the load.
-    shape = Shape.from_pretrained(model_path, "training.micro_batch_size: auto") if plan.micro_batch_from_memory else None
-    BACKENDS[plan.sampler.backend].check(plan.sampler.vllm, model_path)
-    teacher_path = None if plan.teacher is None else check_teacher(plan.teacher, model_path)
+    shape = None
+    if plan.micro_batch_from_memory:
+        shape = (Shape.from_config(given.config.to_dict()) if given is not None
+                 else Shape.from_pretrained(model_path, "training.micro_batch_size: auto"))
+    if model_path is not None:
+        BACKENDS[plan.sampler.backend].check(plan.sampler.vllm, model_path)
+    teacher_path = None if plan.teacher is None else check_teacher(
+        plan.teacher, model_path if given is None else plan.model.given_tokenizer)
     if dist.is_main:
         save_config(plan.source, output_dir / "config.yaml", header=history)
         write_text_atomic(output_dir / "run_info.json", json.dumps(
-            {"method": method.name, **method.identity(), "model": model_path, "world_size": dist.world_size}, indent=2
+            {"method": method.name, **method.identity(), "model": model_path or plan.model.name_or_path,
+             "world_size": dist.world_size}, indent=2
         ))
     for note in plan.notes:
         log.info("%s", note)
@@ -165,8 +172,9 @@ def build_run(
     log.info("%s", describe_sampling(plan.sampler))
     log.info("rollout correction: %s", describe_rollout_correction(method.loss))
 
-    model, tokenizer = load_policy(plan.model, model_path, strategy)
+    # The reference first: of a model object it copies the weights before the policy's own changes.
     ref_model = load_reference(plan.model, model_path, strategy) if method.needs_reference else None
+    model, tokenizer = load_policy(plan.model, model_path, strategy)
     reference = reference_scorer(plan.scoring, model, ref_model) if method.needs_reference else None
     teacher = None if plan.teacher is None else teacher_scorer(plan.teacher, teacher_path, plan.scoring, strategy)
     optimizer, lr_scheduler = build_optimizer(model, plan.optimizer)
@@ -212,7 +220,8 @@ def build_run(
     run = Run(
         output_dir=output_dir, ctx=ctx, state=state, train_model=train_model, optimizer=optimizer,
         lr_scheduler=lr_scheduler, sampler=sharded,
-        trackers=make_trackers(list(plan.logging.report_to) if dist.is_main else [], output_dir, config=plan.source),
+        trackers=make_trackers(list(plan.logging.report_to) if dist.is_main else [], output_dir, config=plan.source,
+                               observers=plan.logging.observers if dist.is_main else ()),
         comm=Comm(world_size=dist.world_size, all_reduce_sum=dist.all_reduce_sum, gradient_sync=gradient_sync),
         strategy=strategy, eval_rows=eval_rows, lock=lock, reference=ref_model,
         release_host_memory=host_memory_release(dist.device.type) if plan.release_host_memory else None,

@@ -17,6 +17,7 @@ The class attributes are what ``config/load.py`` checks before any model loads.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -25,7 +26,8 @@ from typing import Any, ClassVar
 import torch
 from safetensors import SafetensorError
 
-from maxent_grpo.models import empty_model, load_model, load_reference_model
+from maxent_grpo.errors import UserError
+from maxent_grpo.models import empty_model, load_model, load_reference_model, parse_dtype
 from maxent_grpo.training.checkpoint import describe_write_error, load_checkpoint, save_checkpoint, save_failed
 from maxent_grpo.training.distributed import DataParallelPolicy, Dist, ddp_gradient_sync
 from maxent_grpo.training.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
@@ -45,9 +47,32 @@ class Strategy:
     # Every forward of the policy is a collective: HF sampling must run in lockstep on
     # every rank, so nothing may make ranks run different numbers of forwards.
     collective_forward: ClassVar[bool] = False
+    # Takes a model given as a Python object (maxent_grpo.train, GRPOTrainer), trained in place.
+    adopts_model: ClassVar[bool] = True
 
     def __init__(self, dist: Dist):
         self.dist = dist
+
+    def adopt_policy(self, model: torch.nn.Module, *, dtype: str | None, adapt: Adapt) -> torch.nn.Module:
+        """A policy given as a Python object: moved to this process's device (and to ``dtype``, the master
+        dtype of weights trained in full; None leaves a peft model's dtypes as peft made them), in eval
+        mode as ``from_pretrained`` leaves a model (no dropout), changed by ``adapt``; trained in place."""
+        self._check_device(model)
+        model = model.to(self.dist.device) if dtype is None else model.to(device=self.dist.device, dtype=parse_dtype(dtype))
+        return adapt(model.eval())
+
+    def adopt_reference(self, model: torch.nn.Module, *, dtype: str) -> torch.nn.Module:
+        """The frozen reference of a policy given as an object: a copy of its start weights in ``dtype``."""
+        self._check_device(model)
+        reference = copy.deepcopy(model).to(device=self.dist.device, dtype=parse_dtype(dtype))
+        return reference.eval().requires_grad_(False)
+
+    def _check_device(self, model: torch.nn.Module) -> None:
+        here = self.dist.device
+        there = next(model.parameters()).device
+        if there.type != "cpu" and there != here:
+            raise UserError(f"model: the {type(model).__name__} object is on {there}, but this process trains on "
+                            f"{here}; give it on the CPU or on {here}")
 
     def load_policy(self, path: str, *, dtype: str, adapt: Adapt, bf16_compute: bool) -> torch.nn.Module:
         """The trained policy of ``path`` in ``dtype``, changed by ``adapt`` (LoRA, activation
@@ -117,6 +142,7 @@ class FSDP2Strategy(Strategy):
     supports_lora = False
     supports_reference_sync = False  # the reference is sharded like the policy (config_rules refuses the sync)
     collective_forward = True
+    adopts_model = False  # rank 0 alone reads the weights; a model object would need broadcasting whole
 
     # Every rank builds the model on the meta device and shards it; rank 0 alone reads the weights
     # (into host memory) and broadcasts them, so no GPU ever holds the whole model

@@ -12,7 +12,7 @@ tokenizer's own chat template and scores the same completion tokens after it (on
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -60,12 +60,12 @@ class TeacherError(UserError):
     """The teacher cannot score the student's rows (another vocabulary)."""
 
 
-def check_teacher(t: TeacherPlan, student_path: str) -> str:
-    """The teacher's resolved path; one line when its vocabulary is not the student's (it would score
-    other tokens). Run before any model loads."""
+def check_teacher(t: TeacherPlan, student: str | Any) -> str:
+    """The teacher's resolved path; one line when its vocabulary is not the student's (``student``: its
+    folder, or its tokenizer object), since it would score other tokens. Run before any model loads."""
     teacher_path = resolve_model_path(t.name_or_path)
     theirs = load_tokenizer(teacher_path).get_vocab()
-    ours = load_tokenizer(student_path).get_vocab()
+    ours = (load_tokenizer(student) if isinstance(student, str) else student).get_vocab()
     if theirs != ours:
         raise TeacherError(
             f"teacher.name_or_path: {teacher_path} has another tokenizer ({len(theirs)} tokens, the student's "

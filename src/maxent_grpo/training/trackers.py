@@ -232,8 +232,11 @@ def make_trackers(
     project: str = "maxent-grpo",
     run_name: str | None = None,
     config: dict | None = None,
+    observers: Sequence[_Backend] = (),
 ) -> Trackers:
-    """Start the trackers named by ``report_to`` for a run writing to ``output_dir``.
+    """Start the trackers named by ``report_to`` for a run writing to ``output_dir``; ``observers``
+    (objects with the backends' ``log``, ``log_table`` and ``close``, given from Python) are told
+    what they are told.
 
     tensorboard writes ``OUTPUT_DIR/tensorboard``; wandb ``OUTPUT_DIR/wandb`` (offline
     with ``WANDB_MODE=offline``); mlflow a sqlite store in ``OUTPUT_DIR/mlruns`` unless
@@ -258,4 +261,4 @@ def make_trackers(
         for backend in backends:
             backend.close()
         raise
-    return Trackers(names, backends)
+    return Trackers(names, [*backends, *observers])

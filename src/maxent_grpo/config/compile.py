@@ -201,10 +201,10 @@ def compile_run(cfg: TrainConfig, machine: Machine, objects: PythonObjects | Non
     g, t, lo, d, m = cfg.generation, cfg.training, cfg.loss, cfg.data, cfg.model
     objects = objects or PythonObjects()
     master = master_dtype(m.dtype, m.lora.enabled)
-    check_run(cfg, machine, master, eval_rows_given=objects.eval_dataset is not None)
     given_model, given_tokenizer = resolve_model(m.name_or_path, objects)
-    if given_model is not None:
+    if given_model is not None:  # first: what a model object rules out decides before any other rule
         check_given_model(cfg)
+    check_run(cfg, machine, master, eval_rows_given=objects.eval_dataset is not None)
     given_rows, given_eval = resolve_data(d.source, d.eval_size, objects)
     tools, classes = resolve_environment(cfg.environment.tools, cfg.environment.classes, objects)
     weighting = _weighting(cfg)  # loss.beta and maxent.*: before the method's own loss bounds

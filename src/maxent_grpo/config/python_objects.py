@@ -78,9 +78,10 @@ def resolve_rewards(entries, objects: PythonObjects) -> tuple:
 
 
 def resolve_model(name_or_path: str, objects: PythonObjects) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` given as objects for a ``python:`` model, else ``(None, None)``."""
+    """``(model, tokenizer)`` given as objects: the model for a ``python:`` one (else None), and the
+    tokenizer given (None: read from the model's folder)."""
     if not is_python_reference(name_or_path):
-        return None, None
+        return None, objects.tokenizer
     if objects.model is None:
         raise ConfigError(missing_object("model.name_or_path", name_or_path, "model"))
     check_model_devices(objects.model)

@@ -94,7 +94,9 @@ class GRPOTrainer:
                 raise ConfigError("peft_config: the model is a peft model already; give its base model with a "
                                   "peft_config, or the peft model alone")
             keys.update({**lora_keys(peft_config, "peft_config"), "model.lora.enabled": True})
-        self.state = TrainerState()
+        # Each step's metrics reach the main process's state (the one that writes metrics.jsonl).
+        self.state = TrainerState(is_world_process_zero=os.environ.get("RANK", "0") == "0",
+                                  is_local_process_zero=os.environ.get("LOCAL_RANK", "0") == "0")
         given = Given(model=model, processing_class=processing_class, reward_funcs=reward_funcs,
                       reward_weights=args.reward_weights, reward_processing_classes=reward_processing_classes,
                       train_dataset=train_dataset, eval_dataset=eval_dataset, environment_factory=environment_factory,

@@ -35,7 +35,7 @@ class ModelPlan:
     gradient_checkpointing: bool
     autocast_bf16: bool  # resolved from auto
     # A model given as a Python object (name_or_path is then its python: reference): trained in place,
-    # with its own LoRA adapters when it is a peft model; and its tokenizer (None: read from its folder).
+    # with its own LoRA adapters when it is a peft model; and a tokenizer given (None: read from the folder).
     given: torch.nn.Module | None = None
     given_tokenizer: Any = None
 
@@ -61,7 +61,7 @@ class OptimizerPlan:
 def load_policy(m: ModelPlan, model_path: str | None, strategy: Strategy):
     """The trained policy in its master dtype, with LoRA and activation checkpointing, placed by the
     strategy; ``m.given`` (a model object, ``model_path`` None) is trained in place."""
-    tokenizer = prepare_tokenizer(m.given_tokenizer) if m.given is not None else load_tokenizer(model_path)
+    tokenizer = prepare_tokenizer(m.given_tokenizer) if m.given_tokenizer is not None else load_tokenizer(model_path)
 
     def adapt(model: torch.nn.Module) -> torch.nn.Module:
         fill_pad_token(model, tokenizer)

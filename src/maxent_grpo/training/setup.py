@@ -125,6 +125,17 @@ def build_run(
     strategy = STRATEGIES[plan.strategy](dist)
     output_dir = Path(plan.logging.output_dir)
     lock = _claim(output_dir, dist, resume=bool(resume), overwrite=overwrite)
+    # A run that fails to start gives its folder back: the same process (a notebook) may start it again.
+    try:
+        return _build_claimed(plan, dist, strategy, output_dir, lock, resume, allow_config_change)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _build_claimed(plan: RunPlan, dist: Dist, strategy: Strategy, output_dir: Path, lock: RunLock | None,
+                   resume: str | bool | None, allow_config_change: bool) -> Run:
     ckpt = _resume_checkpoint(output_dir, resume)
     history = config_history(output_dir / "config.yaml")
     if ckpt is not None:
@@ -153,7 +164,7 @@ def build_run(
     if model_path is not None:
         BACKENDS[plan.sampler.backend].check(plan.sampler.vllm, model_path)
     teacher_path = None if plan.teacher is None else check_teacher(
-        plan.teacher, model_path if given is None else plan.model.given_tokenizer)
+        plan.teacher, model_path if plan.model.given_tokenizer is None else plan.model.given_tokenizer)
     if dist.is_main:
         save_config(plan.source, output_dir / "config.yaml", header=history)
         write_text_atomic(output_dir / "run_info.json", json.dumps(
@@ -228,7 +239,11 @@ def build_run(
         micro_batch_budget=budget,
     )
     if ckpt is not None:
-        _resume(run, ckpt)
+        try:
+            _resume(run, ckpt)
+        except BaseException:
+            run.finish()
+            raise
     return run
 
 

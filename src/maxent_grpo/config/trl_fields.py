@@ -420,6 +420,7 @@ TRAINING_ARGUMENTS_FIELDS: dict[str, Mapped | Refused | Ignored] = {
                    "null: auto"),
     "fp16": Refused("float16 training is not supported here (bf16)", (False,)),
     "tf32": Ignored("a matmul speed switch of Ampere GPUs"),
+    "use_cpu": Ignored("the device is chosen here: CUDA when visible (cuda:LOCAL_RANK), else the CPU", False),
     "gradient_checkpointing": Mapped(True, "training.gradient_checkpointing, training.share_prompts",
                                      lambda v, f: {"training.gradient_checkpointing": v, **({"training.share_prompts": False} if v else {})},
                                      "true also sets share_prompts: false (they exclude each other)"),

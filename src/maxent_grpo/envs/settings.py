@@ -65,14 +65,16 @@ def episode_limits(env: EnvironmentConfig, max_new_tokens: int) -> EpisodeLimits
                          step_timeout_s=env.step_timeout_s)
 
 
-def row_environments(env: EnvironmentConfig, column: Sequence[Any] | None, *, tools: Sequence[Any] = (),
+def row_environments(env: EnvironmentConfig, column: Sequence[Any] | None, *, tools: Sequence[Any] | None = None,
                      classes: Mapping[str, Any] | None = None) -> RowEnvironments:
     """Which environment each row plays: its ``environment`` column, else ``env``'s default.
 
-    ``tools`` and ``classes`` are ``env.tools`` and ``env.classes`` as the plan holds them: each a
-    reference, imported here, or the object a Python caller gave. Checks every row's name, so a bad
-    one stops the run before the model loads (one line naming the row and the column).
+    ``tools`` and ``classes`` are ``env.tools`` and ``env.classes`` as the plan holds them (None: ``env``'s
+    own): each a reference, imported here, or the object a Python caller gave. Checks every row's name,
+    so a bad one stops the run before the model loads (one line naming the row and the column).
     """
+    tools = env.tools if tools is None else tools
+    classes = env.classes if classes is None else classes
     table = dict(ENVIRONMENTS)
     if tools:
         functions = []
@@ -85,7 +87,7 @@ def row_environments(env: EnvironmentConfig, column: Sequence[Any] | None, *, to
             except RewardImportError as err:
                 raise ConfigError(f"environment.tools[{i}]: {err}") from None
         table["tools"] = lambda: ToolEnvironment(functions, call_timeout_s=env.tool_timeout_s)
-    for name, ref in (classes or {}).items():
+    for name, ref in classes.items():
         table[name] = _environment_factory(name, ref, env.tool_timeout_s)
     default = env.default_name
     if default not in table:

@@ -105,7 +105,7 @@ class GRPOTrainer:
         from maxent_grpo.front.train import compile_given
 
         try:
-            self.plan = compile_given({}, given, keys, strings_are_reward_models=True)
+            self.plan = compile_given({}, given, keys, trl_conventions=True)
         except ConfigError as err:
             raise name_trl_field(err, origin, trl_fields) from None
         self.model = None if isinstance(model, str) else model

@@ -44,10 +44,11 @@ def callable_name(func: Callable) -> str:
     return getattr(func, "__name__", type(func).__name__)
 
 
-def gather(given: Given, *, strings_are_reward_models: bool) -> tuple[dict[str, Any], PythonObjects]:
-    """``(dotted config keys, objects)``. A ``str`` reward is a reward-model id with
-    ``strings_are_reward_models`` (TRL's convention), else a name as the config's ``rewards`` takes
-    (a built-in or ``module:function``)."""
+def gather(given: Given, *, trl_conventions: bool) -> tuple[dict[str, Any], PythonObjects]:
+    """``(dotted config keys, objects)``. With ``trl_conventions`` (``GRPOTrainer``) the rewards are
+    ``reward_funcs`` alone (and an environment's ``get_reward``), and a ``str`` reward is a reward
+    model's id; without (``maxent_grpo.train``) a ``str`` reward is a name as the config's ``rewards``
+    takes (a built-in or ``module:function``), and no ``reward_funcs`` leaves the config's rewards."""
     keys: dict[str, Any] = {}
     model, tokenizer = given.model, given.processing_class
     if model is not None and not isinstance(model, str):
@@ -57,8 +58,8 @@ def gather(given: Given, *, strings_are_reward_models: bool) -> tuple[dict[str, 
     elif isinstance(model, str):
         keys["model.name_or_path"] = model
     rewards: dict[str, Callable] = {}
-    if given.reward_funcs is not None or given.environment_factory is not None:
-        entries, rewards = _rewards(given, strings_are_reward_models)
+    if trl_conventions or given.reward_funcs is not None:
+        entries, rewards = _rewards(given, trl_conventions)
         if entries:
             keys["rewards"] = entries
     if given.train_dataset is not None:

@@ -71,17 +71,17 @@ def train(
     given = Given(model=model, processing_class=processing_class, reward_funcs=reward_funcs,
                   train_dataset=train_dataset, eval_dataset=eval_dataset, environment_factory=environment_factory,
                   tools=tools, callbacks=observers(callbacks, None))
-    plan = compile_given(config, given, overrides, strings_are_reward_models=False)
+    plan = compile_given(config, given, overrides, trl_conventions=False)
     return run(plan, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change)
 
 
-def compile_given(config, given: Given, overrides=None, *, strings_are_reward_models: bool):
+def compile_given(config, given: Given, overrides=None, *, trl_conventions: bool):
     """The plan of ``config`` with ``given``'s objects, compiled once as the command line compiles."""
     from maxent_grpo.config.compile import compile_run
     from maxent_grpo.training.precision import Machine
 
     tree, config_dir = _tree(config)
-    keys, objects = gather(given, strings_are_reward_models=strings_are_reward_models)
+    keys, objects = gather(given, trl_conventions=trl_conventions)
     if objects.train_dataset is not None and tree.get("data", {}).get("source", DEFAULT_SOURCE) == DEFAULT_SOURCE:
         # The default task's generator options and solved example mean nothing for the given rows.
         for key in ("task_kwargs", "few_shot"):

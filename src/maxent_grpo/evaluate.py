@@ -53,7 +53,7 @@ from maxent_grpo.core.eval_metrics import PromptSamples, summarize_eval
 from maxent_grpo.core.mode_metrics import MIN_DEFINED_PROMPTS, modebench_cell
 from maxent_grpo.data.prompts import FewShotExample, format_prompt, prompt_messages
 from maxent_grpo.envs.episodes import EpisodePlay, run_episodes
-from maxent_grpo.rewards.context import RewardContext
+from maxent_grpo.rewards.context import RewardContext, TrainerState
 from maxent_grpo.rewards.registry import RewardFunctionError, RewardSpec, evaluate_rewards, rollout_reward_inputs
 from maxent_grpo.rollout.backend import GenerationBackend, RolloutBatch, SamplingParams, generate_groups
 from maxent_grpo.rollout.data_plane import RolloutRecord
@@ -87,13 +87,14 @@ def eval_seed(seed: int) -> int:
     return int(np.random.SeedSequence([seed, 0x7E57]).generate_state(1, np.uint64)[0] >> 1)
 
 
-def _score(spec: RewardSpec, rows: list[dict], batch: RolloutBatch, grades: Grades) -> torch.Tensor:
+def _score(spec: RewardSpec, rows: list[dict], batch: RolloutBatch, grades: Grades,
+           trainer_state: TrainerState | None = None) -> torch.Tensor:
     """Every reward function on ``batch``, called exactly as in training: ``[N, K]``, NaN for None.
     When the modebench verifier cannot score a completion, every reward is NaN: the evaluation
     has failed (the module docstring), and the records say which completion it was."""
     try:
         return evaluate_rewards(spec, *rollout_reward_inputs(rows, batch),
-                                RewardContext(batch.num_completions, mode_grades=grades))
+                                RewardContext(batch.num_completions, trainer_state, mode_grades=grades))
     except RewardFunctionError as err:
         if not isinstance(err.__cause__, Unscorable):
             raise
@@ -116,9 +117,10 @@ def _sample(backend, tokenizer, rows: list[dict], k: int, params: SamplingParams
 
 
 def _scored(spec: RewardSpec, rows: list[dict], batch: RolloutBatch, carry: Carry,
-            grades: Grades) -> RolloutRecord:
+            grades: Grades, trainer_state: TrainerState | None = None) -> RolloutRecord:
     """The sampled batch and its rewards as one record, after ``carry`` (the run's data plane)."""
-    return carry(RolloutRecord(step=0, version=0, rows=rows, rollout=batch, rewards=_score(spec, rows, batch, grades)))
+    rewards = _score(spec, rows, batch, grades, trainer_state)
+    return carry(RolloutRecord(step=0, version=0, rows=rows, rollout=batch, rewards=rewards))
 
 
 def _mode(row: dict, text: str, grades: Grades) -> tuple[tuple[str | None, int | None] | None, bool]:
@@ -178,6 +180,7 @@ def evaluate_prompts(
     carry: Carry = lambda record: record,
     draws: int = 1,
     min_defined_prompts: int = MIN_DEFINED_PROMPTS,
+    trainer_state: TrainerState | None = None,
 ) -> tuple[dict[str, float | bool | str | None], list[dict]]:
     """Sample ``draws`` groups of ``k`` completions per row (and one greedy one); return the summary and
     one record per completion.
@@ -191,7 +194,8 @@ def evaluate_prompts(
     ``score``, ``correct``, the canonical ``answer``, ``unscorable``, ``length`` and ``finish_reason``.
     With ``episodes`` each sample is a multi-turn episode (``envs/episodes.py``) and ``task``
     names its environment. ``carry``: the way each scored batch reaches the summary (in-loop
-    validation passes it through the run's data plane, ``training/validation.py``).
+    validation passes it through the run's data plane, ``training/validation.py``). ``trainer_state``:
+    what reward functions that read TRL's ``trainer_state`` get (the step the model was trained to).
     """
     for name, value in (("k", k), ("draws", draws)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -206,7 +210,7 @@ def evaluate_prompts(
     if not kept:
         raise RuntimeError(f"evaluation: no prompt got its {n} samples back from the generator")
     grades = Grades()  # each completion reaches the modebench verifier once
-    records = _records(spec, _scored(spec, [rows[i] for i in kept], sampled, carry, grades), kept, "sampled",
+    records = _records(spec, _scored(spec, [rows[i] for i in kept], sampled, carry, grades, trainer_state), kept, "sampled",
                        episodes, k, grades)
     greedy_correct: dict[int, bool] = {}
     if greedy:
@@ -215,7 +219,7 @@ def evaluate_prompts(
                                    episodes)
         gkept = [kept[j] for j in range(len(kept)) if j not in set(gdropped)]
         if gkept:
-            greedy_records = _records(spec, _scored(spec, [rows[i] for i in gkept], gbatch, carry, grades), gkept,
+            greedy_records = _records(spec, _scored(spec, [rows[i] for i in gkept], gbatch, carry, grades, trainer_state), gkept,
                                       "greedy", episodes, 1, grades)
             records += greedy_records
             greedy_correct = {r["prompt_index"]: r["correct"] for r in greedy_records}

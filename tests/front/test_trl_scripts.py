@@ -72,6 +72,11 @@ def _check_longer_run(out: Path, stdout: str, world_size: int) -> None:
     final = out / "final"
     assert (final / "adapter_config.json").is_file() and (final / "tokenizer_config.json").is_file()
     assert not (final / "optimizer.pt").exists()
+    # evaluate(): this library's evaluation of the trained adapter on 3 of the rows, named as TRL names metrics.
+    evaluated = json.loads(next(line for line in stdout.splitlines() if line.startswith("EVAL "))[5:])
+    assert {"eval_pass@1", "eval_greedy_pass@1", "eval_rewards/correct/mean", "eval_num_prompts"} <= set(evaluated)
+    assert evaluated["eval_num_prompts"] == 3.0
+    assert (out / "eval" / "trainer-step-2" / "summary.json").is_file()
 
 
 def test_longer_trl_script(tiny_model_dir, tmp_path):

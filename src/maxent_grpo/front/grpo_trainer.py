@@ -110,7 +110,7 @@ class GRPOTrainer:
         except ConfigError as err:
             raise name_trl_field(err, origin, trl_fields) from None
         self.model = None if isinstance(model, str) else model
-        self.processing_class = processing_class
+        self.processing_class = self.plan.model.given_tokenizer  # given, or a model object's (None: its folder's)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.summary = None
 

@@ -128,3 +128,4 @@ def test_ignored_fields_say_why():
 def test_without_args_the_output_dir_is_trls():
     trainer = GRPOTrainer(model="org/Some-Model", reward_funcs=reward, train_dataset=ROWS)
     assert str(trainer.output_dir) == "Some-Model-GRPO"
+

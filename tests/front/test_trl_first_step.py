@@ -1,8 +1,9 @@
 """One TRL script, run through TRL and through this library with only the import changed: the same seed,
-the same first batch (each side's sampler replaced by the same completions, as benchmarks/update_parity.py
-does), and the same first optimizer step: its loss, and its clipped gradients to the tolerance of the
+the same batches (each side's sampler replaced by the same completions, as benchmarks/update_parity.py
+does), and the same optimizer steps: the last step's loss, and its clipped gradients to the tolerance of the
 update-parity check (tests/test_trl_update_parity.py). Here the whole front door is under test: TRL's
-GRPOConfig fields, a model object, a conversational dataset, a reward function reading a column."""
+GRPOConfig fields (beta and use_bias_correction_kl among them), a model object, a conversational dataset,
+a reward function reading a column."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from benchmarks.update_parity import (  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-def trl_script(lib: types.ModuleType, model, tokenizer, rollouts, out_dir: Path, loss_type: str):
+def trl_script(lib: types.ModuleType, model, tokenizer, rollouts, out_dir: Path, loss_type: str, beta: float,
+               bias_correction_kl: bool, steps: int):
     """The script both libraries run: written against TRL's API, ``lib`` is ``trl`` or ``maxent_grpo``."""
     from datasets import Dataset
 
@@ -36,8 +38,8 @@ def trl_script(lib: types.ModuleType, model, tokenizer, rollouts, out_dir: Path,
     args = lib.GRPOConfig(
         output_dir=str(out_dir), use_cpu=True, report_to="none", bf16=False, disable_tqdm=True, seed=0,
         per_device_train_batch_size=GENERATIONS, gradient_accumulation_steps=PROMPTS, num_generations=GENERATIONS,
-        max_completion_length=MAX_NEW_TOKENS, loss_type=loss_type, beta=0.0, learning_rate=1e-3,
-        lr_scheduler_type="constant", max_grad_norm=0.05, max_steps=1, gradient_checkpointing=False,
+        max_completion_length=MAX_NEW_TOKENS, loss_type=loss_type, beta=beta, use_bias_correction_kl=bias_correction_kl,
+        learning_rate=1e-3, lr_scheduler_type="constant", max_grad_norm=0.05, max_steps=steps, gradient_checkpointing=False,
         shuffle_dataset=False, save_strategy="no", logging_steps=1,
     )
     dataset = Dataset.from_list([{"prompt": m} for m in rollouts.messages])
@@ -45,7 +47,7 @@ def trl_script(lib: types.ModuleType, model, tokenizer, rollouts, out_dir: Path,
                            processing_class=tokenizer)
 
 
-def _through_trl(model, tokenizer, rollouts, out_dir, loss_type):
+def _through_trl(model, tokenizer, rollouts, out_dir, *case):
     import trl
     import trl.trainer.grpo_trainer as grpo_module
 
@@ -59,17 +61,17 @@ def _through_trl(model, tokenizer, rollouts, out_dir, loss_type):
             taken[p] += 1
         return out, None
 
-    trainer = trl_script(trl, model, tokenizer, rollouts, out_dir, loss_type)
+    trainer = trl_script(trl, model, tokenizer, rollouts, out_dir, *case)
     trainer._generate_single_turn = fixed_generation
     seen = {}
     # TRL shuffles a generation batch's rows before cutting micro-batches; ours keeps the groups in order.
     with _optimizer_probe(model, seen), mock.patch.object(grpo_module, "shuffle_sequence_dict", lambda batch: batch):
         trainer.train()
-    loss = next(entry["loss"] for entry in trainer.state.log_history if "loss" in entry)
+    loss = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry][-1]
     return _flat(model, seen["grads"]), loss
 
 
-def _through_ours(model, tokenizer, rollouts, out_dir, loss_type):
+def _through_ours(model, tokenizer, rollouts, out_dir, *case):
     import maxent_grpo
     from maxent_grpo.rollout.backend import Completion
     from maxent_grpo.rollout.hf import HFGenerationBackend
@@ -81,30 +83,50 @@ def _through_ours(model, tokenizer, rollouts, out_dir, loss_type):
         out = []
         for ids in prompt_ids:
             p = by_prompt[tuple(ids)]  # a KeyError: the prompt was formatted differently from TRL's
-            completion = rollouts.completion_ids[p * GENERATIONS + taken[p]]
+            completion = rollouts.completion_ids[p * GENERATIONS + taken[p] % GENERATIONS]
             taken[p] += 1
             cut = len(completion) == MAX_NEW_TOKENS and completion[-1] != tokenizer.eos_token_id
             out.append(Completion(completion, tokenizer.decode(completion), "length" if cut else "stop"))
         return out
 
-    trainer = trl_script(maxent_grpo, model, tokenizer, rollouts, out_dir, loss_type)
+    trainer = trl_script(maxent_grpo, model, tokenizer, rollouts, out_dir, *case)
     seen = {}
     with _optimizer_probe(model, seen), mock.patch.object(HFGenerationBackend, "_generate_chunk", fixed_chunk):
         trainer.train()
-    assert taken == [GENERATIONS] * PROMPTS  # every completion of the batch was used once
-    loss = next(entry["loss"] for entry in trainer.state.log_history if "loss" in entry)
+    steps = case[-1]
+    assert taken == [GENERATIONS * steps] * PROMPTS  # every completion of the batch, once a step
+    loss = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry][-1]
     return _flat(model, seen["grads"]), loss
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
-def test_the_same_script_takes_the_same_first_step(tiny_model_dir, tmp_path, loss_type):
+CASES = [
+    ("dapo", 0.0, True, 1), ("grpo", 0.0, True, 1), ("dr_grpo", 0.0, True, 1),
+    # beta 0.04: the reference is the start model, so the KL and its gradient are 0 at step 1; at step 2
+    # TRL's default importance-weighted term (ALGORITHMS.md §19) and the plain one part.
+    ("dapo", 0.04, True, 2), ("dapo", 0.04, False, 2),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-beta{c[1]}-bias_correction_kl={c[2]}-{c[3]}step" for c in CASES])
+def test_the_same_script_takes_the_same_steps(tiny_model_dir, tmp_path, case):
     from maxent_grpo.models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(tiny_model_dir, dtype="float32")
     twin = copy.deepcopy(model)
     rollouts = make_rollouts(tokenizer)
-    grads_trl, loss_trl = _through_trl(model, tokenizer, rollouts, tmp_path / "trl", loss_type)
-    grads_ours, loss_ours = _through_ours(twin, tokenizer, rollouts, tmp_path / "ours", loss_type)
+    grads_trl, loss_trl = _through_trl(model, tokenizer, rollouts, tmp_path / "trl", *case)
+    grads_ours, loss_ours = _through_ours(twin, tokenizer, rollouts, tmp_path / "ours", *case)
     assert grads_trl.norm() > 0
     assert float((grads_ours - grads_trl).norm() / grads_trl.norm()) < 2e-6
     assert loss_ours == pytest.approx(loss_trl, rel=1e-5, abs=1e-7)
+
+
+def test_the_kl_flag_changes_the_second_step(tiny_model_dir, tmp_path):
+    # The two KL terms differ at step 2 by more than the parity tolerance: the parity above tells them apart.
+    from maxent_grpo.models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(tiny_model_dir, dtype="float32")
+    rollouts = make_rollouts(tokenizer)
+    weighted, _ = _through_ours(copy.deepcopy(model), tokenizer, rollouts, tmp_path / "a", "dapo", 0.04, True, 2)
+    plain, _ = _through_ours(copy.deepcopy(model), tokenizer, rollouts, tmp_path / "b", "dapo", 0.04, False, 2)
+    assert float((weighted - plain).norm() / plain.norm()) > 1e-4

@@ -80,9 +80,9 @@ def test_every_grpo_config_field_of_the_installed_trl_is_in_the_table_with_trls_
     script = {f.name for cls in (GRPOScriptArguments, trl.ModelConfig, trl.DatasetMixtureConfig)
               for f in dataclasses.fields(cls)}
     assert script <= set(TRL_FIELDS), sorted(script - set(TRL_FIELDS))
-    # An absent field means TRL's default: each mapped field's default is the installed TRL's.
+    # An absent field means TRL's default, mapped or judged: every entry's default is the installed TRL's.
     for name, entry in TRL_FIELDS.items():
-        if isinstance(entry, Mapped) and name in everything and everything[name].default_factory is dataclasses.MISSING:
+        if name in everything:
             assert entry.default == _default(everything[name]), name
     # The TrainingArguments part names real fields (three of transformers 4, still in older YAMLs).
     ta = {f.name for f in dataclasses.fields(TrainingArguments)}
@@ -163,7 +163,6 @@ def test_trls_reference_sync_off_policy_mask_and_rslora_compile_to_ours(tmp_path
     ({"loss_type": "cispo", "off_policy_mask_threshold": 0.5},
      "off_policy_mask_threshold: the off-policy sequence mask goes with the clipped-surrogate loss types"),
     ({"loss_type": "vespo"}, "loss_type: 'vespo' has no counterpart here"),
-    ({"beta": 0.1, "use_bias_correction_kl": True}, "use_bias_correction_kl: True is refused"),
     ({"per_device_train_batch_size": 6}, "per_device_train_batch_size: 6 x gradient_accumulation_steps 1 = 6"),
     ({"max_steps": -1, "num_train_epochs": 2.5}, "num_train_epochs: 2.5: here a run is whole passes over the data"),
     ({"num_iterations": 3}, "max_steps: 4 updates is not a multiple of num_iterations 3"),
@@ -198,7 +197,7 @@ def test_trls_auto_find_batch_size_becomes_an_auto_micro_batch(auto, micro):
 
 def test_trls_defaults_are_accepted_where_a_refused_field_asks_for_nothing():
     keys, notes = convert({"model_name_or_path": "m", "dataset_name": "d", "reward_funcs": ["think_format_reward"],
-                           "max_steps": 4, "sync_ref_model": False, "use_bias_correction_kl": True,
+                           "max_steps": 4, "sync_ref_model": False,
                            "vllm_tensor_parallel_size": 2, "use_vllm": False, "steps_per_generation": 1,
                            "ds3_gather_for_generation": True, "adam_epsilon": yaml.safe_load("1e-8")})
     assert keys["generation.backend"] == "hf"
@@ -304,3 +303,44 @@ def test_a_value_our_validator_refuses_is_named_by_its_trl_field(tmp_path, line,
     with pytest.raises(ConfigError) as err:
         load_trl_config(path)
     assert str(err.value).startswith(problem) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("written, weighted", [({}, True), ({"use_bias_correction_kl": True}, True),
+                                               ({"use_bias_correction_kl": False}, False)])
+def test_trls_kl_term_is_its_default_importance_weighted_one(written, weighted):
+    # TRL 1.16 multiplies the KL term by the importance ratio unless told otherwise (ALGORITHMS.md §19).
+    keys, _ = convert({"model_name_or_path": "m", "dataset_name": "d", "reward_funcs": ["think_format_reward"],
+                       "max_steps": 4, "beta": 0.04, **written})
+    assert (keys["loss.beta"], keys["loss.kl_importance_weighted"]) == (0.04, weighted)
+
+
+def test_an_absent_field_is_judged_at_trls_default(monkeypatch):
+    # Were TRL's default of a refused field one refused here, a file that leaves it out is refused too.
+    from dataclasses import replace
+
+    from maxent_grpo.config import trl_fields
+
+    monkeypatch.setitem(trl_fields.TRL_FIELDS, "min_p", replace(trl_fields.TRL_FIELDS["min_p"], trl_default=0.05))
+    with pytest.raises(ConfigError, match=r"^min_p: 0.05 \(TRL's default\) is refused"):
+        convert({"model_name_or_path": "m", "dataset_name": "d", "reward_funcs": ["think_format_reward"]})
+
+
+def test_a_trl_yaml_with_beta_and_no_flag_trains_the_weighted_kl_term(tmp_path, tiny_model_dir, capsys):
+    """TRL 1.16's default: beta 0.04 with use_bias_correction_kl left out is the importance-weighted KL term."""
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "answer": str(i + 1)}) + "\n"
+                                                 for i in range(8)))
+    (tmp_path / "my_rewards.py").write_text(REWARDS_FILE)
+    out = tmp_path / "out"
+    path = tmp_path / "grpo.yaml"
+    path.write_text(yaml.safe_dump({
+        "model_name_or_path": str(tiny_model_dir), "dataset_name": str(tmp_path / "rows.jsonl"), "output_dir": str(out),
+        "per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 8, "max_steps": 2,
+        "learning_rate": 1e-3, "beta": 0.04, "bf16": False, "disable_tqdm": True, "save_strategy": "no",
+        "reward_funcs": ["my_rewards.short"],
+    }))
+    assert main(["train", "--from-trl", str(path), "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert (printed["loss"]["beta"], printed["loss"]["kl_importance_weighted"]) == (0.04, True)
+    assert main(["train", "--from-trl", str(path), "--set", "generation.dtype=null"]) == 0
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["kl"] > 0

@@ -76,6 +76,7 @@ def _base_loss(cfg: TrainConfig, rollout_correction: str) -> LossSpec:
         )
         return LossSpec(
             loss_type=lo.loss_type, clip=clip, beta=lo.beta, kl_estimator=lo.kl_estimator,
+            kl_importance_weighted=lo.kl_importance_weighted,
             entropy_coef=lo.entropy_coef, top_entropy_quantile=lo.top_entropy_quantile,
             rollout_correction=rollout_correction, rollout_correction_cap=lo.rollout_correction_cap,
             seq_logprob_error_threshold=lo.seq_logprob_error_threshold,

@@ -146,6 +146,10 @@ class LossSection:
     beta: float = field(default=0.0, metadata={"help": "KL coefficient to the reference (0 = no reference model)"})
     kl_estimator: Literal[tuple(KL_ESTIMATORS)] = field(default="k3", metadata={"help": (
         "KL estimator per token: k1, k2 or k3")})
+    kl_importance_weighted: bool = field(default=False, metadata={"help": (
+        "importance-weighted KL term (DeepSeek-V3.2, arXiv 2512.02556; TRL 1.16's default "
+        "use_bias_correction_kl): beta * rho * KL per token, rho = pi / pi_old at importance_sampling_level, "
+        "carrying gradient, so the KL gradient is the reverse KL's even on-policy; false: beta * KL")})
     # TR-DPO's reference that follows the policy (TRL sync_ref_model; core/reference_sync.py).
     sync_ref_model: bool = field(default=False, metadata={"help": (
         "TR-DPO (TRL sync_ref_model): every loss.ref_model_sync_steps optimizer steps the reference becomes "

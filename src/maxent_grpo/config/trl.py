@@ -8,7 +8,9 @@ Each field is
 * :class:`Mapped`: it becomes our keys with the same meaning. An absent field takes TRL's default
   (``default``), so the run is the one TRL would make from the same file, not ours with a few keys;
 * :class:`Refused`: no equivalent here; the conversion stops with one line naming the field and
-  why, unless the value asks for nothing TRL's default would not (``accepts``);
+  why, unless the value asks for nothing TRL's default would not (``accepts``). An absent field is
+  judged at TRL's default like a written one, so a TRL default that changes to something refused
+  here stops the conversion instead of changing the run;
 * :class:`Ignored`: no effect here (a DeepSpeed knob, a console display); a line says why.
 
 A field in none of them is refused as unknown. docs/TRL.md's table is :func:`markdown_table` of
@@ -51,15 +53,13 @@ from maxent_grpo.config.trl_fields import (
 __all__ = ["GRPO_FIELDS", "SCRIPT_FIELDS", "TRAINING_ARGUMENTS_FIELDS", "TRL_FIELDS", "Ignored", "Mapped", "Refused",
            "convert", "convert_with_origin", "load_trl_config", "name_trl_field"]
 
-_UNSET = object()  # a field with no TRL default
-
-
 # Fields applied before those that read them (a later transform's key wins on overlap).
 _ORDER = ("loss_type",)
 
 
 def _default(entry) -> Any:
-    return entry.default if isinstance(entry, Mapped) else _UNSET
+    """TRL's default of a field (every entry holds it; tests compare them with the installed TRL's)."""
+    return entry.default
 
 
 def convert(trl: Mapping[str, Any], table: Mapping[str, Mapped | Refused | Ignored] = TRL_FIELDS
@@ -81,8 +81,10 @@ def convert_with_origin(trl: Mapping[str, Any], table: Mapping[str, Mapped | Ref
     fields = {name: trl.get(name, _default(entry)) for name, entry in table.items()}
     notes = []
     for name, entry in table.items():
-        if isinstance(entry, Refused) and name in trl and not entry.allows(trl[name], fields):
-            raise ConfigError(f"{name}: {trl[name]!r} is refused: {entry.reason}")
+        # Judged at TRL's default too: a default TRL changes to a value refused here must not pass unnoticed.
+        if isinstance(entry, Refused) and not entry.allows(fields[name], fields):
+            written = "" if name in trl else " (TRL's default)"
+            raise ConfigError(f"{name}: {fields[name]!r}{written} is refused: {entry.reason}")
         if isinstance(entry, Ignored) and name in trl:
             notes.append(f"{name}: ignored: {entry.reason}")
     out, origin = _apply(fields, table)

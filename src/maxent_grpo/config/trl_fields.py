@@ -34,9 +34,11 @@ class Refused:
     ``when`` (text ``when_text``) accepts by the rest of the file."""
 
     reason: str
-    accepts: tuple = (None,)  # the first is TRL's default, unless trl_default says otherwise
+    accepts: tuple = (None,)  # the first is TRL's default, unless trl_default names another
     when: Callable[[Any, Mapping[str, Any]], bool] | None = None
     when_text: str = ""
+    # TRL's default where it is not one of accepts: a file that leaves the field out is then refused too
+    # (config/trl.py judges an absent field at its default).
     trl_default: Any = _FIRST_ACCEPTED
 
     @property
@@ -375,10 +377,9 @@ GRPO_FIELDS: dict[str, Mapped | Refused | Ignored] = {
                                            "TRL's older name of the clip; wins when set"),
     "off_policy_mask_threshold": Mapped(None, "method: opsm, opsm.delta", _nothing,
                                         "read with loss_type: set, the clipped-surrogate loss types train as OPSM"),
-    "use_bias_correction_kl": Refused(
-        "the KL term weighted by the importance ratio has no counterpart here; use_bias_correction_kl: false "
-        "trains with the plain k3 KL", (False,), when=lambda v, f: f["beta"] == 0, when_text="with beta 0",
-        trl_default=True),
+    "use_bias_correction_kl": _same("loss.kl_importance_weighted", True,
+                                    "true (TRL's default): beta * rho * k3, rho with gradient (ALGORITHMS.md §19); "
+                                    "false: beta * k3"),
     "log_completions": Ignored(_LOG, False),
     "log_multimodal": Ignored(_LOG, True),
     "num_completions_to_print": Ignored(_LOG),
@@ -483,16 +484,16 @@ SCRIPT_FIELDS: dict[str, Mapped | Refused | Ignored] = {
                         "rescales each column by a weight norm the push does not compute", (False,)),
     "load_in_8bit": Refused("quantised training is not supported here", (False,)),
     "load_in_4bit": Refused("quantised training is not supported here", (False,)),
-    "bnb_4bit_quant_type": Ignored("used only with load_in_4bit, which is refused"),
-    "use_bnb_nested_quant": Ignored("used only with load_in_4bit, which is refused"),
+    "bnb_4bit_quant_type": Ignored("used only with load_in_4bit, which is refused", "nf4"),
+    "use_bnb_nested_quant": Ignored("used only with load_in_4bit, which is refused", False),
     "bnb_4bit_quant_storage": Ignored("used only with load_in_4bit, which is refused"),
     "dataset_name": Mapped(None, "data.source", _dataset, "no instruction, system prompt or example added; every row"),
     "dataset_config": Refused("a dataset's named configuration cannot be chosen here (data.source loads its default)"),
     "dataset_train_split": _same("data.split", "train"),
-    "dataset_test_split": Ignored(_NO_EVAL),
+    "dataset_test_split": Ignored(_NO_EVAL, "test"),
     "dataset_streaming": Refused("streamed datasets are not supported here", (False,)),
-    "ignore_bias_buffers": Ignored("a DDP buffer-broadcast switch; the model is the same"),
-    "datasets": Refused("dataset mixtures are not supported here: give dataset_name", (None, [])),
+    "ignore_bias_buffers": Ignored("a DDP buffer-broadcast switch; the model is the same", False),
+    "datasets": Refused("dataset mixtures are not supported here: give dataset_name", ([], None)),
     "streaming": Refused("streamed datasets are not supported here", (False,)),
     "test_split_size": Refused("TRL's in-training eval is not done here; data.eval_size holds prompts out"),
     "reward_model_name_or_path": Mapped(None, "rewards", _nothing, "the first reward: {model: PATH_OR_ID} (the reward model)"),

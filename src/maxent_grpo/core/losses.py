@@ -117,6 +117,18 @@ def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Ten
     return seq[:, None] * torch.exp(logp - logp.detach())
 
 
+def kl_importance_weight(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """``rho`` ``[B, T]`` of the importance-weighted KL term (ALGORITHMS.md §19, DeepSeek-V3.2 arXiv 2512.02556,
+    TRL's ``use_bias_correction_kl``): ``exp(logp - old)`` per token, or per sequence
+    ``exp(masked mean_t(logp - old))`` broadcast over its tokens, as TRL does. It carries gradient (not
+    detached), so ``beta * rho * kl`` changes the KL gradient even on-policy, where its value is 1:
+    ``d(rho kl)/dlogp = d kl/dlogp + kl``."""
+    log_ratio = logp - old_logp.to(logp.dtype)
+    if level == "token":
+        return torch.exp(log_ratio)
+    return torch.exp(sequence_mean(log_ratio, mask))[:, None].expand_as(logp)
+
+
 def check_advantages(advantages: torch.Tensor, logp: torch.Tensor) -> None:
     if advantages.dim() != 1 or advantages.shape[0] != logp.shape[0]:
         raise ValueError(f"advantages must be [B={logp.shape[0]}], got shape {tuple(advantages.shape)}")

@@ -83,7 +83,8 @@ class MicroBatch:
 class LossSpec:
     """Everything the step's loss is made of (EasyDeL's ``loss_config``); the bounds are checked here.
 
-    Per token the loss is ``policy * top_entropy_mask * row_weight + beta * KL``,
+    Per token the loss is ``policy * top_entropy_mask * row_weight + beta * KL`` (``beta * rho * KL``
+    with ``kl_importance_weighted``, rho the policy / old-policy ratio carrying gradient, §19),
     aggregated by ``loss_type`` with the step's global counts; listwise policy
     losses add their group term; ``entropy_coef`` (alpha, §6) subtracts ``alpha * B``.
     ``policy_params`` is the registered policy loss's own settings record.
@@ -103,6 +104,7 @@ class LossSpec:
     clip: ClipSettings = ClipSettings()
     beta: float = 0.0
     kl_estimator: str = "k3"
+    kl_importance_weighted: bool = False  # beta * rho * KL per token, rho with gradient (§19)
     entropy_coef: float = 0.0
     top_entropy_quantile: float = 1.0
     rollout_correction: str = "none"

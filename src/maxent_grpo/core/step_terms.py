@@ -13,7 +13,8 @@ update's exact value):
 
 * ``policy``: the registered policy loss (``POLICY_LOSSES``), with the top-entropy
   token mask, the rollout correction and the sequence-error weights;
-* ``kl``: ``beta * KL(pi || pi_ref)`` per token; measured whenever a reference is scored;
+* ``kl``: ``beta * KL(pi || pi_ref)`` per token (or ``beta * rho * KL``, §19); measured whenever a
+  reference is scored;
 * ``distill``: on-policy distillation's reverse-KL term (``core/distill.py``);
 * ``entropy_bonus``: ``- alpha * H`` (§6).
 
@@ -33,7 +34,7 @@ import torch
 from maxent_grpo.core.distill import distill_token_loss, teacher_kl
 from maxent_grpo.core.entropy_terms import entropy_bonus, top_entropy_mask
 from maxent_grpo.core.losses import (
-    POLICY_LOSSES, LossMetric, PolicyInputs, StepNormalizer, aggregate, kl_penalty,
+    POLICY_LOSSES, LossMetric, PolicyInputs, StepNormalizer, aggregate, kl_importance_weight, kl_penalty,
 )
 from maxent_grpo.core.rollout_correction import correction_parts, seq_error_weights
 from maxent_grpo.core.step_inputs import LossSpec, MicroBatch
@@ -146,9 +147,10 @@ class PolicyStepTerm:
 
 @dataclass(frozen=True)
 class KLStepTerm:
-    """``beta * KL(pi || pi_ref)`` per token (the ``kl_estimator``), aggregated like the policy term.
-    Measured (``kl``, per token) whenever the micro-batch has reference log-probs; added only with
-    ``beta > 0``."""
+    """``beta * KL(pi || pi_ref)`` per token (the ``kl_estimator``), aggregated like the policy term;
+    with ``kl_importance_weighted``, ``beta * rho * KL`` (§19: rho the ratio to the proximal anchor at
+    the clip's ``importance_sampling_level``, carrying gradient). Measured (``kl``, the plain per-token
+    KL) whenever the micro-batch has reference log-probs; added only with ``beta > 0``."""
 
     spec: LossSpec
 
@@ -159,8 +161,14 @@ class KLStepTerm:
     def __call__(self, v: TokenView, facts: StepFacts) -> TermOut:
         if v.mb.ref_logps is None:
             return TermOut(None, {"kl": LossMetric(v.logp.new_zeros(()), "token")})
-        kl = kl_penalty(v.logp, v.mb.ref_logps, self.spec.kl_estimator)
-        loss = aggregate(self.spec.beta * kl, v.mask, self.spec.loss_type, facts.norm) if self.spec.beta > 0 else None
+        spec = self.spec
+        kl = kl_penalty(v.logp, v.mb.ref_logps, spec.kl_estimator)
+        loss = None
+        if spec.beta > 0:
+            penalty = kl
+            if spec.kl_importance_weighted:
+                penalty = kl * kl_importance_weight(v.logp, v.old, v.mask, spec.clip.importance_sampling_level)
+            loss = aggregate(spec.beta * penalty, v.mask, spec.loss_type, facts.norm)
         return TermOut(loss, {"kl": LossMetric((kl.detach() * v.mask).sum(), "token")})
 
 

@@ -67,6 +67,22 @@ def build_rows(model: torch.nn.Module, seed: int = 0, lengths=LENGTHS) -> dict[s
             "advantages": adv, "old_logps": old, "ref_logps": ref}
 
 
+def reference_logps(model: torch.nn.Module, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``[B, T]`` completion log-probs from full logits and a plain log_softmax (the float64 references'
+    own, sharing no code with the library's scoring)."""
+    p = PROMPT_LEN
+    attn = rows["attention_mask"]
+    positions = (attn.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=rows["input_ids"], attention_mask=attn, position_ids=positions, use_cache=False).logits
+    return torch.log_softmax(logits[:, p - 1 : -1], dim=-1).gather(-1, rows["input_ids"][:, p:, None]).squeeze(-1)
+
+
+def flat_grads(model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``loss`` over ``model``'s parameters, flat (0 where a parameter gets none)."""
+    grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+    return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, model.parameters())])
+
+
 def micro_batches(rows: dict[str, torch.Tensor], bounds, **extra: torch.Tensor) -> list[MicroBatch]:
     """Slice ``rows`` (and per-row ``extra`` tensors) into micro-batches ``[start, stop)``."""
     out = []

@@ -35,17 +35,9 @@ def rows(base_model):
     return out
 
 
-def _logps(model, rows):
-    p = worker.PROMPT_LEN
-    attn = rows["attention_mask"]
-    positions = (attn.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=rows["input_ids"], attention_mask=attn, position_ids=positions, use_cache=False).logits
-    return torch.log_softmax(logits[:, p - 1 : -1], dim=-1).gather(-1, rows["input_ids"][:, p:, None]).squeeze(-1)
-
-
 def reference_loss(model, rows, *, loss_type, level, on_policy, weighted=True, detach_rho=False):
     """The step's loss, token by token, from the spec."""
-    logp = _logps(model, rows)
+    logp = worker.reference_logps(model, rows)
     old = logp.detach() if on_policy else rows["old_logps"]
     ref = rows["ref_logps"]
     row_sums, lengths = [], []
@@ -71,11 +63,6 @@ def reference_loss(model, rows, *, loss_type, level, on_policy, weighted=True, d
     return sum(sum(row_sums[a:b]) / max(sum(lengths[a:b]), 1) for a, b in FOUR) / len(FOUR)  # bnpo
 
 
-def _grads(model, loss):
-    grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
-    return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, model.parameters())])
-
-
 def _ours(model, rows, *, loss_type, level, on_policy, weighted=True, beta=BETA):
     mbs = worker.micro_batches(rows, FOUR)
     if on_policy:
@@ -94,12 +81,12 @@ def test_value_and_gradient_match_the_reference(base_model, rows, loss_type, lev
     theirs = copy.deepcopy(base_model)
     result, grads = _ours(copy.deepcopy(base_model), rows, loss_type=loss_type, level=level, on_policy=on_policy)
     loss = reference_loss(theirs, rows, loss_type=loss_type, level=level, on_policy=on_policy)
-    expected = _grads(theirs, loss)
+    expected = worker.flat_grads(theirs, loss)
     assert result.loss == pytest.approx(loss.item(), rel=1e-10)
     assert float((grads - expected).abs().max()) < 1e-10 * float(expected.abs().max())
     # The mutations the spec names: rho detached (its gradient dropped), and the plain k3 term.
     for mutant in (dict(detach_rho=True), dict(weighted=False)):
-        wrong = _grads(copy.deepcopy(base_model), reference_loss(
+        wrong = worker.flat_grads(copy.deepcopy(base_model), reference_loss(
             copy.deepcopy(base_model), rows, loss_type=loss_type, level=level, on_policy=on_policy, **mutant))
         assert float((grads - wrong).abs().max()) > 1e-3 * float(expected.abs().max()), mutant
 

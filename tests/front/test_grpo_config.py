@@ -96,7 +96,7 @@ def test_a_field_set_after_construction_counts():
 
 
 @pytest.mark.parametrize("fields, line", [
-    (dict(loss_type="vespo"), r"^loss_type: 'vespo' has no counterpart here"),
+    (dict(loss_type="gfpo"), r"^loss_type: 'gfpo' has no counterpart here"),
     (dict(fp16=True), r"^fp16: True is refused: float16 training is not supported here"),
     (dict(learning_rate=-1.0), r"^learning_rate: -1.0 \(as training.learning_rate: must be >= 0\)"),
     (dict(per_device_train_batch_size=6), r"^per_device_train_batch_size: 6 x gradient_accumulation_steps 1"),

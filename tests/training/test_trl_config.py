@@ -162,7 +162,7 @@ def test_trls_reference_sync_off_policy_mask_and_rslora_compile_to_ours(tmp_path
     ({"use_dora": True}, "use_dora: True is refused: DoRA has no counterpart here"),
     ({"loss_type": "cispo", "off_policy_mask_threshold": 0.5},
      "off_policy_mask_threshold: the off-policy sequence mask goes with the clipped-surrogate loss types"),
-    ({"loss_type": "vespo"}, "loss_type: 'vespo' has no counterpart here"),
+    ({"loss_type": "gfpo"}, "loss_type: 'gfpo' has no counterpart here"),
     ({"per_device_train_batch_size": 6}, "per_device_train_batch_size: 6 x gradient_accumulation_steps 1 = 6"),
     ({"max_steps": -1, "num_train_epochs": 2.5}, "num_train_epochs: 2.5: here a run is whole passes over the data"),
     ({"num_iterations": 3}, "max_steps: 4 updates is not a multiple of num_iterations 3"),

@@ -134,7 +134,8 @@ class GenerationConfig:
 @dataclass
 class LossSection:
     loss_type: Literal[tuple(LOSS_AGGREGATIONS)] = field(default="dapo", metadata={"help": (  # core/losses.py
-        "aggregation: grpo (per-sequence mean), bnpo, dr_grpo (B*L_max), dapo (step tokens)")})
+        "aggregation: grpo (per-sequence mean), bnpo, dr_grpo (B*L_max), dapo (step tokens), "
+        "luspo (per-sequence sum, mean over sequences)")})
     epsilon: float = field(default=0.2, metadata={"help": "lower clip range of the importance ratio"})
     epsilon_high: float | None = field(default=None, metadata={"help": (
         "upper clip range (null = epsilon); DAPO clip-higher uses 0.28")})

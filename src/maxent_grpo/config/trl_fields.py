@@ -173,7 +173,8 @@ def _scheduler(value, f) -> dict:
 # TRL's loss_type -> (our method, our loss.loss_type): the four aggregations are ours under grpo;
 # cispo and sapo are methods here (their surrogate), aggregated as TRL aggregates them.
 _LOSS_TYPES = {"grpo": ("grpo", "grpo"), "bnpo": ("grpo", "bnpo"), "dr_grpo": ("grpo", "dr_grpo"),
-               "dapo": ("grpo", "dapo"), "cispo": ("cispo", "dapo"), "sapo": ("sapo", "grpo")}
+               "dapo": ("grpo", "dapo"), "cispo": ("cispo", "dapo"), "sapo": ("sapo", "grpo"),
+               "luspo": ("luspo", "luspo"), "vespo": ("vespo", "dapo")}
 
 
 def _loss_type(value, f) -> dict:
@@ -191,8 +192,9 @@ def _loss_type(value, f) -> dict:
     return {"method": "opsm", "opsm.delta": mask, "loss.loss_type": aggregation}
 
 
-def _sapo(key: str):
-    return lambda value, f: {key: value} if f["loss_type"] == "sapo" else {}
+def _for_loss(loss_type: str, key: str):
+    """A field read only with ``loss_type`` (SAPO's temperatures, VESPO's gamma parameters)."""
+    return lambda value, f: {key: value} if f["loss_type"] == loss_type else {}
 
 
 def _backend(value, f) -> dict:
@@ -342,17 +344,18 @@ GRPO_FIELDS: dict[str, Mapped | Refused | Ignored] = {
     "epsilon": _same("loss.epsilon", 0.2),
     "delta": _same("loss.delta", None),
     "epsilon_high": _same("loss.epsilon_high", None, "null: epsilon, as TRL"),
-    "sapo_temperature_neg": Mapped(1.05, "sapo.tau_neg", _sapo("sapo.tau_neg"), "with loss_type sapo"),
-    "sapo_temperature_pos": Mapped(1.0, "sapo.tau_pos", _sapo("sapo.tau_pos"), "with loss_type sapo"),
-    **{name: Refused("the VESPO loss has no counterpart here (loss_type vespo is refused)", (default,))
-       for name, default in (("vespo_k_pos", 2.0), ("vespo_lambda_pos", 3.0), ("vespo_k_neg", 3.0), ("vespo_lambda_neg", 2.0))},
+    "sapo_temperature_neg": Mapped(1.05, "sapo.tau_neg", _for_loss("sapo", "sapo.tau_neg"), "with loss_type sapo"),
+    "sapo_temperature_pos": Mapped(1.0, "sapo.tau_pos", _for_loss("sapo", "sapo.tau_pos"), "with loss_type sapo"),
+    **{f"vespo_{ours}": Mapped(default, f"vespo.{ours}", _for_loss("vespo", f"vespo.{ours}"), "with loss_type vespo")
+       for ours, default in (("k_pos", 2.0), ("lambda_pos", 3.0), ("k_neg", 3.0), ("lambda_neg", 2.0))},
     "importance_sampling_level": _same("loss.importance_sampling_level", "token"),
     "reward_weights": Mapped(None, "rewards[i].weight", _nothing, "read with reward_funcs, in its order"),
     "multi_objective_aggregation": _same("loss.multi_objective_aggregation", "sum_then_normalize"),
     "scale_rewards": Mapped("group", "loss.scale_rewards", _scale_rewards,
                             "true: group, false: none; batch with normalize_then_sum, whatever it says (as TRL)"),
     "loss_type": Mapped("dapo", "method, loss.loss_type", _loss_type,
-                        "grpo, bnpo, dr_grpo, dapo: method grpo; cispo: method cispo (dapo); sapo: method sapo (grpo)"),
+                        "grpo, bnpo, dr_grpo, dapo: method grpo; cispo: method cispo (dapo); sapo: method sapo (grpo); "
+                        "luspo: method luspo (luspo); vespo: method vespo (dapo)"),
     "mask_truncated_completions": _same("loss.mask_truncated_completions", False),
     "sync_ref_model": _same("loss.sync_ref_model", False, "TR-DPO (here it needs beta > 0 and no LoRA)"),
     "ref_model_mixup_alpha": _same("loss.ref_model_mixup_alpha", 0.6),

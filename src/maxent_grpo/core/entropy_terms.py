@@ -15,10 +15,11 @@ from maxent_grpo.core.bounds import require
 from maxent_grpo.core.losses import Aggregator, StepNormalizer, aggregate_bnpo, aggregate_dapo, aggregate_grpo
 
 # How the entropy term is averaged for each loss_type (§6): sequence means for
-# grpo / dr_grpo, token means for bnpo / dapo.
+# grpo / dr_grpo / luspo, token means for bnpo / dapo.
 ENTROPY_AGGREGATIONS: dict[str, Aggregator] = {
     "grpo": aggregate_grpo,
     "dr_grpo": aggregate_grpo,
+    "luspo": aggregate_grpo,
     "bnpo": aggregate_bnpo,
     "dapo": aggregate_dapo,
 }

@@ -253,6 +253,13 @@ def aggregate_dapo(per_token: torch.Tensor, mask: torch.Tensor, norm: StepNormal
     return _row_sums(per_token, mask).sum() / max(norm.num_tokens, 1)
 
 
+def aggregate_luspo(per_token: torch.Tensor, mask: torch.Tensor, norm: StepNormalizer) -> torch.Tensor:
+    """``sum_i S_i / num_sequences``: each sequence's loss summed over its tokens, then the mean over the
+    step's sequences (LUSPO, arXiv 2602.05261; ALGORITHMS.md §21): a sequence weighs in proportion to its
+    length, where ``grpo``'s per-sequence mean weighs every sequence the same."""
+    return _row_sums(per_token, mask).sum() / max(norm.num_sequences, 1)
+
+
 Aggregator = Callable[[torch.Tensor, torch.Tensor, StepNormalizer], torch.Tensor]
 
 LOSS_AGGREGATIONS: dict[str, Aggregator] = {
@@ -260,6 +267,7 @@ LOSS_AGGREGATIONS: dict[str, Aggregator] = {
     "bnpo": aggregate_bnpo,
     "dr_grpo": aggregate_dr_grpo,
     "dapo": aggregate_dapo,
+    "luspo": aggregate_luspo,
 }
 
 

@@ -1,11 +1,11 @@
 """Training methods, one file per family; ``get_method(name)`` returns one.
 
 * ``advantage.py``: group-advantage methods on the clipped surrogate (GRPO, Dr.GRPO,
-  DAPO, GSPO, token-entropy MaxEnt) and CISPO's truncated IS weight.
+  DAPO, GSPO, LUSPO, token-entropy MaxEnt) and CISPO's truncated IS weight.
 * ``listwise.py``: MaxEnt listwise targets (``maxent_listwise``).
 * ``seed_grpo.py``: SEED-GRPO's semantic-entropy advantage scaling.
 * ``xdr.py``: xDr tempered group aggregation.
-* ``sapo.py``, ``gmpo.py``, ``dppo.py``, ``opsm.py``: a peer's policy loss each, one
+* ``sapo.py``, ``gmpo.py``, ``dppo.py``, ``opsm.py``, ``vespo.py``: a peer's policy loss each, one
   ``register_policy_loss_method`` call (the loss itself is in ``core/peer_losses.py``).
 * ``maxrl.py``, ``replay.py``: MaxRL's advantage; verified mode replay's settings.
 

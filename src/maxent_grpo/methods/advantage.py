@@ -1,7 +1,8 @@
 """Group-advantage methods: the policy term is a per-token surrogate on ``A_i`` (ALGORITHMS.md §2-3, §6-7).
 
 They differ in their preset (aggregation, clipping, reward scaling) and in the
-policy loss (the PPO clipped surrogate, or CISPO's truncated importance weight).
+policy loss (the PPO clipped surrogate, or CISPO's truncated importance weight). GSPO and LUSPO
+take one ratio per sequence; LUSPO sums each sequence's loss over its tokens.
 SEED-GRPO, which scales the advantages by semantic entropy, is in ``seed_grpo.py``.
 """
 
@@ -26,6 +27,13 @@ register(Method(
 register(Method(
     "gspo", "grpo", "GSPO: sequence-level importance ratio with a narrow clip",
     preset={"loss.importance_sampling_level": "sequence", "loss.epsilon": 3e-4, "loss.epsilon_high": 4e-4},
+))
+register(Method(
+    # LUSPO (arXiv 2602.05261; ALGORITHMS.md §21): GSPO's ratio and clip, each sequence's loss summed over its
+    # tokens (loss.loss_type: luspo), so a long sequence weighs in proportion to its length.
+    "luspo", "grpo", "LUSPO: GSPO's sequence ratio and clip, per-sequence sums averaged over sequences",
+    preset={"loss.loss_type": "luspo", "loss.importance_sampling_level": "sequence", "loss.epsilon": 3e-4,
+            "loss.epsilon_high": 4e-4},
 ))
 register(Method(
     # MiniMax-M1 / ScaleRL: the IS weight min(r, eps_max) is clipped and detached, so every

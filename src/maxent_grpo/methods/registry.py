@@ -208,11 +208,12 @@ def section_of(params: type, name: str, help: Mapping[str, str], module: str) ->
 
 
 def register_policy_loss_method(name: str, params: type, help: Mapping[str, str], summary: str,
-                                loss_type: str, module: str) -> type:
+                                loss_type: str, module: str,
+                                check: Callable[[PlanInputs], list[tuple[str, str]]] = no_checks) -> type:
     """Register the ``grpo``-family method that is the registered policy loss ``name`` with its own
     params record: its ``name:`` section is :func:`section_of` ``params`` (help on each field), its
-    loss is ``name`` with the section's values, its preset sets ``loss.loss_type``. Returns the
-    section record (SAPO, GMPO, DPPO, OPSM are each one call)."""
+    loss is ``name`` with the section's values, its preset sets ``loss.loss_type``, ``check`` its
+    cross-key checks. Returns the section record (SAPO, GMPO, DPPO, OPSM, VESPO are each one call)."""
     section = section_of(params, f"{name.capitalize()}Config", help, module)
 
     def loss(inputs: PlanInputs) -> LossSpec:
@@ -220,7 +221,7 @@ def register_policy_loss_method(name: str, params: type, help: Mapping[str, str]
                                    policy_params=params(**dataclasses.asdict(inputs.settings)))
 
     register(Method(name, "grpo", summary, preset={"loss.loss_type": loss_type}, section=name,
-                    settings=section, loss=loss))
+                    settings=section, loss=loss, check=check))
     return section
 
 

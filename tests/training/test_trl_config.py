@@ -325,8 +325,14 @@ def test_an_absent_field_is_judged_at_trls_default(monkeypatch):
         convert({"model_name_or_path": "m", "dataset_name": "d", "reward_funcs": ["think_format_reward"]})
 
 
-def test_a_trl_yaml_with_beta_and_no_flag_trains_the_weighted_kl_term(tmp_path, tiny_model_dir, capsys):
-    """TRL 1.16's default: beta 0.04 with use_bias_correction_kl left out is the importance-weighted KL term."""
+@pytest.mark.parametrize("fields, method, printed_loss", [
+    ({"beta": 0.04}, "grpo", {"beta": 0.04, "kl_importance_weighted": True}),
+    ({"loss_type": "luspo", "importance_sampling_level": "sequence"}, "luspo", {"loss_type": "luspo"}),
+    ({"loss_type": "vespo", "vespo_k_pos": 1.5}, "vespo", {"loss_type": "dapo"}),
+], ids=["beta-no-flag", "luspo", "vespo"])
+def test_trl_1_16_files_print_and_train(tmp_path, tiny_model_dir, capsys, fields, method, printed_loss):
+    """TRL 1.16's default KL term (beta 0.04 with use_bias_correction_kl left out: the importance-weighted
+    one) and its two newest loss types, from a TRL file: --print-config shows them, and 2 steps train."""
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "answer": str(i + 1)}) + "\n"
                                                  for i in range(8)))
     (tmp_path / "my_rewards.py").write_text(REWARDS_FILE)
@@ -335,12 +341,18 @@ def test_a_trl_yaml_with_beta_and_no_flag_trains_the_weighted_kl_term(tmp_path, 
     path.write_text(yaml.safe_dump({
         "model_name_or_path": str(tiny_model_dir), "dataset_name": str(tmp_path / "rows.jsonl"), "output_dir": str(out),
         "per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 8, "max_steps": 2,
-        "learning_rate": 1e-3, "beta": 0.04, "bf16": False, "disable_tqdm": True, "save_strategy": "no",
-        "reward_funcs": ["my_rewards.short"],
+        "learning_rate": 1e-3, "bf16": False, "disable_tqdm": True, "save_strategy": "no",
+        "reward_funcs": ["my_rewards.short"], **fields,
     }))
     assert main(["train", "--from-trl", str(path), "--print-config"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert (printed["loss"]["beta"], printed["loss"]["kl_importance_weighted"]) == (0.04, True)
+    assert printed["method"] == method and {k: printed["loss"][k] for k in printed_loss} == printed_loss
+    if method == "vespo":
+        assert printed["vespo"]["k_pos"] == 1.5
     assert main(["train", "--from-trl", str(path), "--set", "generation.dtype=null"]) == 0
     rows = read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2] and rows[1]["kl"] > 0
+    assert [r["step"] for r in rows] == [1, 2]
+    if "beta" in fields:
+        assert rows[1]["kl"] > 0
+    if method == "vespo":
+        assert "vespo/phi_seq_mean" in rows[1]

@@ -125,7 +125,10 @@ def test_ignored_fields_say_why():
     assert [n.split(":")[0] for n in trainer.notes] == ["logging_steps", "torch_compile"]
 
 
-def test_without_args_the_output_dir_is_trls():
+def test_without_args_the_output_dir_is_trls(tmp_path):
     trainer = GRPOTrainer(model="org/Some-Model", reward_funcs=reward, train_dataset=ROWS)
     assert str(trainer.output_dir) == "Some-Model-GRPO"
+    trainer = GRPOTrainer(model=tmp_path / "my-model", reward_funcs=reward, train_dataset=ROWS)  # a Path
+    assert str(trainer.output_dir) == "my-model-GRPO"
+    assert trainer.plan.model.name_or_path == str(tmp_path / "my-model")
 

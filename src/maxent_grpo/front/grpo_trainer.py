@@ -68,6 +68,8 @@ class GRPOTrainer:
         rollout_func: Callable | None = None,
         environment_factory: Any = None,
     ):
+        if isinstance(model, os.PathLike):
+            model = os.fspath(model)
         if args is None:
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
             args = GRPOConfig(f"{name.rstrip('/').split('/')[-1]}-GRPO")

@@ -8,6 +8,7 @@ entry of :class:`PythonObjects`, which ``compile_run`` puts into the plan.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +51,8 @@ def gather(given: Given, *, trl_conventions: bool) -> tuple[dict[str, Any], Pyth
     takes (a built-in or ``module:function``), and no ``reward_funcs`` leaves the config's rewards."""
     keys: dict[str, Any] = {}
     model, tokenizer = given.model, given.processing_class
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
     if model is not None and not isinstance(model, str):
         keys.update(_model_keys(model))
         if tokenizer is None:
@@ -58,9 +61,7 @@ def gather(given: Given, *, trl_conventions: bool) -> tuple[dict[str, Any], Pyth
         keys["model.name_or_path"] = model
     rewards: dict[str, Callable] = {}
     if trl_conventions or given.reward_funcs is not None:
-        entries, rewards = _rewards(given, trl_conventions)
-        if entries:
-            keys["rewards"] = entries
+        keys["rewards"], rewards = _rewards(given, trl_conventions)
     if given.train_dataset is not None:
         keys["data.source"] = f"{PYTHON_PREFIX}train_dataset"
     if isinstance(given.eval_dataset, Mapping):

@@ -35,7 +35,8 @@ class PythonObjects:
     rewards: Mapping[str, Callable] = field(default_factory=dict)  # "python:NAME" -> reward function
     train_dataset: Any = None  # a datasets.Dataset / IterableDataset, or a list of row dicts
     eval_dataset: Any = None  # held-out prompts for in-loop evaluation (in place of data.eval_size)
-    environments: Mapping[str, Callable] = field(default_factory=dict)  # "python:NAME" -> environment class
+    # "python:NAME" -> an environment class (or factory) of environment.classes, or a tool of environment.tools
+    environments: Mapping[str, Callable] = field(default_factory=dict)
     callbacks: tuple = ()  # transformers TrainerCallback objects, and the trainer's own observers
 
     def reward(self, reference: str, key: str) -> Callable:

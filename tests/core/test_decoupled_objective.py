@@ -162,6 +162,8 @@ def _reference_aggregate(per_token, loss_type, bounds):
         return sum(sums) / N_TOK
     if loss_type == "dr_grpo":
         return sum(sums) / (N * L_MAX)
+    if loss_type == "luspo":
+        return sum(sums) / N
     assert loss_type == "bnpo"
     return sum(sum(sums[a:b]) / max(sum(worker.LENGTHS[a:b]), 1) for a, b in bounds) / len(bounds)
 

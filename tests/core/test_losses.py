@@ -193,6 +193,8 @@ def _agg_reference(loss_type, per_token, mask, num_micro_batches=1, l_max=None):
         return sum(s for s, _ in rows) / max(sum(t for _, t in rows), 1) / num_micro_batches
     if loss_type == "dr_grpo":
         return sum(s for s, _ in rows) / (len(rows) * l_max)
+    if loss_type == "luspo":  # per-sequence sums, the mean over all the step's sequences
+        return sum(s for s, _ in rows) / len(rows)
     return sum(s for s, _ in rows) / max(sum(t for _, t in rows), 1)
 
 
@@ -213,7 +215,7 @@ def test_aggregation_matches_reference_and_handles_empty_rows(loss_type):
     assert empty.item() == 0.0
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "luspo"])
 def test_step_invariant_aggregations_sum_over_micro_batches(loss_type):
     per_token = torch.randn(8, 6, dtype=F64)
     norm = StepNormalizer(8, int(LENGTH_MASK.sum()), 4, max_completion_length=6)

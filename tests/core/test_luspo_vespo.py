@@ -167,6 +167,10 @@ def test_vespo_weight_properties():
     with_c = vespo_weights(logp, logp, mask, adv, P, correction=c)
     log_w = 3 * math.log(0.5)
     assert with_c[0].item() == pytest.approx(math.exp(P.lambda_pos + P.k_pos * log_w - P.lambda_pos * math.exp(log_w)))
+    # A sequence-level one (the row's weight on each of its tokens) enters once.
+    once = vespo_weights(logp, logp, mask, adv, P, correction=c, correction_level="sequence")
+    log_w = math.log(0.5)
+    assert once[0].item() == pytest.approx(math.exp(P.lambda_pos + P.k_pos * log_w - P.lambda_pos * math.exp(log_w)))
 
 
 def test_vespo_is_trls_loss_type_with_its_fields():
@@ -181,7 +185,3 @@ def test_vespo_is_trls_loss_type_with_its_fields():
                                          "reward_funcs": ["think_format_reward"], "vespo_k_pos": 1.5})[0]
     plan = compiled(overrides=["method=vespo", "vespo.k_neg=2.5"])
     assert plan.method.loss.policy_loss == "vespo" and plan.method.loss.policy_params == VespoParams(k_neg=2.5)
-    from maxent_grpo.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="^loss.rollout_correction: sequence_mask with method vespo"):
-        compiled(overrides=["method=vespo", "loss.rollout_correction=sequence_mask"])

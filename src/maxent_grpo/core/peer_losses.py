@@ -499,20 +499,27 @@ class VespoParams:
 
 
 def vespo_weights(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
-                  params: VespoParams, correction: torch.Tensor | None = None) -> torch.Tensor:
+                  params: VespoParams, correction: torch.Tensor | None = None,
+                  correction_level: str = "token") -> torch.Tensor:
     """``phi_i`` ``[B]``, detached (§22; arXiv 2602.10693, TRL's ``get_gamma_weights``).
 
     ``log w_i = clamp(sum_t m_t clamp(logp_t - old_t, -20, 20) + sum_t m_t log c_t, log 1e-8, 20)``: the
     **sum** over the sequence's tokens, with ``c_t`` the token-level rollout-correction weight when one is
-    in use (``log c_t`` clamped to ``[log 1e-8, 20]``); ``phi_i = exp(lam + k log w_i - lam w_i)`` (so
-    ``phi(1) = 1``), ``k, lam`` by the sign of ``A_i``; a non-finite ``phi`` is 0.
+    in use (``log c_t`` clamped to ``[log 1e-8, 20]``); a sequence-level correction (``correction_level``,
+    one weight on all the row's tokens) enters once, ``+ log c_i``. ``phi_i = exp(lam + k log w_i - lam w_i)``
+    (so ``phi(1) = 1``), ``k, lam`` by the sign of ``A_i``; a non-finite ``phi`` is 0.
     """
     with torch.no_grad():
         m = mask.to(logp.dtype)
         seq = (_clamped_log_ratio(logp, old_logp) * m).sum(-1)
         if correction is not None:
             log_c = torch.clamp(torch.log(correction.to(logp.dtype)), VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
-            seq = seq + torch.where(m > 0, log_c, torch.zeros_like(log_c)).sum(-1)
+            log_c = torch.where(m > 0, log_c, torch.zeros_like(log_c))
+            if correction_level == "token":
+                seq = seq + log_c.sum(-1)
+            else:  # the row's one weight, once (an empty row: 0)
+                seq = seq + torch.where(m > 0, log_c, torch.full_like(log_c, math.inf)).amin(-1).nan_to_num(
+                    posinf=0.0)
         log_w = torch.clamp(seq, VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
         nonneg = advantages.to(logp.dtype) >= 0
         k = torch.where(nonneg, torch.full_like(log_w, params.k_pos), torch.full_like(log_w, params.k_neg))
@@ -529,16 +536,15 @@ def vespo_objective(inputs: PolicyInputs, norm: StepNormalizer) -> PolicyTerm:
     No clip: per token ``l_t = -phi_i * A_i * logp_t`` with the detached gamma weight ``phi_i`` of the
     sequence's importance ratio (:func:`vespo_weights`), so the gradient is ``-phi_i A_i`` per token;
     aggregated like DAPO (``loss_type: dapo``, the step's active tokens), as TRL does. The rollout
-    correction (token level only; methods/vespo.py checks) is inside ``w``, so the loss is registered
-    ``applies_correction`` and the step does not multiply it in again. Shapes: ``[B, T]`` log-probs and
+    correction is inside ``w`` (token by token, or once per sequence at sequence level), so the loss is
+    registered ``applies_correction`` and the step does not multiply it in again. Shapes: ``[B, T]`` log-probs and
     masks, ``[B]`` advantages. Metrics: ``vespo/phi_seq_mean`` (the mean of ``phi`` over the step's
     sequences), and the ``clip_ratio/*`` keys at 0 (nothing is clipped).
     """
     p: VespoParams = _loss_params(inputs, VespoParams)
     check_advantages(inputs.advantages, inputs.logp)
-    if inputs.correction_weights is not None and inputs.correction_level != "token":
-        raise ValueError("vespo: the rollout correction enters w token by token; a sequence-level one has no place")
-    phi = vespo_weights(inputs.logp, inputs.old_logp, inputs.mask, inputs.advantages, p, inputs.correction_weights)
+    phi = vespo_weights(inputs.logp, inputs.old_logp, inputs.mask, inputs.advantages, p, inputs.correction_weights,
+                        inputs.correction_level)
     adv = inputs.advantages.to(inputs.logp.dtype)
     per_token = policy_token_term(-(phi * adv)[:, None] * inputs.logp, inputs)
     metrics = {"vespo/phi_seq_mean": LossMetric(phi.sum(), "sequence"), **clip_metrics(None, per_token)}

@@ -1,24 +1,13 @@
 """VESPO (Variational Sequence-Level Soft Policy Optimization, arXiv 2602.10693; ALGORITHMS.md §22): no
 clip; a smooth, asymmetric gamma weight of the sequence's importance ratio scales a REINFORCE term,
 aggregated like DAPO; TRL 1.16's ``loss_type: vespo``. The loss is ``core.peer_losses``'s ``vespo``;
-this file is the method: its ``vespo:`` settings, its preset and its check.
+this file is the method: its ``vespo:`` settings and its preset.
 """
 
 from __future__ import annotations
 
 from maxent_grpo.core.peer_losses import VespoParams
-from maxent_grpo.core.rollout_correction import correction_parts
-from maxent_grpo.methods.registry import PlanInputs, register_policy_loss_method
-
-
-def _token_level_correction(inputs: PlanInputs) -> list[tuple[str, str]]:
-    """The rollout correction enters VESPO's sequence weight token by token (as TRL requires)."""
-    mode = inputs.loss.rollout_correction
-    if mode != "none" and correction_parts(mode)[0] != "token":
-        return [("loss.rollout_correction", f"{mode} with method vespo: its weight takes a token-level correction "
-                 "(token_truncate or token_mask), or none")]
-    return []
-
+from maxent_grpo.methods.registry import register_policy_loss_method
 
 # The vespo: section is VespoParams's fields and defaults (core/peer_losses.py), with help on each.
 VespoConfig = register_policy_loss_method("vespo", VespoParams, {
@@ -28,4 +17,4 @@ VespoConfig = register_policy_loss_method("vespo", VespoParams, {
     "lambda_neg": "VESPO gamma rate lambda for sequences with A < 0 (TRL vespo_lambda_neg)",
 },
     "VESPO: -phi(w) * A * log pi, phi a gamma weight of the sequence ratio, no clip, token-level mean",
-    loss_type="dapo", module=__name__, check=_token_level_correction)
+    loss_type="dapo", module=__name__)

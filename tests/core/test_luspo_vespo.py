@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from maxent_grpo.core.peer_losses import VespoParams, vespo_weights
+from maxent_grpo.core.vespo import VespoParams, vespo_weights
 
 _spec = importlib.util.spec_from_file_location("ddp_step_worker", Path(__file__).resolve().parents[1] / "ddp_step_worker.py")
 worker = importlib.util.module_from_spec(_spec)

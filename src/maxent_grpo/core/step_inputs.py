@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from maxent_grpo.core import listwise, peer_losses
+from maxent_grpo.core import listwise, peer_losses, vespo
 from maxent_grpo.core.bounds import require
 from maxent_grpo.core.distill import DistillTerm
 from maxent_grpo.core.entropy_terms import check_top_entropy_quantile
@@ -18,8 +18,8 @@ from maxent_grpo.core.losses import POLICY_LOSSES, ClipSettings, check_aggregati
 from maxent_grpo.core.rollout_correction import check_rollout_correction, check_seq_logprob_error_threshold
 
 # Imported for their registrations in POLICY_LOSSES, which LossSpec checks its name against:
-# the listwise losses, SAPO, GMPO, DPPO, OPSM.
-REGISTERING_MODULES = (listwise, peer_losses)
+# the listwise losses, SAPO, GMPO, DPPO, OPSM, VESPO.
+REGISTERING_MODULES = (listwise, peer_losses, vespo)
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ class VllmConfig:
     # over NCCL would need vLLM's weight-transfer API with CUDA on both ends (docs/VLLM.md).
     weight_sync: Literal["disk"] = field(default="disk", metadata={"help": (
         "vllm_server: disk (a safetensors folder the server reads); the only sync offered: NCCL transfer "
-        "needs CUDA on trainer and server, untestable here (docs/VLLM.md)")})
+        "needs CUDA on trainer and server and is not offered (docs/VLLM.md)")})
     # Folder the disk sync writes into; the server must read it. null: /dev/shm for a server on this
     # machine (vllm_server.shared_memory_sync_dir), else OUTPUT_DIR/vllm_weights.
     sync_dir: str | None = field(default=None, metadata={"help": (

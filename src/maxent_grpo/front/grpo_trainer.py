@@ -75,16 +75,7 @@ class GRPOTrainer:
             args = GRPOConfig(f"{name.rstrip('/').split('/')[-1]}-GRPO")
         if not isinstance(args, GRPOConfig):
             raise ConfigError(f"args: a {type(args).__name__}; give maxent_grpo.GRPOConfig (TRL's fields, names and defaults)")
-        if tuple(optimizers) != (None, None):
-            raise ConfigError("optimizers: a custom optimizer and scheduler are not taken here; set GRPOConfig.optim, "
-                              "lr_scheduler_type and their fields")
-        if quantization_config is not None:
-            raise ConfigError("quantization_config: quantised training is not supported here")
-        if rollout_func is not None:
-            raise ConfigError("rollout_func: a custom rollout is not taken here; multi-turn rollouts run through "
-                              "environment_factory or tools")
-        if train_dataset is None:
-            raise ConfigError("train_dataset: required (a datasets.Dataset or IterableDataset with a prompt column)")
+        _refuse_what_has_no_counterpart(optimizers, quantization_config, rollout_func, train_dataset)
         self.args = args
         trl_fields = args.given()
         keys, notes, origin = convert_with_origin(trl_fields, FIELDS)
@@ -191,3 +182,17 @@ class GRPOTrainer:
             else:
                 shutil.copy2(path, out / path.name)
         return out
+
+
+def _refuse_what_has_no_counterpart(optimizers, quantization_config, rollout_func, train_dataset) -> None:
+    """TRL's arguments this library does not take, each refused in one line naming it."""
+    if tuple(optimizers) != (None, None):
+        raise ConfigError("optimizers: a custom optimizer and scheduler are not taken here; set GRPOConfig.optim, "
+                          "lr_scheduler_type and their fields")
+    if quantization_config is not None:
+        raise ConfigError("quantization_config: quantised training is not supported here")
+    if rollout_func is not None:
+        raise ConfigError("rollout_func: a custom rollout is not taken here; multi-turn rollouts run through "
+                          "environment_factory or tools")
+    if train_dataset is None:
+        raise ConfigError("train_dataset: required (a datasets.Dataset or IterableDataset with a prompt column)")

@@ -110,6 +110,8 @@ prompt (4 groups of 8 on modebench_pkg data); an answer its verifier cannot scor
     srv.add_argument("--lora-rank", type=int, default=None, metavar="R",
                      help="plan the server for LoRA adapters of rank R, loaded at run time "
                      "(generation.vllm.lora_sync: adapter; R = model.lora.r)")
+    srv.add_argument("--lm-head-fp32", action="store_true",
+                     help="the LM head's matmul in float32 (vLLM's head_dtype), for model.lm_head_fp32")
     srv.add_argument("--print-command", action="store_true", help="print the command instead of running it")
 
     rep = sub.add_parser("report", help="plots and an HTML page for runs", description="Plot one run, or overlay several.")
@@ -225,7 +227,7 @@ def _serve(args) -> int:
         kv_gib = DEFAULT_CPU_KV_CACHE_GIB
     cmd, env = server_command(
         resolve_model_path(args.model), host=args.host, port=args.port, dtype=args.dtype, extra=args.vllm_args,
-        cpu_kv_cache_gib=kv_gib, lora_rank=args.lora_rank,
+        cpu_kv_cache_gib=kv_gib, lora_rank=args.lora_rank, head_fp32=args.lm_head_fp32,
     )
     if args.print_command:
         shown = {k: env[k] for k in ("VLLM_SERVER_DEV_MODE", "VLLM_CPU_KVCACHE_SPACE",

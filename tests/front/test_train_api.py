@@ -116,6 +116,17 @@ def test_a_peft_model_object_trains_its_adapters_only(tiny_model_dir, tmp_path):
     assert "enabled: true" in config and "r: 4" in config
 
 
+def test_a_float32_head_over_a_peft_wrapped_head_is_one_line(tiny_model_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    base, tokenizer = _load(tiny_model_dir)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "lm_head"], task_type="CAUSAL_LM"))
+    with pytest.raises(UserError, match=r"^model.lm_head_fp32: the model's LM head is a .*, not a plain nn.Linear"):
+        maxent_grpo.train(_config(tmp_path / "run", model={"lm_head_fp32": True}), model=model,
+                          processing_class=tokenizer, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                          train_dataset=ROWS)
+
+
 def test_an_iterable_dataset_is_read_as_far_as_the_run_goes(tiny_model_dir, tmp_path):
     from datasets import Dataset
 

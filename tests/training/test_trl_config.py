@@ -325,14 +325,17 @@ def test_an_absent_field_is_judged_at_trls_default(monkeypatch):
         convert({"model_name_or_path": "m", "dataset_name": "d", "reward_funcs": ["think_format_reward"]})
 
 
-@pytest.mark.parametrize("fields, method, printed_loss", [
-    ({"beta": 0.04}, "grpo", {"beta": 0.04, "kl_importance_weighted": True}),
-    ({"loss_type": "luspo", "importance_sampling_level": "sequence"}, "luspo", {"loss_type": "luspo"}),
-    ({"loss_type": "vespo", "vespo_k_pos": 1.5}, "vespo", {"loss_type": "dapo"}),
-], ids=["beta-no-flag", "luspo", "vespo"])
-def test_trl_1_16_files_print_and_train(tmp_path, tiny_model_dir, capsys, fields, method, printed_loss):
+@pytest.mark.parametrize("fields, method, printed_keys", [
+    ({"beta": 0.04}, "grpo", {"loss.beta": 0.04, "loss.kl_importance_weighted": True}),
+    ({"loss_type": "luspo", "importance_sampling_level": "sequence"}, "luspo", {"loss.loss_type": "luspo"}),
+    ({"loss_type": "vespo", "vespo_k_pos": 1.5}, "vespo", {"loss.loss_type": "dapo", "vespo.k_pos": 1.5}),
+    ({"cast_lm_head_to_fp32": True, "bf16": True}, "grpo",
+     {"model.lm_head_fp32": True, "training.autocast_bf16": True}),
+], ids=["beta-no-flag", "luspo", "vespo", "fp32-head"])
+def test_trl_1_16_files_print_and_train(tmp_path, tiny_model_dir, capsys, fields, method, printed_keys):
     """TRL 1.16's default KL term (beta 0.04 with use_bias_correction_kl left out: the importance-weighted
-    one) and its two newest loss types, from a TRL file: --print-config shows them, and 2 steps train."""
+    one), its two newest loss types and its float32 LM head, from a TRL file: --print-config shows them,
+    and 2 steps train."""
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "answer": str(i + 1)}) + "\n"
                                                  for i in range(8)))
     (tmp_path / "my_rewards.py").write_text(REWARDS_FILE)
@@ -346,9 +349,8 @@ def test_trl_1_16_files_print_and_train(tmp_path, tiny_model_dir, capsys, fields
     }))
     assert main(["train", "--from-trl", str(path), "--print-config"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["method"] == method and {k: printed["loss"][k] for k in printed_loss} == printed_loss
-    if method == "vespo":
-        assert printed["vespo"]["k_pos"] == 1.5
+    assert printed["method"] == method
+    assert {k: printed[k.split(".")[0]][k.split(".")[1]] for k in printed_keys} == printed_keys
     assert main(["train", "--from-trl", str(path), "--set", "generation.dtype=null"]) == 0
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]

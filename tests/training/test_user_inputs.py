@@ -90,6 +90,9 @@ CASES = {
     "adapter-sync-rank": (["--set", "model.lora.enabled=true", "--set", "model.lora.r=1024",
                            "--set", "generation.backend=vllm", "--set", "generation.vllm.lora_sync=adapter"],
                           "model.lora.r: 1024 is above the largest rank vLLM's LoRA engine takes (512)"),
+    "fp32-head-under-lora": (["--set", "model.lora.enabled=true", "--set", "model.lm_head_fp32=true",
+                              "--set", "model.lora.target_modules=[q_proj,lm_head]"],
+                             "model.lm_head_fp32: the float32 head cannot be a LoRA-wrapped head"),
 }
 
 

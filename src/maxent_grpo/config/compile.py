@@ -87,6 +87,14 @@ def _base_loss(cfg: TrainConfig, rollout_correction: str) -> LossSpec:
         raise ConfigError(f"{_KEYS.get(err.setting, 'loss.' + err.setting)}: {err.problem}") from None
 
 
+def _head_note(cfg: TrainConfig) -> tuple[str, ...]:
+    """A server samples with the head it was started with: say how to start it with a float32 one."""
+    if not (cfg.model.lm_head_fp32 and cfg.generation.backend == "vllm_server"):
+        return ()
+    return ("model.lm_head_fp32: the vLLM server's LM head is float32 only if it was started with "
+            "`maxent-grpo serve MODEL --lm-head-fp32` (vLLM's head_dtype)",)
+
+
 def _ref_sync(cfg: TrainConfig) -> RefSync | None:
     lo = cfg.loss
     if not lo.sync_ref_model:
@@ -253,12 +261,12 @@ def compile_run(cfg: TrainConfig, machine: Machine, objects: PythonObjects | Non
                           target_modules=tuple(lora.target_modules), use_rslora=lora.use_rslora)
             if lora.enabled else None,
             gradient_checkpointing=t.gradient_checkpointing, autocast_bf16=precision.autocast_bf16,
-            given=given_model, given_tokenizer=given_tokenizer,
+            lm_head_fp32=m.lm_head_fp32, given=given_model, given_tokenizer=given_tokenizer,
         ),
         sampler=SamplerPlan(
             backend=g.backend, sample_dtype=precision.sample_dtype, batch_size=g.batch_size,
             share_prompts=precision.share_prompts, compile=precision.compile_decoding, vllm=g.vllm,
-            size_from_prompts=BACKENDS[g.backend].plans_context and g.vllm.max_model_len is None and episodes is None,
+            lm_head_fp32=m.lm_head_fp32, size_from_prompts=BACKENDS[g.backend].plans_context and g.vllm.max_model_len is None and episodes is None,
             params=sampling, system_prompt=d.system_prompt, few_shot=tuple(d.few_shot),
         ),
         optimizer=OptimizerPlan(
@@ -296,6 +304,6 @@ def compile_run(cfg: TrainConfig, machine: Machine, objects: PythonObjects | Non
         dist_timeout_minutes=t.dist_timeout_minutes,
         seed=t.seed,
         source=dataclasses.asdict(cfg),
-        notes=precision.notes + micro_note,
+        notes=precision.notes + micro_note + _head_note(cfg),
     )
     return plan if t.max_steps is None else with_steps(plan, t.max_steps)

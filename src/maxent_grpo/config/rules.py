@@ -54,6 +54,9 @@ def check_run(cfg: TrainConfig, machine: Machine, master: str, *, eval_rows_give
         require(machine.processes >= strategy.min_processes, "training.strategy",
                 f"{strategy.name} needs several processes (torchrun --nproc_per_node N, "
                 f"N >= {strategy.min_processes}); with one process use ddp")
+    require(not (lora and cfg.model.lm_head_fp32 and "lm_head" in cfg.model.lora.target_modules),
+            "model.lm_head_fp32", "the float32 head cannot be a LoRA-wrapped head; leave lm_head out of "
+            "model.lora.target_modules")
     require(not (t.gradient_checkpointing and t.share_prompts is True), "training.gradient_checkpointing",
             "needs training.share_prompts: false (a shared prompt's KV cache cannot be recomputed in the backward)")
     total = prompts_per_step(cfg) * g.num_generations

@@ -56,6 +56,10 @@ class ModelConfig:
         "local folder, hub name, or smollm2-135m-instruct (the packaged model)")})
     dtype: Literal["float32", "bfloat16", "float64"] = field(default="float32", metadata={"help": (
         "compute dtype; trained weights stay float32 (fp32 master weights), bfloat16 means bf16 autocast")})
+    lm_head_fp32: bool = field(default=False, metadata={"help": (
+        "the LM head's matmul in float32 under bf16 compute, on the trainer, the reference and the sampler "
+        "(a bf16 sampling copy keeps its head float32; vLLM gets head_dtype float32): bf16-rounded logits "
+        "are a main source of the sampler/trainer log-prob gap (ScaleRL; TRL's cast_lm_head_to_fp32)")})
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 

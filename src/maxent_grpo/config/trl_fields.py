@@ -302,7 +302,7 @@ GRPO_FIELDS: dict[str, Mapped | Refused | Ignored] = {
     "trust_remote_code": Refused("models load without remote code here", (False,)),
     "router_aux_loss_coef": Refused("a mixture-of-experts router loss is not added here"),
     "disable_dropout": Ignored("dropout is always off here (models.py), as with disable_dropout: true", False),
-    "cast_lm_head_to_fp32": Refused("the head runs in the policy's dtype here (model.dtype: float32 for full precision)", (False,)),
+    "cast_lm_head_to_fp32": _same("model.lm_head_fp32", False),
     "num_generations": _same("generation.num_generations", 8),
     "num_generations_eval": Refused("TRL's in-training eval is refused; here eval.k sets samples per held-out prompt"),
     "max_completion_length": _same("generation.max_new_tokens", 512),

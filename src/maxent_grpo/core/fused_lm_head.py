@@ -15,7 +15,9 @@ price is the LM-head matmul once more in the backward. EasyDeL's
 the same.
 
 Under autocast the logits are recomputed in the backward under the same
-autocast state as in the forward, so both passes see the same numbers.
+autocast state as in the forward, so both passes see the same numbers. With ``fp32``
+(``model.lm_head_fp32``, ``core/fp32_head.py``) the chunks of logits are built in float32 with
+autocast off, in both passes, whatever the dtype of the hidden states and the weight.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ from maxent_grpo.core.chunked_softmax import (
 
 
 def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, autocast) -> torch.Tensor:
+    """One chunk's logits; ``autocast`` is ``(enabled, dtype)`` or ``"fp32"`` (float32, autocast off)."""
+    if autocast == "fp32":
+        with torch.autocast(h.device.type, enabled=False):
+            return F.linear(h.float(), weight.float(), None if bias is None else bias.float())
     with torch.autocast(h.device.type, dtype=autocast[1], enabled=autocast[0]):
         return F.linear(h, weight, bias)
 
@@ -43,9 +49,9 @@ class _FusedHeadLogps(torch.autograd.Function):
     """Log-probs (+ entropies) of ``targets [N]`` under ``softmax((h W^T + b) / T)`` for ``h [N, H]``."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, with_entropy, chunk_rows):
+    def forward(ctx, hidden, weight, bias, targets, temperature, with_entropy, chunk_rows, fp32):
         device = hidden.device.type
-        autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        autocast = "fp32" if fp32 else (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         n = hidden.shape[0]
         logps = torch.empty(n, dtype=torch.float64 if weight.dtype == torch.float64 else torch.float32,
                             device=hidden.device)
@@ -82,7 +88,7 @@ class _FusedHeadLogps(torch.autograd.Function):
         if not ctx.with_entropy:
             grad_ents = None
         if grad_logps is None and grad_ents is None:
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
         # Accumulated over chunks in float32 at least: a bf16 running sum would lose digits.
@@ -116,7 +122,7 @@ class _FusedHeadLogps(torch.autograd.Function):
                 grad_b += dz.sum(0)
         grad_w = None if grad_w is None else grad_w.to(weight.dtype)
         grad_b = None if grad_b is None else grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
 def lm_head_logps(
@@ -128,6 +134,7 @@ def lm_head_logps(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    fp32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``targets`` under ``softmax((hidden @ weight.T + bias) / temperature)``
     and, if ``with_entropy``, the entropies of those distributions.
@@ -138,7 +145,8 @@ def lm_head_logps(
     float64 ``weight``) shaped like ``targets``; the entropy is None unless
     ``with_entropy``. Differentiable (once) w.r.t. ``hidden``, ``weight`` and
     ``bias``; a weight tied to the input embeddings gets this gradient added to
-    its embedding gradient by autograd, as with an ordinary LM head.
+    its embedding gradient by autograd, as with an ordinary LM head. ``fp32``: the logits in
+    float32 with autocast off (a :class:`~maxent_grpo.core.fp32_head.Float32Head`'s arithmetic).
     """
     temperature = check_temperature(temperature)
     chunk_rows = check_chunk_rows(chunk_rows)
@@ -151,6 +159,6 @@ def lm_head_logps(
     check_ids(targets, weight.shape[0], "targets")
     logps, ents = _FusedHeadLogps.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1).long(),
-        temperature, bool(with_entropy), chunk_rows,
+        temperature, bool(with_entropy), chunk_rows, bool(fp32),
     )
     return logps.view(targets.shape), (ents.view(targets.shape) if with_entropy else None)

@@ -27,6 +27,7 @@ from maxent_grpo.core.completion_logits import (
     lm_head,
     supports_fused_head,
 )
+from maxent_grpo.core.fp32_head import is_fp32_head
 from maxent_grpo.core.fused_lm_head import lm_head_logps
 
 __all__ = [
@@ -179,7 +180,7 @@ def get_per_token_logps_and_entropies(
         head = lm_head(model)  # after the forward (see lm_head)
         return lm_head_logps(
             hidden, head.weight, head.bias, targets,
-            temperature=temperature, with_entropy=with_entropy, chunk_rows=chunk_rows,
+            temperature=temperature, with_entropy=with_entropy, chunk_rows=chunk_rows, fp32=is_fp32_head(head),
         )
     logits = completion_logits(model, input_ids, attention_mask, prompt_length, share_prompts=share_prompts, pack=pack)
     return selective_logps(

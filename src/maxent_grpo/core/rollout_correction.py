@@ -22,7 +22,7 @@ and entropy terms are not importance-weighted), as TRL and verl do.
 
 Metric definitions follow their sources: TRL's
 ``sampling/sampling_logp_difference/{mean,max}`` = token mean / max of ``|d|``
-and ``sampling/importance_sampling_ratio/{min,mean,max}`` of the raw ratio at
+(and ``.../rms``, the root of the token mean of ``d**2``, the gap as ScaleRL reports it) and ``sampling/importance_sampling_ratio/{min,mean,max}`` of the raw ratio at
 the correction's level (token ratios when correction is off); NeMo-RL's
 ``token_mult_prob_error`` = token mean of ``exp(|d|)``, ``gen_kl_error`` =
 token mean of the k3 estimate ``exp(d) - d - 1`` of ``KL(pi_gen || pi_old)``
@@ -153,6 +153,7 @@ class MismatchSums:
     ratio_max: float
     seq_masked: float = 0.0  # sequences left out by seq_logprob_error_threshold
     ratio_above_cap: float = 0.0  # ratios above the correction's cap C: truncated or masked (§15)
+    sq_diff_sum: float = 0.0  # sum of squared token log-prob differences (the RMS gap)
 
 
 def rollout_mismatch_sums(
@@ -197,7 +198,8 @@ def rollout_mismatch_sums(
     ])
     # One transfer for all twelve (on an accelerator each float() would be a sync).
     above = 0 if cap is None else int((ratio > cap).sum())
-    return MismatchSums(*values.tolist(), seq_masked=float(masked), ratio_above_cap=float(above))
+    return MismatchSums(*values.tolist(), seq_masked=float(masked), ratio_above_cap=float(above),
+                        sq_diff_sum=float(d.square().sum()))
 
 
 # How each field of MismatchSums combines; the empty batch's values are these operations' identities.
@@ -222,6 +224,7 @@ def mismatch_metrics(s: MismatchSums) -> dict[str, float]:
     return {
         "sampling/sampling_logp_difference/mean": s.abs_diff_sum / tokens,
         "sampling/sampling_logp_difference/max": s.abs_diff_max,
+        "sampling/sampling_logp_difference/rms": math.sqrt(s.sq_diff_sum / tokens),
         "sampling/importance_sampling_ratio/min": s.ratio_min if s.ratio_count else 1.0,
         "sampling/importance_sampling_ratio/mean": s.ratio_sum / ratios if s.ratio_count else 1.0,
         "sampling/importance_sampling_ratio/max": s.ratio_max if s.ratio_count else 1.0,

@@ -48,6 +48,7 @@ class BackendInputs:
     compile: bool  # hf: static KV cache and a compiled decoding step (rollout/compiled_decode.py)
     vllm: VllmConfig
     seed: int
+    lm_head_fp32: bool = False  # vllm: the engine's LM head in float32 (hf_overrides head_dtype)
     world_size: int = 1
     is_main: bool = True
     any_rank: Callable[[bool], bool] | None = None  # True on every rank when the flag is on any
@@ -159,7 +160,7 @@ def _build_vllm(i: BackendInputs) -> GenerationBackend:
         enable_sleep_mode=v.enable_sleep_mode, enforce_eager=v.enforce_eager, world_size=i.world_size, seed=i.seed,
         max_num_seqs=v.max_num_seqs, max_num_batched_tokens=v.max_num_batched_tokens,
         lora_rank=adapter_rank(i.model) if adapter else None,
-        adapter_dir=_adapter_dir(i.default_sync_dir) if adapter else None,
+        adapter_dir=_adapter_dir(i.default_sync_dir) if adapter else None, head_fp32=i.lm_head_fp32,
     )
     if adapter:
         weakref.finalize(backend, shutil.rmtree, backend.adapter_dir, True)

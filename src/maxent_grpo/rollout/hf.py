@@ -34,6 +34,7 @@ import torch
 from transformers import DynamicCache, LogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from maxent_grpo.core.completion_logits import cache_kwarg
+from maxent_grpo.core.fp32_head import is_fp32_head, keep_head_float32
 from maxent_grpo.rollout.compiled_decode import DecodeGraphs, batch_bucket, cache_bucket, supports_compile
 from maxent_grpo.rollout.backend import Completion, PromptGroup, SamplingParams, TokenPrompts
 
@@ -157,6 +158,8 @@ class HFGenerationBackend(TokenPrompts):
             if hasattr(model, "peft_config"):
                 raise ValueError("dtype: a separate generation copy is not supported for LoRA (peft) models")
             self.model = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
+            if is_fp32_head(self.model.get_output_embeddings()):
+                keep_head_float32(self.model)  # the trainer's float32 head weights, unrounded
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.seed = seed

@@ -48,6 +48,7 @@ class VLLMColocateBackend(TokenPrompts):
         gpu_memory_utilization: float = 0.3, max_model_len: int | None = None, enable_sleep_mode: bool = False,
         enforce_eager: bool = False, world_size: int = 1, seed: int = 0, max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None, lora_rank: int | None = None, adapter_dir: Path | None = None,
+        head_fp32: bool = False,
     ):
         # The engine core and its worker must live in this process: the weight push hands
         # them a generator of tensors that cannot cross a process boundary (and copying
@@ -82,6 +83,8 @@ class VLLMColocateBackend(TokenPrompts):
             tensor_parallel_size=1,
             max_num_seqs=max_num_seqs,  # None: vLLM's default for the platform
             max_num_batched_tokens=max_num_batched_tokens,
+            # The LM head's matmul in float32 (model.lm_head_fp32), as the trainer's: vLLM's head_dtype.
+            **({"hf_overrides": {"head_dtype": "float32"}} if head_fp32 else {}),
             **lora,
         )
         self.sleep = EngineSleep(self.llm, enabled=enable_sleep_mode)

@@ -70,6 +70,7 @@ DEFAULT_CPU_KV_CACHE_GIB = 2
 def server_command(
     model_path: str, *, host: str = "127.0.0.1", port: int = 8000, dtype: str = "auto", extra: list[str] = (),
     python: str = sys.executable, cpu_kv_cache_gib: int | None = None, lora_rank: int | None = None,
+    head_fp32: bool = False,
 ) -> tuple[list[str], dict[str, str]]:
     """The command and environment that start vLLM's server the way this client expects it.
 
@@ -77,14 +78,15 @@ def server_command(
     build (where the ``vllm`` command fails at a package-metadata lookup);
     ``VLLM_SERVER_DEV_MODE=1`` turns on ``/collective_rpc`` and ``/reset_prefix_cache``;
     ``cpu_kv_cache_gib`` sets the CPU build's ``VLLM_CPU_KVCACHE_SPACE``; ``lora_rank`` plans the
-    server for one LoRA adapter of that rank, loaded at run time (``lora_sync: adapter``).
+    server for one LoRA adapter of that rank, loaded at run time (``lora_sync: adapter``); ``head_fp32``
+    runs the LM head's matmul in float32 (vLLM's ``head_dtype``, for ``model.lm_head_fp32``).
     """
     lora = [] if lora_rank is None else ["--enable-lora", "--max-lora-rank", str(engine_lora_rank(lora_rank)),
                                          "--max-loras", "1"]
     cmd = [
         python, "-m", "maxent_grpo.rollout.vllm_serve", str(model_path),
         "--host", host, "--port", str(port), "--dtype", dtype, "--logprobs-mode", "processed_logprobs",
-        *lora, *extra,
+        *lora, *(["--hf-overrides", json.dumps({"head_dtype": "float32"})] if head_fp32 else []), *extra,
     ]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     if lora_rank is not None:

@@ -9,7 +9,9 @@ from typing import Any
 import torch
 from transformers import get_scheduler
 
+from maxent_grpo.core.fp32_head import has_linear_head, use_fp32_head
 from maxent_grpo.core.logprobs import Scoring
+from maxent_grpo.errors import UserError
 from maxent_grpo.models import (
     apply_lora, enable_activation_checkpointing, fill_pad_token, is_peft_model, load_tokenizer, prepare_tokenizer,
     reference_context,
@@ -34,6 +36,7 @@ class ModelPlan:
     lora: LoraPlan | None  # None: full fine-tuning
     gradient_checkpointing: bool
     autocast_bf16: bool  # resolved from auto
+    lm_head_fp32: bool  # the LM head's matmul in float32 (core/fp32_head.py), policy and reference
     # A model given as a Python object (name_or_path is then its python: reference): trained in place,
     # with its own LoRA adapters when it is a peft model; and a tokenizer given (None: read from the folder).
     given: torch.nn.Module | None = None
@@ -65,6 +68,12 @@ def load_policy(m: ModelPlan, model_path: str | None, strategy: Strategy):
 
     def adapt(model: torch.nn.Module) -> torch.nn.Module:
         fill_pad_token(model, tokenizer)
+        if m.lm_head_fp32:  # before LoRA, which config rules keep off the head
+            if not has_linear_head(model):  # a given peft model whose adapters wrap the head
+                raise UserError(f"model.lm_head_fp32: the model's LM head is a "
+                                f"{type(model.get_output_embeddings()).__name__}, not a plain nn.Linear; "
+                                "leave lm_head out of the adapter's target modules")
+            use_fp32_head(model)
         if m.lora is not None and not is_peft_model(model):  # a given peft model brings its own adapters
             model = apply_lora(model, r=m.lora.r, alpha=m.lora.alpha, dropout=m.lora.dropout,
                                target_modules=list(m.lora.target_modules), use_rslora=m.lora.use_rslora)
@@ -87,8 +96,10 @@ def load_reference(m: ModelPlan, model_path: str | None, strategy: Strategy) -> 
     if m.lora is not None:
         return None
     if m.given is not None:
-        return strategy.adopt_reference(m.given, dtype=m.dtype)
-    return strategy.load_reference(model_path, dtype=m.dtype)
+        reference = strategy.adopt_reference(m.given, dtype=m.dtype)
+    else:
+        reference = strategy.load_reference(model_path, dtype=m.dtype)
+    return use_fp32_head(reference) if m.lm_head_fp32 else reference
 
 
 def reference_scorer(scoring: Scoring, model, reference: torch.nn.Module | None):

@@ -27,6 +27,9 @@ class SamplerPlan:
     share_prompts: bool  # hf: prefill each distinct prompt once
     compile: bool  # hf: static KV cache and a compiled decoding step
     vllm: VllmConfig
+    # The engine's LM head in float32 (model.lm_head_fp32): vllm gets hf_overrides head_dtype float32. The
+    # hf backend samples through the policy's own head (or its copy's), already a Float32Head then.
+    lm_head_fp32: bool
     # A colocated engine with no vllm.max_model_len plans its KV cache from the data's prompts; an
     # episode's context grows past its prompt (tool descriptions, turns): the engine keeps the model's length.
     size_from_prompts: bool
@@ -46,7 +49,7 @@ def build_sampler(
     return BACKENDS[s.backend].build(BackendInputs(
         model=model, tokenizer=tokenizer, model_path=model_path,
         sample_dtype=None if s.sample_dtype is None else parse_dtype(s.sample_dtype), batch_size=s.batch_size,
-        share_prompts=s.share_prompts, compile=s.compile, vllm=s.vllm, seed=seed, world_size=world_size, is_main=is_main,
+        share_prompts=s.share_prompts, compile=s.compile, vllm=s.vllm, lm_head_fp32=s.lm_head_fp32, seed=seed, world_size=world_size, is_main=is_main,
         any_rank=any_rank, synced_gpus=synced_gpus, default_sync_dir=sync_dir,
         max_prompt_tokens=longest_prompt_tokens(
             tokenizer, prompts(), system_prompt=s.system_prompt, few_shot=s.few_shot,
@@ -60,5 +63,7 @@ def describe_sampling(s: SamplerPlan) -> str:
     p = s.params
     copy = "the policy itself" if s.sample_dtype is None else f"a {s.sample_dtype} copy"
     compiled = " (compiled decoding)" if s.compile else ""
+    if s.lm_head_fp32:
+        copy += ", float32 LM head"
     return (f"sampling: {s.backend}{compiled} from {copy}, temperature {p.temperature:g}, top_p {p.top_p:g}, top_k {p.top_k}, "
             f"max_new_tokens {p.max_new_tokens}, stop {list(p.stop)}")

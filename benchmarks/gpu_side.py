@@ -4,7 +4,7 @@ Run as ``python -m benchmarks.gpu_side --side ours|trl|trl-static --setting S.js
 (``trl-static``: TRL with ``cache_implementation: static``).
 Each side runs in this process, its phase functions wrapped by a :class:`PhaseMeter`:
 
-* generate: HF generation. Ours: ``rollout_queue.produce_rollouts`` (the rewards, string checks,
+* generate: HF generation. Ours: ``pipeline.produce_rollouts`` (the rewards, string checks,
   included); TRL: ``GRPOTrainer._generate``.
 * score: the log-prob passes before the update (reference, old policy) and the advantages. Ours:
   ``pipeline._score_and_weight``; TRL: the rest of ``_generate_and_score_completions`` (its rewards included).
@@ -88,6 +88,8 @@ def run_ours(setting, model_dir: Path, work: Path, meter: PhaseMeter):
     from maxent_grpo import cli
     from maxent_grpo.training import loop, pipeline, rollout_queue
 
+    # The synchronous loop's batch (prepare_training_batch) and the rollout queue's each call their own name.
+    meter.wrap(pipeline, "produce_rollouts", "generate")
     meter.wrap(rollout_queue, "produce_rollouts", "generate")
     meter.wrap(pipeline, "_score_and_weight", "score")
     meter.wrap(loop, "_update_and_log", "update")

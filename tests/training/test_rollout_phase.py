@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 from contextlib import contextmanager
 
-from maxent_grpo.rollout.data_plane import Skipped
-from maxent_grpo.training.pipeline import finish_batch, produce_rollouts
+from maxent_grpo.training.pipeline import prepare_training_batch
+from maxent_grpo.training.skip_counts import SkipCounts
 from maxent_grpo.training.setup import build_run
 from maxent_grpo.training.validation import validate
 from tiny_runs import compiled, tiny_overrides
@@ -57,9 +57,11 @@ def test_a_step_is_one_phase_around_every_round_and_an_evaluation_is_another(tin
     try:
         recorder = PhaseRecorder(run.ctx.backend)
         run.ctx = dataclasses.replace(run.ctx, backend=recorder)
-        record = produce_rollouts(run.ctx, run.sampler.next_batch(), run.sampler.next_batch, step=0, version=0)
-        outcome = finish_batch(run.ctx, record, run.state.weighting)
-        assert isinstance(outcome, Skipped) and outcome.stage == "dynamic_sampling"
+        skips = SkipCounts()
+        prepared = prepare_training_batch(run.ctx, recorder, run.sampler.next_batch(), weighting=run.state.weighting,
+                                          skips=skips, more_rows=run.sampler.next_batch)
+        assert prepared is None and skips.last.stage == "dynamic_sampling" and dict(skips.by_stage) == {
+            "dynamic_sampling": 1}
         assert recorder.phases == [[2, 2, 2]]  # three rounds of the step's 2 prompts, one phase
         validate(run, 1)
         assert len(recorder.phases) == 2 and len(recorder.phases[1]) >= 2  # sampled and greedy: one phase

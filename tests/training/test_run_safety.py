@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from maxent_grpo.cli import main
-from maxent_grpo.training.checkpoint import find_latest_checkpoint, list_checkpoints, verify_checkpoint
+from maxent_grpo.training.checkpoint import find_latest_checkpoint, list_checkpoints, read_trainer_state, verify_checkpoint
 from maxent_grpo.training.metrics import read_metrics
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -98,6 +98,10 @@ def test_a_reward_failing_from_step_3_stops_the_run_with_a_checkpoint(tiny_model
     assert "3 batches in a row failed" in err and "judge unreachable" in err and "at step 2" in err
     assert [p.name for p in list_checkpoints(out)] == ["step-2"] and f"checkpoint {out}/checkpoints/step-2" in err
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2]
+    # The run of skips is saved with it: a resumed run goes on counting where this one stopped.
+    saved = read_trainer_state(out / "checkpoints" / "step-2")
+    assert (saved["skips"], saved["skips_in_a_row"]) == ({"reward": 3}, 3)
+    assert saved["last_skip"][0] == "reward" and "judge unreachable (call 5)" in saved["last_skip"][1]
 
 
 def test_no_values_are_never_logged_as_zero_and_signal_less_batches_are_counted(tiny_model_dir, tmp_path, capsys, caplog):

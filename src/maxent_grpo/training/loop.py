@@ -1,8 +1,9 @@
 """``train()``: the whole loop, top to bottom.
 
-rollouts (``RolloutQueue``: generate -> reward, now or ``rollout.max_staleness``
-steps ahead) -> score -> weight (``finish_batch``) -> loss and step (``grpo_step``)
--> weights to the sampler -> controllers -> log -> checkpoint -> evaluate.
+the batch (synchronous: ``prepare_training_batch``, generate -> reward -> score -> weight in a row;
+otherwise the ``RolloutQueue``'s rollouts, sampled ``rollout.max_staleness`` steps ahead or through
+another data plane, then ``finish_batch``) -> loss and step (``grpo_step``) -> weights to the sampler
+-> controllers -> evaluate -> log -> checkpoint.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from maxent_grpo.core.reference_sync import due, mix_into_reference
 from maxent_grpo.core.step import OptimizerUpdate, StepHooks, grpo_step
 from maxent_grpo.errors import UserError
 from maxent_grpo.kill_points import kill_point
-from maxent_grpo.rollout.data_plane import Skipped
 from maxent_grpo.rewards.maxent import controller_state_dict, update_controllers
 from maxent_grpo.training.checkpoint import find_latest_checkpoint
 from maxent_grpo.training.collapse import CollapseWatch
@@ -31,7 +31,7 @@ from maxent_grpo.training.distributed import process_group
 from maxent_grpo.training.interrupt import RunInterrupted, StopSignals
 from maxent_grpo.training.learning_signal import ConstantRewardWatch, no_signal_cause
 from maxent_grpo.training.metrics import MetricsLog, log_training_step, read_metrics, summarize_weight_stats
-from maxent_grpo.training.pipeline import finish_batch
+from maxent_grpo.training.pipeline import PreparedBatch, count_batch, finish_batch, prepare_training_batch
 from maxent_grpo.training.run_plan import RunPlan, with_beta
 from maxent_grpo.training.replay import admit_batch, replay_batch
 from maxent_grpo.training.setup import Run, build_run
@@ -85,7 +85,7 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
         total=schedule.max_steps, initial=state.start_step, desc=run.plan.method.name, unit="step",
         disable=not (run.plan.logging.progress_bar and ctx.dist.is_main), dynamic_ncols=True,
     )
-    consecutive_skips, last_save, last_skip = 0, time.monotonic(), None
+    last_save = time.monotonic()
     collapse = CollapseWatch(run.plan.logging.collapse_window, run.plan.method.collapse_advice)
     constant_rewards = ConstantRewardWatch()
     while state.step < schedule.max_steps:
@@ -96,10 +96,15 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
             # Batch `step` (sampled now, or rollout.max_staleness steps ago) and the sampling of the
             # coming ones; each batch draws from its own seed (run seed, rank, batch), so a resumed
             # run or any number of processes samples exactly what an uninterrupted run would.
-            run.rollouts.begin_step(step)
-            record = run.rollouts.take(step)
-            outcome = finish_batch(ctx, record, state.weighting)
-            if not isinstance(outcome, Skipped) and not ctx.dist.any_rank(outcome.has_signal):
+            record = None  # a batch the rollout queue hands over, counted below
+            if run.rollouts.synchronous:
+                outcome = prepare_training_batch(ctx, ctx.backend, run.rollouts.draw(step), weighting=state.weighting,
+                                                 skips=state.skips, step=step, more_rows=run.rollouts.draw_rows)
+            else:
+                run.rollouts.begin_step(step)
+                record = run.rollouts.take(step)
+                outcome = finish_batch(ctx, record, state.weighting)
+            if isinstance(outcome, PreparedBatch) and not ctx.dist.any_rank(outcome.has_signal):
                 _count_no_signal(run, outcome, step + 1)
         except StopIteration:
             log.info("data exhausted after %d epochs at step %d", schedule.num_epochs, step)
@@ -110,24 +115,19 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
         # From here to the end of the step a second Ctrl-C finishes the step (and its metrics
         # line and checkpoint) rather than tearing it; the stop check then saves and exits.
         with stop.protected():
-            # Counted once the step is sure to end: a step abandoned before this point saves its batch
-            # (still on the plane) for the resumed run, which counts it then.
-            state.skips.update(record.dropped)
-            if isinstance(outcome, Skipped):
-                state.skips[outcome.stage] += 1
-                log.warning("skipping batch: %s", outcome)
-                last_skip = outcome
+            # A queued batch is counted once the step is sure to end: a step abandoned before this point
+            # saves it (still on the plane) for the resumed run, which counts it then.
+            prepared = outcome if record is None else count_batch(record, outcome, state.skips)
+            if prepared is None:
                 lost = _end_step(run, step)  # the batch sampled meanwhile waits for the next step
                 if lost is not None:
                     raise _sampler_lost(run, step, lost)
-                consecutive_skips += 1
-                if consecutive_skips >= schedule.max_consecutive_skips:
-                    raise _too_many_skips(run, step, consecutive_skips, last_skip)
+                if state.skips.in_a_row >= schedule.max_consecutive_skips:
+                    raise _too_many_skips(run, step)
             else:
-                consecutive_skips = 0
-                _update_and_log(run, outcome, record, t_start, cpu_start, metrics_log)
+                _update_and_log(run, prepared, t_start, cpu_start, metrics_log)
                 step = state.step
-                for line in constant_rewards.observe(outcome.reward_comp.per_function, outcome.reward_comp.reward_names):
+                for line in constant_rewards.observe(prepared.reward_comp.per_function, prepared.reward_comp.reward_names):
                     _warn(run, "constant_reward", line, step)
                 line = collapse.observe(run.last_metrics)
                 if line is not None:
@@ -136,7 +136,7 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
                 bar.set_postfix(_postfix(run.last_metrics), refresh=False)
             if _stop_requested(run, stop):
                 raise _interrupted(run)
-            if not isinstance(outcome, Skipped) and step < schedule.max_steps and _save_due(run, step, last_save):
+            if prepared is not None and step < schedule.max_steps and _save_due(run, step, last_save):
                 run.save()
                 last_save = time.monotonic()
     bar.close()
@@ -146,7 +146,7 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
     return RunSummary(run.output_dir, state.step, final, history)
 
 
-def _update_and_log(run: Run, prepared, record, t_start: float, cpu_start: float, metrics_log) -> None:
+def _update_and_log(run: Run, prepared: PreparedBatch, t_start: float, cpu_start: float, metrics_log) -> None:
     """The optimizer step on ``prepared``, the controllers, and the step's metrics; advances ``run.state.step``."""
     ctx, plan, state = run.ctx, run.plan, run.state
     step = state.step
@@ -155,7 +155,7 @@ def _update_and_log(run: Run, prepared, record, t_start: float, cpu_start: float
     result = _policy_update(run, prepared, step + 1, timings)
     timings["time/policy"] = time.perf_counter() - t_policy - timings["time/optimizer"]
     lost = _end_step(run, step, trained=True)
-    timings.update(run.rollouts.metrics(step, record))
+    timings.update(run.rollouts.metrics(step, prepared.version))
     state.step = step = step + 1
 
     # Controllers run once per step on globally averaged inputs (§8).
@@ -167,7 +167,7 @@ def _update_and_log(run: Run, prepared, record, t_start: float, cpu_start: float
     if "replay/time_s" in timings:  # what verified replay costs: its passes and its admission, of the whole step
         timings["replay/time_share"] = (timings["replay/time_s"] + timings["time/replay_admission"]) / timings["time/total"]
     timings["step_cpu_time"] = time.process_time() - cpu_start
-    extra = {f"skipped/{k}": float(v) for k, v in state.skips.items()}
+    extra = state.skips.metrics()
     if lost is None and run.eval_rows and plan.schedule.eval_due(step):
         t_eval = time.perf_counter()
         extra.update(validate(run, step))
@@ -305,7 +305,7 @@ def _count_no_signal(run: Run, prepared, step: int) -> None:
     skipped in effect. The step still runs (KL and entropy terms, the optimizer state, as in TRL)
     and does not count as a failure: a model that has mastered the task gets such batches too.
     The warning names what this process's batch shows of the cause (training/learning_signal.py)."""
-    skips = run.state.skips
+    skips = run.state.skips.by_stage
     skips["no_signal"] += 1
     n = skips["no_signal"]
     if n == 1 or n % 10 == 0:
@@ -359,12 +359,13 @@ def _abandoned(run: Run, data_before: dict) -> RunInterrupted:
     return RunInterrupted(f"interrupted during step {step + 1} (abandoned): {where}", path, step)
 
 
-def _too_many_skips(run: Run, step: int, count: int, last: Skipped) -> TrainingError:
+def _too_many_skips(run: Run, step: int) -> TrainingError:
     path = _save_or_latest(run)
     where = f"checkpoint {path}" if path is not None else "no checkpoint (no step had finished)"
+    skips = run.state.skips
     return TrainingError(
-        f"{count} batches in a row failed (training.max_consecutive_skips={run.plan.schedule.max_consecutive_skips}) "
-        f"at step {step}; last error: {last}; {where}"
+        f"{skips.in_a_row} batches in a row failed (training.max_consecutive_skips="
+        f"{run.plan.schedule.max_consecutive_skips}) at step {step}; last error: {skips.last}; {where}"
     )
 
 

@@ -5,9 +5,13 @@ steps ahead): generation (with retries and, for DAPO, dynamic sampling) and rewa
 :class:`RolloutRecord`. :func:`finish_batch` (the trainer, at the step): reward statistics
 (advantages, q, SEED scales), the optional reward-side entropy bonus, reference scoring and the
 method's weighting; it returns a :class:`PreparedBatch`, or the :class:`Skipped` value of a stage
-that failed (the loop counts it in the run's ``TrainState.skips`` and logs it). A failing stage raises
-:class:`SkipBatch`; its caller turns it into the value, which the record carries from the producer
-to the trainer. Nothing is silently trained on.
+that failed. A failing stage raises :class:`SkipBatch`; its caller turns it into the value, which
+the record carries from the producer to the trainer. Nothing is silently trained on.
+
+:func:`prepare_training_batch` (the seed's name) is the synchronous batch, the two halves in a row:
+a :class:`PreparedBatch`, or None for a batch a stage skipped, with the reason logged and counted
+(:func:`count_batch`, the run's :class:`~maxent_grpo.training.skip_counts.SkipCounts`). The loop makes
+every batch of a synchronous run (``rollout.max_staleness: 0``, the local data plane) through it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -50,6 +54,7 @@ from maxent_grpo.envs.episodes import EpisodePlay, run_episodes
 from maxent_grpo.training.diversity import group_diversity
 from maxent_grpo.training.distributed import Dist
 from maxent_grpo.training.run_plan import RunPlan
+from maxent_grpo.training.skip_counts import SkipCounts
 
 log = logging.getLogger("maxent_grpo")
 
@@ -105,6 +110,7 @@ class PreparedBatch:
     extra_columns: dict[str, list] = field(default_factory=dict)  # the reward functions' log_extra columns
     teacher_logps: torch.Tensor | None = None  # [N, T] the teacher's (on-policy distillation)
     grades: Grades = field(default_factory=Grades)  # the batch's modebench grades (replay admission reads them)
+    version: int = 0  # the policy version (optimizer steps taken) that sampled the batch
 
     @property
     def has_signal(self) -> bool:
@@ -362,12 +368,42 @@ def finish_batch(ctx: PipelineContext, record: RolloutRecord, weighting: Weighti
     try:
         outcome = _score_and_weight(ctx, weighting, rows, rollout, per_fn, record.stats, timings, columns,
                                     record.grades)
+        outcome.version = record.version
     except SkipBatch as err:
         outcome = err.skipped
     skipped_here = isinstance(outcome, Skipped)
     if ctx.dist.any_rank(skipped_here):
         return outcome if skipped_here else OTHER_RANK
     return outcome
+
+
+def count_batch(record: RolloutRecord, outcome: PreparedBatch | Skipped, skips: SkipCounts) -> PreparedBatch | None:
+    """A batch taken by the trainer, counted in ``skips`` (its producer's dropped groups, and the batch
+    when skipped, its reason logged); the batch, or None when it was skipped."""
+    skipped = outcome if isinstance(outcome, Skipped) else None
+    skips.count(record.dropped, skipped)
+    if skipped is not None:
+        log.warning("skipping batch: %s", skipped)
+        return None
+    return outcome
+
+
+def prepare_training_batch(
+    ctx: PipelineContext, generator: GenerationBackend, batch: list[dict], *, weighting: WeightingSettings,
+    skips: SkipCounts | None = None, step: int = 0, more_rows: Callable[[], list[dict]] | None = None,
+) -> PreparedBatch | None:
+    """One synchronous batch of ``batch`` (prompt rows from the training data): sampled by ``generator``
+    (the backend of ``ctx`` or another), rewarded, scored and weighted with ``weighting`` (the live tau
+    and beta of the run's ``TrainState.weighting``), for the optimizer ``step`` (0-based; the reward
+    functions' ``trainer_state``).
+
+    Returns a :class:`PreparedBatch`, or None when a stage skipped the batch: the reason is logged and,
+    with ``skips`` (the run's ``TrainState.skips``), counted under its stage. ``more_rows``: further
+    rows for dynamic sampling's rounds (``batch.dynamic_sampling``).
+    """
+    producer = ctx if generator is ctx.backend else replace(ctx, backend=generator)
+    record = produce_rollouts(producer, batch, more_rows, step=step, version=step)
+    return count_batch(record, finish_batch(ctx, record, weighting), SkipCounts() if skips is None else skips)
 
 
 # What a process whose own batch was fine skips when another process's failed.

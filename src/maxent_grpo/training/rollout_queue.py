@@ -4,7 +4,9 @@
 version is the number of optimizer steps its weights have taken; at the start
 of step ``s`` it is ``s``. Batch ``j`` is sampled by version ``max(0, j - k)``:
 
-* ``k = 0``: step ``s`` samples batch ``s`` and trains on it (the synchronous loop);
+* ``k = 0``: step ``s`` samples batch ``s`` and trains on it (the synchronous loop). On the local
+  plane the loop makes it with ``pipeline.prepare_training_batch`` from the rows :meth:`RolloutQueue.draw`
+  gives (:attr:`RolloutQueue.synchronous`); on another plane the batch goes through it as below;
 * ``k >= 1``: step ``s`` starts batch ``s + k`` from version ``s`` and trains on
   batch ``s``, sampled ``k`` steps earlier (the first ``k`` batches all come from
   version 0). A sampler in another process (``vllm_server``) samples while the
@@ -31,7 +33,7 @@ import torch
 
 from maxent_grpo.core.staleness import admissible
 from maxent_grpo.errors import UserError
-from maxent_grpo.rollout.data_plane import DataPlane, RolloutRecord, Skipped
+from maxent_grpo.rollout.data_plane import DataPlane, LocalDataPlane, RolloutRecord, Skipped
 from maxent_grpo.training.pipeline import (
     PipelineContext,
     Sampled,
@@ -106,6 +108,19 @@ class RolloutQueue:
 
     # ------------------------------------------------------------ the step
 
+    @property
+    def synchronous(self) -> bool:
+        """Each step samples its own batch and nothing waits on a plane that another process reads:
+        the loop makes the batch in a row (``prepare_training_batch``) from :meth:`draw`'s rows."""
+        return self.k == 0 and isinstance(self.plane, LocalDataPlane)
+
+    def draw(self, step: int) -> list[dict]:
+        """Batch ``step``'s prompt rows, under the step's seed (what :meth:`begin_step` samples from);
+        ``StopIteration`` when the data ran out."""
+        self.timings = {"time/wait_rollouts": 0.0}
+        seed_step(self.seed, self.ctx.dist.rank, step)
+        return self.draw_rows()
+
     def begin_step(self, step: int) -> None:
         """Batches ``step .. step+k-1`` on the plane (sampled now, by the current weights, where
         missing: the first steps, or after a resume that changed k), and batch ``step + k`` started."""
@@ -161,9 +176,10 @@ class RolloutQueue:
             self._put(complete_rollouts(self.ctx, sampled, self._more_rows, step=job.step, version=step,
                                         started=job.started))
 
-    def metrics(self, step: int, record: RolloutRecord) -> dict[str, float]:
-        lag = float(step - record.version)
-        return {"async/version": float(record.version), "async/staleness_mean": lag, "async/staleness_max": lag,
+    def metrics(self, step: int, version: int) -> dict[str, float]:
+        """Of step ``step``'s batch, sampled by weights ``version``."""
+        lag = float(step - version)
+        return {"async/version": float(version), "async/staleness_mean": lag, "async/staleness_max": lag,
                 "async/dropped_stale": float(self.dropped_stale), **self.timings}
 
     # ------------------------------------------------------------ checkpoints
@@ -194,6 +210,7 @@ class RolloutQueue:
     def _produce_now(self, j: int, *, version: int) -> RolloutRecord:
         seed_step(self.seed, self.ctx.dist.rank, j)
         return produce_rollouts(self.ctx, self.draw_rows(), self._more_rows, step=j, version=version)
+
 
     def _more_rows(self) -> list[dict]:  # dynamic sampling's further rounds, drawn in the trainer's thread
         return self.draw_rows()

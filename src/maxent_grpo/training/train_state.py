@@ -7,7 +7,8 @@ go on as the uninterrupted run would, is a field of :class:`TrainState`:
 * ``data``: the prompt sampler's position (epoch, order, cursor);
 * ``weighting``: the live tau, beta and controller state (ALGORITHMS.md §8), a copy
   of the plan's settings that only the controllers change (the plan never changes);
-* ``skips``: batches and groups skipped so far, by stage;
+* ``skips``: batches and groups skipped so far, by stage, and the run of batches skipped in a row
+  (training/skip_counts.py);
 * ``rollouts``: the batches sampled ahead of the step that trains on them
   (``rollout.max_staleness``) and the count dropped as too stale;
 * ``bank``: verified mode replay's bank (``replay.enabled``);
@@ -21,7 +22,6 @@ resume may not change of the config is ``run_dir.FIXED_ON_RESUME``.
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +34,7 @@ from maxent_grpo.training.checkpoint import CheckpointError
 from maxent_grpo.training.distributed import Dist
 from maxent_grpo.training.replay import ReplayConfig, bank_from_state, bank_state
 from maxent_grpo.training.rollout_queue import RolloutQueue
+from maxent_grpo.training.skip_counts import SkipCounts
 
 log = logging.getLogger("maxent_grpo")
 
@@ -48,7 +49,7 @@ class TrainState:
     bank: ModeBank | None = None
     entropy: EntropyCoefState | None = None
     step: int = 0
-    skips: Counter = field(default_factory=Counter)
+    skips: SkipCounts = field(default_factory=SkipCounts)
     start_step: int = 0  # where this process began: 0, or the resumed checkpoint's step
     resumed: bool = False
 
@@ -59,7 +60,7 @@ class TrainState:
             "step": self.step,
             "sampler": self.data.state_dict() if data_state is None else data_state,
             "controller": controller_state_dict(self.weighting),
-            "skips": dict(self.skips),
+            **self.skips.state_dict(),
             "config": config,
             # Each rank's batches sampled and not yet trained on: a resumed run restores them rather
             # than sampling them again from weights it no longer has.
@@ -75,7 +76,7 @@ class TrainState:
         """Take back the state of checkpoint ``where`` (``saved``: its ``trainer_state.json``)."""
         self.data.load_state_dict(saved["sampler"])
         restore_controller_state(self.weighting, saved["controller"])
-        self.skips.update(saved["skips"])
+        self.skips.load_state_dict(saved)
         if self.entropy is not None and saved.get("entropy_control") is not None:
             self.entropy = EntropyCoefState.from_dict(saved["entropy_control"])
         if self.bank is not None:

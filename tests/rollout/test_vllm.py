@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -257,6 +258,23 @@ def test_bf16_sampler_shows_a_mismatch_and_fp32_none(engine, vllm_model_dir, tok
     assert bf16["sampling/sampling_logp_difference/max"] > 1e-3
     assert bf16["token_mult_prob_error"] > 1 + 1e-4
     assert bf16["gen_kl_error"] > 0
+
+
+def test_a_float32_head_reaches_a_bf16_engine(vllm_model_dir, tokenizer):
+    """model.lm_head_fp32 with a vLLM sampler: the engine's logits processor runs the head in float32
+    (vLLM's head_dtype), while the rest of the engine stays bf16."""
+    engine = VLLMColocateBackend(vllm_model_dir, tokenizer, model_dtype=torch.float32, sample_dtype=torch.bfloat16,
+                                 enforce_eager=True, head_fp32=True)
+    try:
+        assert engine.llm.llm_engine.model_config.head_dtype == torch.float32
+        dtypes = engine.llm.collective_rpc(
+            lambda worker: (worker.model_runner.model.logits_processor.head_dtype,
+                            next(worker.model_runner.model.parameters()).dtype))
+        assert dtypes == [(torch.float32, torch.bfloat16)]
+        groups = engine.generate([_prompt(tokenizer)], 2, SAMPLING)
+        assert all(c.logps and all(math.isfinite(x) for x in c.logps) for c in groups[0].completions)
+    finally:
+        del engine
 
 
 # ------------------------------------------------------------------ LoRA

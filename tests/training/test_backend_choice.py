@@ -115,6 +115,16 @@ def test_serve_prints_the_server_command(tiny_model_dir, capsys):
         assert part in line
 
 
+def test_a_float32_head_is_asked_of_the_server_and_said_at_start(tiny_model_dir, capsys):
+    assert main(["serve", str(tiny_model_dir), "--lm-head-fp32", "--print-command"]) == 0
+    assert """--hf-overrides '{"head_dtype": "float32"}'""" in capsys.readouterr().out
+    from tiny_runs import compiled
+
+    plan = compiled(None, ["generation.backend=vllm_server", "model.lm_head_fp32=true"])
+    assert any("maxent-grpo serve MODEL --lm-head-fp32" in note for note in plan.notes)
+    assert not any("lm-head-fp32" in note for note in compiled(None, ["model.lm_head_fp32=true"]).notes)
+
+
 def test_serve_on_a_cpu_sizes_the_kv_cache_unless_told(tiny_model_dir, capsys, monkeypatch):
     """vLLM's CPU build fails at start without VLLM_CPU_KVCACHE_SPACE (it reads gpu_memory_utilization
     as a share of the NUMA node's memory): serve sets it where no GPU is visible, the user's value wins."""

@@ -387,7 +387,7 @@ def apply_lora(
     ``lora_dropout`` would otherwise be on in every trainer forward: the trainer's log-probs
     would be those of a randomly thinned adapter, not of the policy the sampler samples
     (the merged weights, or the HF backend's eval-mode generation), and the two would drift
-    apart as ``B`` grows from 0 (issue 32). So ``dropout`` is not applied in training, as the
+    apart as ``B`` grows from 0. So ``dropout`` is not applied in training, as the
     base model's own dropout is not; it stays in the adapter config (``model.lora.dropout``)
     so that saved configs and checkpoints still load.
     """

@@ -2,7 +2,7 @@
 
 SmolLM2-135M cannot multiply 4-digit numbers in its head; calling the tool and
 copying its result into ``\\boxed{}`` is how an episode gets the answer right,
-so the reward rewards using the tool (issue 22's built-in multi-turn task).
+so the reward rewards using the tool (the built-in multi-turn task).
 The tool evaluates + - * / and parentheses on numbers, nothing else (an ``ast``
 walk, never ``eval``).
 """

@@ -110,6 +110,8 @@ prompt (4 groups of 8 on modebench_pkg data); an answer its verifier cannot scor
     srv.add_argument("--lora-rank", type=int, default=None, metavar="R",
                      help="plan the server for LoRA adapters of rank R, loaded at run time "
                      "(generation.vllm.lora_sync: adapter; R = model.lora.r)")
+    srv.add_argument("--reload-mode", choices=("layerwise", "direct"), default="layerwise",
+                     help="how a weight push writes the server's weights (direct: vLLM >= 0.34, in place)")
     srv.add_argument("--lm-head-fp32", action="store_true",
                      help="the LM head's matmul in float32 (vLLM's head_dtype), for model.lm_head_fp32")
     srv.add_argument("--print-command", action="store_true", help="print the command instead of running it")
@@ -227,10 +229,10 @@ def _serve(args) -> int:
         kv_gib = DEFAULT_CPU_KV_CACHE_GIB
     cmd, env = server_command(
         resolve_model_path(args.model), host=args.host, port=args.port, dtype=args.dtype, extra=args.vllm_args,
-        cpu_kv_cache_gib=kv_gib, lora_rank=args.lora_rank, head_fp32=args.lm_head_fp32,
+        cpu_kv_cache_gib=kv_gib, lora_rank=args.lora_rank, head_fp32=args.lm_head_fp32, reload_mode=args.reload_mode,
     )
     if args.print_command:
-        shown = {k: env[k] for k in ("VLLM_SERVER_DEV_MODE", "VLLM_CPU_KVCACHE_SPACE",
+        shown = {k: env[k] for k in ("VLLM_SERVER_DEV_MODE", "VLLM_CPU_KVCACHE_SPACE", "VLLM_RELOAD_MODE",
                                      "VLLM_ALLOW_RUNTIME_LORA_UPDATING") if k in env}
         print(" ".join(f"{k}={v}" for k, v in shown.items()) + " " + shlex.join(cmd))
         return 0

@@ -125,6 +125,23 @@ def test_a_float32_head_is_asked_of_the_server_and_said_at_start(tiny_model_dir,
     assert not any("lm-head-fp32" in note for note in compiled(None, ["model.lm_head_fp32=true"]).notes)
 
 
+def test_direct_reloads_need_vllm_0_34_and_no_adapters(tiny_model_dir, capsys):
+    from maxent_grpo.errors import ConfigError
+    from maxent_grpo.rollout.backends import check_reload_mode
+    from maxent_grpo.rollout.settings import VllmConfig
+
+    check_reload_mode(VllmConfig(reload_mode="direct"), "0.34.0")
+    check_reload_mode(VllmConfig(), "0.32.0+cpu")
+    with pytest.raises(ConfigError, match=r"^generation.vllm.reload_mode: direct needs vLLM 0.34 or newer .*0.32.0"):
+        check_reload_mode(VllmConfig(reload_mode="direct"), "0.32.0+cpu")
+    with pytest.raises(ConfigError, match=r"^generation.vllm.reload_mode: direct does not take LoRA adapters"):
+        check_reload_mode(VllmConfig(reload_mode="direct", lora_sync="adapter"), "0.34.0")
+    assert main(["serve", str(tiny_model_dir), "--reload-mode", "direct", "--print-command"]) == 0
+    assert "VLLM_RELOAD_MODE=direct " in capsys.readouterr().out
+    assert main(["serve", str(tiny_model_dir), "--print-command"]) == 0
+    assert "VLLM_RELOAD_MODE" not in capsys.readouterr().out
+
+
 def test_serve_on_a_cpu_sizes_the_kv_cache_unless_told(tiny_model_dir, capsys, monkeypatch):
     """vLLM's CPU build fails at start without VLLM_CPU_KVCACHE_SPACE (it reads gpu_memory_utilization
     as a share of the NUMA node's memory): serve sets it where no GPU is visible, the user's value wins."""

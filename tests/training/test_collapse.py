@@ -3,6 +3,7 @@ run made to collapse onto one-token answers, warned on the console and in the tr
 
 from __future__ import annotations
 
+import json
 import logging
 import statistics
 
@@ -117,3 +118,18 @@ def test_a_collapsing_run_is_warned_on_the_console_and_in_the_tracker(tiny_model
     # The warnings table holds every warning of the run (a batch without signal may come first).
     tables = {e.step: e.tensor_proto.string_val[0].decode() for e in events.Tensors("warnings/text_summary")}
     assert lines[0] in tables[first]
+
+
+def test_a_watch_resumed_from_its_checkpoint_state_says_what_the_uninterrupted_one_says():
+    rows = [_row(1, 1.0, 10.0, 0.5), _row(2, 1.0, 10.0, 0.5), _row(3, 2.0, 4.0, 0.1), _row(4, 2.0, 4.0, 0.1),
+            _row(5, 2.0, 4.0, 0.1), _row(6, 3.0, 2.0, -0.3)]
+    whole = CollapseWatch(2, "x")
+    said = [whole.observe(r) for r in rows]
+    for cut in range(1, len(rows)):
+        first = CollapseWatch(2, "x")
+        before = [first.observe(r) for r in rows[:cut]]
+        saved = json.loads(json.dumps(first.state_dict()))  # through trainer_state.json
+        resumed = CollapseWatch(2, "x")
+        resumed.load_state_dict(saved)
+        assert before + [resumed.observe(r) for r in rows[cut:]] == said
+    assert sum(s is not None for s in said) == 1

@@ -3,6 +3,7 @@ learning signal, the constant-reward watch, and each case made to happen on the 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 
@@ -92,3 +93,17 @@ def test_a_constant_reward_beside_a_varying_one_is_named_once(tiny_model_dir, tm
                         "the advantages (a constant function, or a task the model never solves)"]
     assert not any(x.startswith("no learning signal") for x in lines)
     assert constant[0] in _tracker_lines(out)[0]
+
+
+def test_a_resumed_constant_reward_watch_neither_repeats_nor_forgets_a_warning():
+    ones = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    batches = [ones] * 5
+    whole = ConstantRewardWatch(patience=3)
+    said = [whole.observe(b, ("a", "b")) for b in batches]
+    for cut in range(1, len(batches)):
+        first = ConstantRewardWatch(patience=3)
+        before = [first.observe(b, ("a", "b")) for b in batches[:cut]]
+        resumed = ConstantRewardWatch(patience=3)
+        resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))  # through trainer_state.json
+        assert before + [resumed.observe(b, ("a", "b")) for b in batches[cut:]] == said
+    assert [len(s) for s in said] == [0, 0, 1, 0, 0]

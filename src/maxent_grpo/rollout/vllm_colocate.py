@@ -31,6 +31,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
+from packaging.version import Version
 
 from maxent_grpo.rollout.backend import PromptGroup, SamplingParams, TokenPrompts
 from maxent_grpo.rollout.vllm_common import engine_dtype, request_seeds, sampling_kwargs, to_completion
@@ -48,13 +49,15 @@ class VLLMColocateBackend(TokenPrompts):
         gpu_memory_utilization: float = 0.3, max_model_len: int | None = None, enable_sleep_mode: bool = False,
         enforce_eager: bool = False, world_size: int = 1, seed: int = 0, max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None, lora_rank: int | None = None, adapter_dir: Path | None = None,
-        head_fp32: bool = False,
+        head_fp32: bool = False, reload_mode: str = "layerwise",
     ):
         # The engine core and its worker must live in this process: the weight push hands
         # them a generator of tensors that cannot cross a process boundary (and copying
         # every weight through a pipe is what colocating avoids). vLLM reads this switch
         # from the environment only.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if reload_mode == "direct":  # read once, when the engine loads its weights (vLLM >= 0.34)
+            os.environ["VLLM_RELOAD_MODE"] = "direct"
         import vllm  # the optional dependency: imported only by this backend
 
         self.tokenizer = tokenizer
@@ -85,6 +88,10 @@ class VLLMColocateBackend(TokenPrompts):
             max_num_batched_tokens=max_num_batched_tokens,
             # The LM head's matmul in float32 (model.lm_head_fp32), as the trainer's: vLLM's head_dtype.
             **({"hf_overrides": {"head_dtype": "float32"}} if head_fp32 else {}),
+            # vLLM >= 0.34 allocates its KV cache outside torch and caps this process's torch allocator beside
+            # it, a cap a sleeping engine does not lift: the trainer could not use the memory sleep frees.
+            **({"enable_extensible_kv_cache": False}
+               if enable_sleep_mode and Version(vllm.__version__) >= Version("0.34") else {}),
             **lora,
         )
         self.sleep = EngineSleep(self.llm, enabled=enable_sleep_mode)

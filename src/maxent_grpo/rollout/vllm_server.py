@@ -70,7 +70,7 @@ DEFAULT_CPU_KV_CACHE_GIB = 2
 def server_command(
     model_path: str, *, host: str = "127.0.0.1", port: int = 8000, dtype: str = "auto", extra: list[str] = (),
     python: str = sys.executable, cpu_kv_cache_gib: int | None = None, lora_rank: int | None = None,
-    head_fp32: bool = False,
+    head_fp32: bool = False, reload_mode: str = "layerwise",
 ) -> tuple[list[str], dict[str, str]]:
     """The command and environment that start vLLM's server the way this client expects it.
 
@@ -79,7 +79,8 @@ def server_command(
     ``VLLM_SERVER_DEV_MODE=1`` turns on ``/collective_rpc`` and ``/reset_prefix_cache``;
     ``cpu_kv_cache_gib`` sets the CPU build's ``VLLM_CPU_KVCACHE_SPACE``; ``lora_rank`` plans the
     server for one LoRA adapter of that rank, loaded at run time (``lora_sync: adapter``); ``head_fp32``
-    runs the LM head's matmul in float32 (vLLM's ``head_dtype``, for ``model.lm_head_fp32``).
+    runs the LM head's matmul in float32 (vLLM's ``head_dtype``, for ``model.lm_head_fp32``);
+    ``reload_mode: direct`` writes pushed weights in place (``VLLM_RELOAD_MODE``, vLLM >= 0.34).
     """
     lora = [] if lora_rank is None else ["--enable-lora", "--max-lora-rank", str(engine_lora_rank(lora_rank)),
                                          "--max-loras", "1"]
@@ -93,6 +94,8 @@ def server_command(
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if cpu_kv_cache_gib is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_gib)
+    if reload_mode != "layerwise":
+        env["VLLM_RELOAD_MODE"] = reload_mode
     return cmd, env
 
 

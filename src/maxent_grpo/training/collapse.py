@@ -17,6 +17,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+# The logged metrics the signature reads (what a checkpoint keeps of each step).
+WATCHED = ("step", "entropy", "completions/mean_length", "reward", "reward_std")
 ENTROPY_RISE = 1.05
 LENGTH_FALL = 0.8
 REWARD_FALL_STDS = 0.25
@@ -46,7 +48,7 @@ def collapse_signature(history: Sequence[Mapping[str, float | None]], window: in
     if window < 1 or len(history) < 2 * window:
         return None
     earlier, later = history[-2 * window:-window], history[-window:]
-    keys = ("entropy", "completions/mean_length", "reward", "reward_std")
+    keys = WATCHED[1:]
     if any(row.get(k) is None for row in (*earlier, *later) for k in keys):
         return None
 
@@ -77,8 +79,16 @@ class CollapseWatch:
     def observe(self, metrics: Mapping[str, float | None]) -> str | None:
         if self.window < 1:
             return None
-        self.history = [*self.history[-(2 * self.window - 1):], metrics]
+        watched = {k: metrics.get(k) for k in WATCHED}
+        self.history = [*self.history[-(2 * self.window - 1):], watched]
         found = collapse_signature(self.history, self.window)
         fresh = found is not None and not self.holding
         self.holding = found is not None
         return found.line(self.advice) if fresh else None
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps: the steps the next windows compare, and whether the signature holds."""
+        return {"history": [dict(row) for row in self.history], "holding": self.holding}
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.history, self.holding = [dict(row) for row in saved["history"]], bool(saved["holding"])

@@ -71,3 +71,11 @@ class ConstantRewardWatch:
                 lines.append(f"reward {name!r} gave every completion {value:g} in each of the last {count} batches: it "
                              "adds nothing to the advantages (a constant function, or a task the model never solves)")
         return lines
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps: each function's run of constant batches, and the functions named."""
+        return {"runs": {name: [value, count] for name, (value, count) in self.runs.items()}, "said": sorted(self.said)}
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.runs = {name: (float(value), int(count)) for name, (value, count) in saved["runs"].items()}
+        self.said = set(saved["said"])

@@ -26,10 +26,9 @@ from maxent_grpo.errors import UserError
 from maxent_grpo.kill_points import kill_point
 from maxent_grpo.rewards.maxent import controller_state_dict, update_controllers
 from maxent_grpo.training.checkpoint import find_latest_checkpoint
-from maxent_grpo.training.collapse import CollapseWatch
 from maxent_grpo.training.distributed import process_group
 from maxent_grpo.training.interrupt import RunInterrupted, StopSignals
-from maxent_grpo.training.learning_signal import ConstantRewardWatch, no_signal_cause
+from maxent_grpo.training.learning_signal import no_signal_cause
 from maxent_grpo.training.metrics import MetricsLog, log_training_step, read_metrics, summarize_weight_stats
 from maxent_grpo.training.pipeline import PreparedBatch, count_batch, finish_batch, prepare_training_batch
 from maxent_grpo.training.run_plan import RunPlan, with_beta
@@ -86,8 +85,6 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
         disable=not (run.plan.logging.progress_bar and ctx.dist.is_main), dynamic_ncols=True,
     )
     last_save = time.monotonic()
-    collapse = CollapseWatch(run.plan.logging.collapse_window, run.plan.method.collapse_advice)
-    constant_rewards = ConstantRewardWatch()
     while state.step < schedule.max_steps:
         step = state.step
         t_start, cpu_start = time.perf_counter(), time.process_time()
@@ -125,15 +122,16 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
                 if state.skips.in_a_row >= schedule.max_consecutive_skips:
                     raise _too_many_skips(run, step)
             else:
-                _update_and_log(run, prepared, t_start, cpu_start, metrics_log)
+                metrics = _update_and_log(run, prepared, t_start, cpu_start, metrics_log)
                 step = state.step
-                for line in constant_rewards.observe(prepared.reward_comp.per_function, prepared.reward_comp.reward_names):
+                reward_comp = prepared.reward_comp
+                for line in state.constant_rewards.observe(reward_comp.per_function, reward_comp.reward_names):
                     _warn(run, "constant_reward", line, step)
-                line = collapse.observe(run.last_metrics)
+                line = state.collapse.observe(metrics)
                 if line is not None:
                     _warn(run, "collapse", line, step)
                 bar.update(1)
-                bar.set_postfix(_postfix(run.last_metrics), refresh=False)
+                bar.set_postfix(_postfix(metrics), refresh=False)
             if _stop_requested(run, stop):
                 raise _interrupted(run)
             if prepared is not None and step < schedule.max_steps and _save_due(run, step, last_save):
@@ -146,8 +144,9 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
     return RunSummary(run.output_dir, state.step, final, history)
 
 
-def _update_and_log(run: Run, prepared: PreparedBatch, t_start: float, cpu_start: float, metrics_log) -> None:
-    """The optimizer step on ``prepared``, the controllers, and the step's metrics; advances ``run.state.step``."""
+def _update_and_log(run: Run, prepared: PreparedBatch, t_start: float, cpu_start: float, metrics_log) -> dict:
+    """The optimizer step on ``prepared``, the controllers, and the step's metrics (returned); advances
+    ``run.state.step``."""
     ctx, plan, state = run.ctx, run.plan, run.state
     step = state.step
     timings = dict(prepared.timings)
@@ -172,7 +171,7 @@ def _update_and_log(run: Run, prepared: PreparedBatch, t_start: float, cpu_start
         t_eval = time.perf_counter()
         extra.update(validate(run, step))
         extra["time/eval"] = time.perf_counter() - t_eval
-    run.last_metrics = log_training_step(
+    metrics = log_training_step(
         prepared, result, step=step, dist=ctx.dist, metrics_log=metrics_log, trackers=run.trackers,
         output_dir=run.output_dir, extra=extra, completion_table=plan.logging.completions_due(step),
         learning_rate=run.lr_scheduler.get_last_lr()[0], timings=timings, controller=_controller_metrics(run),
@@ -180,6 +179,7 @@ def _update_and_log(run: Run, prepared: PreparedBatch, t_start: float, cpu_start
     )
     if lost is not None:  # the step is trained and logged: keep it, then stop
         raise _sampler_lost(run, step, lost)
+    return metrics
 
 
 def _policy_update(run: Run, prepared, step: int, timings: dict):

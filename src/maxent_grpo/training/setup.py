@@ -24,6 +24,7 @@ from maxent_grpo.core.mode_bank import ModeBank
 from maxent_grpo.training.checkpoint import (
     CheckpointError, find_latest_checkpoint, load_reference_state, read_trainer_state,
 )
+from maxent_grpo.training.collapse import CollapseWatch
 from maxent_grpo.training.data import load_rows, row_episodes
 from maxent_grpo.training.distributed import Dist, log_device
 from maxent_grpo.training.host_memory import host_memory_release
@@ -74,7 +75,6 @@ class Run:
     strategy: Strategy  # how the policy is spread over them, and how it is saved
     eval_rows: list[dict] = field(default_factory=list)
     lock: RunLock | None = None  # held by the main process until finish()
-    last_metrics: dict = field(default_factory=dict)  # the latest step's, for the progress bar
     # The separate reference model (None: no reference, or LoRA's adapters-off base); loss.sync_ref_model
     # moves it toward the policy, and it is then saved with every checkpoint.
     reference: torch.nn.Module | None = None
@@ -225,6 +225,7 @@ def _build_claimed(plan: RunPlan, dist: Dist, strategy: Strategy, output_dir: Pa
         # The live controller state starts from the plan's settings; the plan itself is never changed.
         weighting=copy.deepcopy(plan.weighting),
         rollouts=rollouts,
+        collapse=CollapseWatch(plan.logging.collapse_window, plan.method.collapse_advice),
         bank=ModeBank(plan.replay.capacity, plan.replay.groups_per_step) if plan.replay.enabled else None,
         entropy=EntropyCoefState(plan.method.loss.entropy_coef) if plan.adaptive_entropy is not None else None,
     )

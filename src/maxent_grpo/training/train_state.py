@@ -12,7 +12,9 @@ go on as the uninterrupted run would, is a field of :class:`TrainState`:
 * ``rollouts``: the batches sampled ahead of the step that trains on them
   (``rollout.max_staleness``) and the count dropped as too stale;
 * ``bank``: verified mode replay's bank (``replay.enabled``);
-* ``entropy``: the adaptive entropy coefficient (``loss.adaptive_entropy``).
+* ``entropy``: the adaptive entropy coefficient (``loss.adaptive_entropy``);
+* ``collapse`` and ``constant_rewards``: the watches behind the run's collapse and constant-reward
+  warnings (the steps they compare, what they have said).
 
 The weights, optimizer, scheduler, random generators and a reference that follows
 the policy are saved beside it by the checkpoint (training/checkpoint.py); what a
@@ -31,7 +33,9 @@ from maxent_grpo.data.datasets import PromptSampler
 from maxent_grpo.rewards.maxent import WeightingSettings, controller_state_dict, restore_controller_state
 from maxent_grpo.rollout.data_plane import RolloutRecord
 from maxent_grpo.training.checkpoint import CheckpointError
+from maxent_grpo.training.collapse import CollapseWatch
 from maxent_grpo.training.distributed import Dist
+from maxent_grpo.training.learning_signal import ConstantRewardWatch
 from maxent_grpo.training.replay import ReplayConfig, bank_from_state, bank_state
 from maxent_grpo.training.rollout_queue import RolloutQueue
 from maxent_grpo.training.skip_counts import SkipCounts
@@ -46,6 +50,8 @@ class TrainState:
     data: PromptSampler
     weighting: WeightingSettings
     rollouts: RolloutQueue
+    collapse: CollapseWatch
+    constant_rewards: ConstantRewardWatch = field(default_factory=ConstantRewardWatch)
     bank: ModeBank | None = None
     entropy: EntropyCoefState | None = None
     step: int = 0
@@ -70,6 +76,7 @@ class TrainState:
             # Saved with the weights at the same step, so a resumed run replays what the uninterrupted one does.
             "replay": None if self.bank is None else bank_state(self.bank),
             "entropy_control": None if self.entropy is None else self.entropy.to_dict(),
+            "watches": {"collapse": self.collapse.state_dict(), "constant_rewards": self.constant_rewards.state_dict()},
         }
 
     def restore(self, saved: dict, *, replay: ReplayConfig, dist: Dist, where: Path) -> None:
@@ -77,6 +84,9 @@ class TrainState:
         self.data.load_state_dict(saved["sampler"])
         restore_controller_state(self.weighting, saved["controller"])
         self.skips.load_state_dict(saved)
+        if "watches" in saved:  # absent from checkpoints written before the watches were saved
+            self.collapse.load_state_dict(saved["watches"]["collapse"])
+            self.constant_rewards.load_state_dict(saved["watches"]["constant_rewards"])
         if self.entropy is not None and saved.get("entropy_control") is not None:
             self.entropy = EntropyCoefState.from_dict(saved["entropy_control"])
         if self.bank is not None:

@@ -34,6 +34,7 @@ import torch
 from maxent_grpo.core.staleness import admissible
 from maxent_grpo.errors import UserError
 from maxent_grpo.rollout.data_plane import DataPlane, LocalDataPlane, RolloutRecord, Skipped
+from maxent_grpo.training.distributed import Dist
 from maxent_grpo.training.pipeline import (
     PipelineContext,
     Sampled,
@@ -190,9 +191,25 @@ class RolloutQueue:
         records = (self.plane.fetch(p) for p in self.plane.partitions() if p.startswith("train/"))
         return [r for r in records if r is not None and r.step < step + self.k]
 
-    def restore(self, records: list[RolloutRecord]) -> None:
-        for r in records:
-            self._put(r)
+    def state_dict(self, step: int, dist: Dist) -> dict:
+        """The queue's part of checkpoint ``step``'s ``trainer_state.json`` (a collective: every rank's
+        batches are gathered)."""
+        return {
+            # Each rank's batches sampled and not yet trained on: a resumed run restores them rather
+            # than sampling them again from weights it no longer has.
+            "rollouts_in_flight": dist.gather_objects([[r.to_state() for r in self.in_flight(step)]]),
+            # The count async/dropped_stale logs "so far": it goes on from here after a resume.
+            "rollouts_dropped_stale": self.dropped_stale,
+        }
+
+    def load_state_dict(self, saved: dict, dist: Dist) -> None:
+        """From a checkpoint's ``trainer_state.json``. Checkpoints written before asynchronous rollouts hold
+        no batches; with another number of processes the batches are sampled again (from the resumed weights)."""
+        in_flight = saved.get("rollouts_in_flight") or []
+        if len(in_flight) == dist.world_size:
+            for state in in_flight[dist.rank]:
+                self._put(RolloutRecord.from_state(state))
+        self.dropped_stale = int(saved.get("rollouts_dropped_stale", 0))  # absent before it was saved
 
     def close(self) -> None:
         self._job = None  # a thread still sampling is a daemon: it ends with the process

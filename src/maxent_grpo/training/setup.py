@@ -66,6 +66,7 @@ class Run:
     output_dir: Path
     ctx: PipelineContext
     state: TrainState
+    rollouts: RolloutQueue  # the batches of the coming steps: sampled, waiting on the data plane
     train_model: torch.nn.Module  # DDP-wrapped with several processes (FSDP2: the sharded model itself)
     optimizer: torch.optim.Optimizer
     lr_scheduler: object
@@ -88,10 +89,6 @@ class Run:
     def plan(self) -> RunPlan:
         return self.ctx.plan
 
-    @property
-    def rollouts(self) -> RolloutQueue:
-        return self.state.rollouts
-
     def save(self, data_state: dict | None = None) -> Path | None:
         """Write the checkpoint of the state's step (none for step 0); return its folder. ``data_state``:
         the sampler's position from before a step abandoned half-way."""
@@ -100,7 +97,8 @@ class Run:
             return None
         return self.strategy.save(
             self.output_dir, step, model=self.ctx.model, tokenizer=self.ctx.tokenizer, optimizer=self.optimizer,
-            lr_scheduler=self.lr_scheduler, trainer_state=self.state.to_dict(self.ctx.dist, self.plan.source, data_state),
+            lr_scheduler=self.lr_scheduler, trainer_state={
+                **self.state.to_dict(self.plan.source, data_state), **self.rollouts.state_dict(step, self.ctx.dist)},
             keep_last=self.plan.schedule.keep_last,
             # A reference that follows the policy is state: a resumed run must score against the same one.
             reference_state=None if self.plan.ref_sync is None else dict(self.reference.named_parameters()),
@@ -224,13 +222,12 @@ def _build_claimed(plan: RunPlan, dist: Dist, strategy: Strategy, output_dir: Pa
         data=sampler,
         # The live controller state starts from the plan's settings; the plan itself is never changed.
         weighting=copy.deepcopy(plan.weighting),
-        rollouts=rollouts,
         collapse=CollapseWatch(plan.logging.collapse_window, plan.method.collapse_advice),
         bank=ModeBank(plan.replay.capacity, plan.replay.groups_per_step) if plan.replay.enabled else None,
         entropy=EntropyCoefState(plan.method.loss.entropy_coef) if plan.adaptive_entropy is not None else None,
     )
     run = Run(
-        output_dir=output_dir, ctx=ctx, state=state, train_model=train_model, optimizer=optimizer,
+        output_dir=output_dir, ctx=ctx, state=state, rollouts=rollouts, train_model=train_model, optimizer=optimizer,
         lr_scheduler=lr_scheduler, sampler=sharded,
         trackers=make_trackers(list(plan.logging.report_to) if dist.is_main else [], output_dir, config=plan.source,
                                observers=plan.logging.observers if dist.is_main else ()),
@@ -289,5 +286,6 @@ def _resume(run: Run, ckpt: Path) -> None:
     run.ctx.backend.sync_weights(run.ctx.model)
     if run.plan.ref_sync is not None:
         load_reference_state(ckpt, run.reference)
-    run.state.restore(saved, replay=run.plan.replay, dist=run.ctx.dist, where=ckpt)
+    run.state.restore(saved, replay=run.plan.replay, where=ckpt)
+    run.rollouts.load_state_dict(saved, run.ctx.dist)
     log.info("resumed from %s at step %d", ckpt, run.state.step)

@@ -9,15 +9,15 @@ go on as the uninterrupted run would, is a field of :class:`TrainState`:
   of the plan's settings that only the controllers change (the plan never changes);
 * ``skips``: batches and groups skipped so far, by stage, and the run of batches skipped in a row
   (training/skip_counts.py);
-* ``rollouts``: the batches sampled ahead of the step that trains on them
-  (``rollout.max_staleness``) and the count dropped as too stale;
 * ``bank``: verified mode replay's bank (``replay.enabled``);
 * ``entropy``: the adaptive entropy coefficient (``loss.adaptive_entropy``);
 * ``collapse`` and ``constant_rewards``: the watches behind the run's collapse and constant-reward
   warnings (the steps they compare, what they have said).
 
 The weights, optimizer, scheduler, random generators and a reference that follows
-the policy are saved beside it by the checkpoint (training/checkpoint.py); what a
+the policy are saved beside it by the checkpoint (training/checkpoint.py), and so are
+the batches the rollout queue sampled ahead and has not trained on (the running
+service itself is the run's, ``Run.rollouts``: ``RolloutQueue.state_dict``); what a
 resume may not change of the config is ``run_dir.FIXED_ON_RESUME``.
 """
 
@@ -31,13 +31,10 @@ from maxent_grpo.core.entropy_control import EntropyCoefState
 from maxent_grpo.core.mode_bank import ModeBank
 from maxent_grpo.data.datasets import PromptSampler
 from maxent_grpo.rewards.maxent import WeightingSettings, controller_state_dict, restore_controller_state
-from maxent_grpo.rollout.data_plane import RolloutRecord
 from maxent_grpo.training.checkpoint import CheckpointError
 from maxent_grpo.training.collapse import CollapseWatch
-from maxent_grpo.training.distributed import Dist
 from maxent_grpo.training.learning_signal import ConstantRewardWatch
 from maxent_grpo.training.replay import ReplayConfig, bank_from_state, bank_state
-from maxent_grpo.training.rollout_queue import RolloutQueue
 from maxent_grpo.training.skip_counts import SkipCounts
 
 log = logging.getLogger("maxent_grpo")
@@ -49,7 +46,6 @@ class TrainState:
 
     data: PromptSampler
     weighting: WeightingSettings
-    rollouts: RolloutQueue
     collapse: CollapseWatch
     constant_rewards: ConstantRewardWatch = field(default_factory=ConstantRewardWatch)
     bank: ModeBank | None = None
@@ -59,27 +55,22 @@ class TrainState:
     start_step: int = 0  # where this process began: 0, or the resumed checkpoint's step
     resumed: bool = False
 
-    def to_dict(self, dist: Dist, config: dict, data_state: dict | None = None) -> dict:
-        """The checkpoint's ``trainer_state.json`` (every rank calls it: the rollouts are gathered).
-        ``data_state``: the sampler's position from before a step that was abandoned half-way."""
+    def to_dict(self, config: dict, data_state: dict | None = None) -> dict:
+        """This state's part of the checkpoint's ``trainer_state.json``. ``data_state``: the sampler's
+        position from before a step that was abandoned half-way."""
         return {
             "step": self.step,
             "sampler": self.data.state_dict() if data_state is None else data_state,
             "controller": controller_state_dict(self.weighting),
             **self.skips.state_dict(),
             "config": config,
-            # Each rank's batches sampled and not yet trained on: a resumed run restores them rather
-            # than sampling them again from weights it no longer has.
-            "rollouts_in_flight": dist.gather_objects([[r.to_state() for r in self.rollouts.in_flight(self.step)]]),
-            # The count async/dropped_stale logs "so far": it goes on from here after a resume.
-            "rollouts_dropped_stale": self.rollouts.dropped_stale,
             # Saved with the weights at the same step, so a resumed run replays what the uninterrupted one does.
             "replay": None if self.bank is None else bank_state(self.bank),
             "entropy_control": None if self.entropy is None else self.entropy.to_dict(),
             "watches": {"collapse": self.collapse.state_dict(), "constant_rewards": self.constant_rewards.state_dict()},
         }
 
-    def restore(self, saved: dict, *, replay: ReplayConfig, dist: Dist, where: Path) -> None:
+    def restore(self, saved: dict, *, replay: ReplayConfig, where: Path) -> None:
         """Take back the state of checkpoint ``where`` (``saved``: its ``trainer_state.json``)."""
         self.data.load_state_dict(saved["sampler"])
         restore_controller_state(self.weighting, saved["controller"])
@@ -96,11 +87,5 @@ class TrainState:
                 self.bank = bank_from_state(saved["replay"], replay)
             except ValueError as err:
                 raise CheckpointError(f"--resume: {err}") from err
-        # Checkpoints written before asynchronous rollouts hold none; with another number of processes
-        # the batches are sampled again (from the resumed weights).
-        in_flight = saved.get("rollouts_in_flight") or []
-        if len(in_flight) == dist.world_size:
-            self.rollouts.restore([RolloutRecord.from_state(r) for r in in_flight[dist.rank]])
-        self.rollouts.dropped_stale = int(saved.get("rollouts_dropped_stale", 0))  # absent before it was saved
         self.step = self.start_step = int(saved["step"])
         self.resumed = True

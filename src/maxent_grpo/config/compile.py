@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from maxent_grpo.core.bounds import SpecError
 from maxent_grpo.core.distill import DistillTerm
 from maxent_grpo.core.entropy_control import AdaptiveEntropy
 from maxent_grpo.core.logprobs import Scoring
@@ -37,7 +36,7 @@ from maxent_grpo.rollout.backends import BACKENDS
 from maxent_grpo.config.python_objects import (
     PythonObjects, resolve_data, resolve_environment, resolve_model, resolve_rewards,
 )
-from maxent_grpo.config.rules import check_given_model, check_run, prompts_per_step
+from maxent_grpo.config.rules import check_given_model, check_run, config_keys, prompts_per_step
 from maxent_grpo.config.schema import TrainConfig
 from maxent_grpo.training.run_plan import BatchPlan, RunPlan, with_steps
 from maxent_grpo.training.data import DataPlan
@@ -69,7 +68,7 @@ def completion_budget(cfg: TrainConfig) -> int:
 
 def _base_loss(cfg: TrainConfig, rollout_correction: str) -> LossSpec:
     lo = cfg.loss
-    try:
+    with config_keys(lambda setting: _KEYS.get(setting, f"loss.{setting}")):
         clip = ClipSettings(
             epsilon_low=lo.epsilon, epsilon_high=lo.epsilon if lo.epsilon_high is None else lo.epsilon_high,
             delta=lo.delta, dual_clip=lo.dual_clip, importance_sampling_level=lo.importance_sampling_level,
@@ -83,8 +82,6 @@ def _base_loss(cfg: TrainConfig, rollout_correction: str) -> LossSpec:
             max_completion_length=completion_budget(cfg),
             distill=_distill(cfg),
         )
-    except SpecError as err:
-        raise ConfigError(f"{_KEYS.get(err.setting, 'loss.' + err.setting)}: {err.problem}") from None
 
 
 def _head_note(cfg: TrainConfig) -> tuple[str, ...]:
@@ -99,10 +96,8 @@ def _ref_sync(cfg: TrainConfig) -> RefSync | None:
     lo = cfg.loss
     if not lo.sync_ref_model:
         return None
-    try:
+    with config_keys("loss"):
         return RefSync(alpha=lo.ref_model_mixup_alpha, sync_steps=lo.ref_model_sync_steps)
-    except SpecError as err:
-        raise ConfigError(f"loss.{err.setting}: {err.problem}") from None
 
 
 def _distill(cfg: TrainConfig) -> DistillTerm | None:
@@ -110,10 +105,8 @@ def _distill(cfg: TrainConfig) -> DistillTerm | None:
     t = cfg.teacher
     if t.name_or_path is None:
         return None
-    try:
+    with config_keys("teacher"):
         return DistillTerm(coef=t.coef, kl_estimator=t.kl_estimator)
-    except SpecError as err:
-        raise ConfigError(f"teacher.{err.setting}: {err.problem}") from None
 
 
 def _micro_batch(cfg: TrainConfig, machine: Machine) -> tuple[int, bool, tuple[str, ...]]:
@@ -141,16 +134,15 @@ def _compile_method(cfg: TrainConfig, rollout_correction: str, micro_batch_size:
     )
     for key, problem in method.check(inputs):
         raise ConfigError(f"{key}: {problem}")
-    try:
-        return method.plan(inputs)
-    except SpecError as err:
+    def key(setting: str) -> str:
         # The clip was checked with the loss: section; a LossSpec field the method set is still a
         # loss: key (its combination with the method failed), anything else is the method's own.
-        if err.setting in _SPEC_FIELDS or method.section is None:
-            key = _KEYS.get(err.setting, f"loss.{err.setting}")
-        else:
-            key = f"{method.section}.{err.setting}"
-        raise ConfigError(f"{key}: {err.problem}") from None
+        if setting in _SPEC_FIELDS or method.section is None:
+            return _KEYS.get(setting, f"loss.{setting}")
+        return f"{method.section}.{setting}"
+
+    with config_keys(key):
+        return method.plan(inputs)
 
 
 # The setting each MaxEnt record names in its SpecError -> the config key it comes from.
@@ -171,7 +163,7 @@ _WEIGHTING_KEYS = {
 def _weighting(cfg: TrainConfig) -> WeightingSettings:
     """The run's MaxEnt weighting and controller settings; each record checks its own bounds."""
     m = cfg.maxent
-    try:
+    with config_keys(_WEIGHTING_KEYS.__getitem__):
         return WeightingSettings(
             tau=m.tau, beta=cfg.loss.beta, scale_rewards=cfg.loss.scale_rewards,
             normalization=WeightNormalizationSettings(len_norm_ref=m.length_normalize_ref),
@@ -184,8 +176,6 @@ def _weighting(cfg: TrainConfig) -> WeightingSettings:
             controller_meta=ControllerMetaSettings(lr_tau=m.meta_lr_tau, lr_beta=m.meta_lr_beta, every=m.meta_every,
                                                    grad_clip=m.meta_grad_clip),
         )
-    except SpecError as err:
-        raise ConfigError(f"{_WEIGHTING_KEYS[err.setting]}: {err.problem}") from None
 
 
 def _precision(cfg: TrainConfig, machine: Machine, master: str) -> Precision:

@@ -8,7 +8,6 @@ naming the dotted key, before any model is loaded.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import types
 import typing
 from pathlib import Path
@@ -17,12 +16,12 @@ from typing import Any, Literal
 import yaml
 
 from maxent_grpo.core.advantages import advantage_settings_problem
-from maxent_grpo.core.bounds import SpecError
 from maxent_grpo.envs.settings import episode_limits
 from maxent_grpo.errors import ConfigError
 from maxent_grpo.methods import METHODS, get_method
 from maxent_grpo.rewards.user_code import resolve_reference
 from maxent_grpo.config.python_objects import is_python_reference
+from maxent_grpo.config.rules import config_keys, require, suggest
 from maxent_grpo.rollout.open_plane import check_data_plane
 from maxent_grpo.training.trackers import TRACKER_NAMES
 # The sections live in config/schema.py; imported here so that ``config.load``
@@ -70,7 +69,7 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         return _coerce(value, inner[0], key)
     if origin is Literal:
         if value not in args:
-            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, args))}{_suggest(value, args)}")
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, args))}{suggest(value, args)}")
         return value
     if origin is list:
         if isinstance(value, (str, dict)) or not isinstance(value, (list, tuple)):
@@ -140,11 +139,6 @@ def _resolve_model_path(model: Any, config_dir: Path | None) -> Any:
     return model
 
 
-def _suggest(name: Any, options) -> str:
-    close = difflib.get_close_matches(str(name), [str(o) for o in options], n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 def _build(cls, data: dict, prefix: str):
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
@@ -152,7 +146,7 @@ def _build(cls, data: dict, prefix: str):
         if key not in names:
             where = f"{prefix}.{key}" if prefix else key
             full = [f"{prefix}.{n}" if prefix else n for n in names]
-            raise ConfigError(f"unknown config key {where!r}{_suggest(where, full)}")
+            raise ConfigError(f"unknown config key {where!r}{suggest(where, full)}")
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name in data:
@@ -266,7 +260,7 @@ def config_from_tree(user: dict, config_dir: Path | None, overrides) -> TrainCon
         data.setdefault("few_shot", [])
     method = user.get("method", TrainConfig.method)
     if not isinstance(method, str) or method not in METHODS:
-        raise ConfigError(f"method: unknown method {method!r}{_suggest(method, METHODS)}; methods: {', '.join(sorted(METHODS))}")
+        raise ConfigError(f"method: unknown method {method!r}{suggest(method, METHODS)}; methods: {', '.join(sorted(METHODS))}")
     preset: dict = {}
     # The defaults each method brings; the user's YAML and --set overrides win over them.
     for key, value in get_method(method).preset.items():
@@ -303,79 +297,72 @@ def _positive_int(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and value >= 1
 
 
-def _check(ok: bool, key: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: {message}")
-
-
 def validate(cfg: TrainConfig) -> None:
     """Each key's own checks (a range, a known name, a package that must be installed); each failure
     names its key. The rules between sections are ``compile_run``'s (config/rules.py)."""
     g, t, lo = cfg.generation, cfg.training, cfg.loss
-    _check(g.num_generations >= 2, "generation.num_generations", f"must be >= 2 (a group needs two completions), got {g.num_generations}")
-    _check(g.max_new_tokens >= 1, "generation.max_new_tokens", f"must be >= 1, got {g.max_new_tokens}")
-    _check(g.temperature > 0, "generation.temperature", f"must be > 0, got {g.temperature}")
-    _check(0 < g.top_p <= 1, "generation.top_p", f"must be in (0, 1], got {g.top_p}")
-    _check(g.top_k >= 0, "generation.top_k", f"must be >= 0, got {g.top_k}")
-    _check(g.max_retry_rounds >= 0, "generation.max_retry_rounds", "must be >= 0")
+    require(g.num_generations >= 2, "generation.num_generations", f"must be >= 2 (a group needs two completions), got {g.num_generations}")
+    require(g.max_new_tokens >= 1, "generation.max_new_tokens", f"must be >= 1, got {g.max_new_tokens}")
+    require(g.temperature > 0, "generation.temperature", f"must be > 0, got {g.temperature}")
+    require(0 < g.top_p <= 1, "generation.top_p", f"must be in (0, 1], got {g.top_p}")
+    require(g.top_k >= 0, "generation.top_k", f"must be >= 0, got {g.top_k}")
+    require(g.max_retry_rounds >= 0, "generation.max_retry_rounds", "must be >= 0")
     v = g.vllm
-    _check(0 < v.gpu_memory_utilization <= 1, "generation.vllm.gpu_memory_utilization", "must be in (0, 1]")
+    require(0 < v.gpu_memory_utilization <= 1, "generation.vllm.gpu_memory_utilization", "must be in (0, 1]")
     for key, value in (("max_num_seqs", v.max_num_seqs), ("max_num_batched_tokens", v.max_num_batched_tokens)):
-        _check(value is None or value >= 1, f"generation.vllm.{key}", f"must be >= 1 or null, got {value}")
-    _check(v.request_timeout_s > 0, "generation.vllm.request_timeout_s", "must be > 0")
-    _check(v.server_url.startswith(("http://", "https://")), "generation.vllm.server_url",
+        require(value is None or value >= 1, f"generation.vllm.{key}", f"must be >= 1 or null, got {value}")
+    require(v.request_timeout_s > 0, "generation.vllm.request_timeout_s", "must be > 0")
+    require(v.server_url.startswith(("http://", "https://")), "generation.vllm.server_url",
            f"must start with http:// or https://, got {v.server_url!r}")
-    _check(t.max_steps is None or t.max_steps >= 1, "training.max_steps", f"must be >= 1 or null, got {t.max_steps}")
-    _check(t.max_steps is not None or cfg.data.num_epochs is not None, "training.max_steps",
+    require(t.max_steps is None or t.max_steps >= 1, "training.max_steps", f"must be >= 1 or null, got {t.max_steps}")
+    require(t.max_steps is not None or cfg.data.num_epochs is not None, "training.max_steps",
            "null counts the run in passes over the data: set data.num_epochs")
-    _check(t.dist_timeout_minutes > 0, "training.dist_timeout_minutes", f"must be > 0, got {t.dist_timeout_minutes}")
-    _check(t.batch_size is None or t.batch_size > 0, "training.batch_size", f"must be > 0 or null, got {t.batch_size}")
-    _check(t.prompts_per_step >= 1, "training.prompts_per_step", f"must be >= 1, got {t.prompts_per_step}")
-    _check(t.micro_batch_size == "auto" or t.micro_batch_size >= 1, "training.micro_batch_size", "must be >= 1 or auto")
-    _check(cfg.method in METHODS, "method", f"unknown method {cfg.method!r}; methods: {', '.join(sorted(METHODS))}")
-    _check(t.learning_rate >= 0, "training.learning_rate", "must be >= 0")
-    _check(t.num_iterations >= 1, "training.num_iterations", "must be >= 1")
-    _check(t.warmup_steps >= 0, "training.warmup_steps", "must be >= 0")
-    _check(0 <= t.warmup_ratio < 1, "training.warmup_ratio", f"must be in [0, 1), got {t.warmup_ratio}")
-    _check(not (t.warmup_ratio and t.warmup_steps), "training.warmup_ratio",
+    require(t.dist_timeout_minutes > 0, "training.dist_timeout_minutes", f"must be > 0, got {t.dist_timeout_minutes}")
+    require(t.batch_size is None or t.batch_size > 0, "training.batch_size", f"must be > 0 or null, got {t.batch_size}")
+    require(t.prompts_per_step >= 1, "training.prompts_per_step", f"must be >= 1, got {t.prompts_per_step}")
+    require(t.micro_batch_size == "auto" or t.micro_batch_size >= 1, "training.micro_batch_size", "must be >= 1 or auto")
+    require(cfg.method in METHODS, "method", f"unknown method {cfg.method!r}; methods: {', '.join(sorted(METHODS))}")
+    require(t.learning_rate >= 0, "training.learning_rate", "must be >= 0")
+    require(t.num_iterations >= 1, "training.num_iterations", "must be >= 1")
+    require(t.warmup_steps >= 0, "training.warmup_steps", "must be >= 0")
+    require(0 <= t.warmup_ratio < 1, "training.warmup_ratio", f"must be in [0, 1), got {t.warmup_ratio}")
+    require(not (t.warmup_ratio and t.warmup_steps), "training.warmup_ratio",
            "give warmup_steps or warmup_ratio, not both")
-    _check(lo.max_gen_batches >= 1, "loss.max_gen_batches", "must be >= 1")
+    require(lo.max_gen_batches >= 1, "loss.max_gen_batches", "must be >= 1")
     problem = advantage_settings_problem(lo.advantage_estimator, lo.scale_rewards)
-    _check(problem is None, "loss.scale_rewards", (problem or "").removeprefix("scale_rewards "))
+    require(problem is None, "loss.scale_rewards", (problem or "").removeprefix("scale_rewards "))
     r = cfg.rollout
-    _check(r.max_staleness >= 0, "rollout.max_staleness", f"must be >= 0 (0: synchronous), got {r.max_staleness}")
-    _check(r.wait_timeout_s > 0, "rollout.wait_timeout_s", f"must be > 0, got {r.wait_timeout_s}")
+    require(r.max_staleness >= 0, "rollout.max_staleness", f"must be >= 0 (0: synchronous), got {r.max_staleness}")
+    require(r.wait_timeout_s > 0, "rollout.wait_timeout_s", f"must be > 0, got {r.wait_timeout_s}")
     check_data_plane(r.data_plane)  # its package, before any model loads
-    _check_environment(cfg)
-    _check(cfg.logging.collapse_window >= 0, "logging.collapse_window", "must be >= 0 (0: off)")
-    _check(cfg.checkpoint.save_steps >= 0, "checkpoint.save_steps", "must be >= 0")
-    _check(cfg.checkpoint.save_minutes >= 0, "checkpoint.save_minutes", "must be >= 0")
-    _check(t.max_consecutive_skips >= 1, "training.max_consecutive_skips", f"must be >= 1, got {t.max_consecutive_skips}")
-    _check(cfg.checkpoint.keep_last is None or cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
-    _check(bool(cfg.rewards), "rewards", "at least one reward function is needed")
+    _environment_keys(cfg)
+    require(cfg.logging.collapse_window >= 0, "logging.collapse_window", "must be >= 0 (0: off)")
+    require(cfg.checkpoint.save_steps >= 0, "checkpoint.save_steps", "must be >= 0")
+    require(cfg.checkpoint.save_minutes >= 0, "checkpoint.save_minutes", "must be >= 0")
+    require(t.max_consecutive_skips >= 1, "training.max_consecutive_skips", f"must be >= 1, got {t.max_consecutive_skips}")
+    require(cfg.checkpoint.keep_last is None or cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+    require(bool(cfg.rewards), "rewards", "at least one reward function is needed")
     for i, r in enumerate(cfg.rewards):
-        _check(bool(r.name), f"rewards[{i}].name", "must not be empty")
-        _check(r.timeout_s is None or r.timeout_s > 0, f"rewards[{i}].timeout_s", f"must be > 0, got {r.timeout_s}")
+        require(bool(r.name), f"rewards[{i}].name", "must not be empty")
+        require(r.timeout_s is None or r.timeout_s > 0, f"rewards[{i}].timeout_s", f"must be > 0, got {r.timeout_s}")
     e = cfg.eval
-    _check(e.k is None or _positive_int(e.k), "eval.k", f"must be a positive int or null, got {e.k!r}")
-    _check(e.draws is None or _positive_int(e.draws), "eval.draws", f"must be a positive int or null, got {e.draws!r}")
-    _check(_positive_int(e.min_defined_prompts), "eval.min_defined_prompts",
+    require(e.k is None or _positive_int(e.k), "eval.k", f"must be a positive int or null, got {e.k!r}")
+    require(e.draws is None or _positive_int(e.draws), "eval.draws", f"must be a positive int or null, got {e.draws!r}")
+    require(_positive_int(e.min_defined_prompts), "eval.min_defined_prompts",
            f"must be a positive int, got {e.min_defined_prompts!r}")
     known = {*TRACKER_NAMES, "none", "all"}
     for i, name in enumerate(cfg.logging.report_to):
-        _check(name in known, f"logging.report_to[{i}]", f"unknown tracker {name!r}{_suggest(name, known)}")
+        require(name in known, f"logging.report_to[{i}]", f"unknown tracker {name!r}{suggest(name, known)}")
 
 
-def _check_environment(cfg: TrainConfig) -> None:
+def _environment_keys(cfg: TrainConfig) -> None:
     """Multi-turn episodes: the limits' own bounds, and references that name what to import."""
     e = cfg.environment
-    try:
+    with config_keys("environment"):
         episode_limits(e, cfg.generation.max_new_tokens)
-    except SpecError as err:
-        raise ConfigError(f"environment.{err.setting}: {err.problem}") from None
-    _check(e.tool_timeout_s is None or e.tool_timeout_s > 0, "environment.tool_timeout_s",
+    require(e.tool_timeout_s is None or e.tool_timeout_s > 0, "environment.tool_timeout_s",
            f"must be > 0 or null, got {e.tool_timeout_s!r}")
     for i, tool in enumerate(e.tools):
-        _check(":" in tool, f"environment.tools[{i}]", f"must look like 'module:function' or 'file.py:function', got {tool!r}")
+        require(":" in tool, f"environment.tools[{i}]", f"must look like 'module:function' or 'file.py:function', got {tool!r}")
     for name, ref in e.classes.items():
-        _check(":" in ref, f"environment.classes.{name}", f"must look like 'module:Class' or 'file.py:Class', got {ref!r}")
+        require(":" in ref, f"environment.classes.{name}", f"must look like 'module:Class' or 'file.py:Class', got {ref!r}")

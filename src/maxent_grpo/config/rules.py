@@ -6,9 +6,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import math
+from collections.abc import Callable, Iterator
 
+from maxent_grpo.core.bounds import SpecError
 from maxent_grpo.envs import ENVIRONMENTS
 from maxent_grpo.errors import ConfigError
 from maxent_grpo.methods import get_method
@@ -28,6 +31,18 @@ def require(ok: bool, key: str, message: str) -> None:
 def suggest(name, options) -> str:
     close = difflib.get_close_matches(str(name), [str(o) for o in options], n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+@contextlib.contextmanager
+def config_keys(key: str | Callable[[str], str]) -> Iterator[None]:
+    """A record's bounds failing inside (``core.bounds.SpecError``, naming the record's own setting) become
+    one ConfigError naming the config key: ``key`` the section the settings come from (``"loss"``:
+    ``loss.<setting>``) or a function from the setting to its key."""
+    try:
+        yield
+    except SpecError as err:
+        name = key(err.setting) if callable(key) else f"{key}.{err.setting}"
+        raise ConfigError(f"{name}: {err.problem}") from None
 
 
 def prompts_per_step(cfg: TrainConfig) -> int:
@@ -113,7 +128,7 @@ def check_run(cfg: TrainConfig, machine: Machine, master: str, *, eval_rows_give
     _check_teacher(cfg)
     _check_ref_sync(cfg, strategy)
     _check_strategy(cfg, strategy, master)
-    _check_environment(cfg)
+    _environment_rules(cfg)
 
 
 def check_given_model(cfg: TrainConfig) -> None:
@@ -155,7 +170,7 @@ def _check_teacher(cfg: TrainConfig) -> None:
             "use an advantage method (e.g. method: grpo)")
 
 
-def _check_environment(cfg: TrainConfig) -> None:
+def _environment_rules(cfg: TrainConfig) -> None:
     """Multi-turn episodes: a known environment, tools and classes that name what to import, and a
     sampler that can run as many turns on each rank."""
     e = cfg.environment

@@ -444,3 +444,22 @@ def test_optimizer_table_counts_each_state(tiny_model_dir, capsys):
     per_param = {name: float(cells[1]) for name, cells in rows.items()}
     assert per_param["adamw"] == per_param["adamw_fused"] == 8.0
     assert 2.0 <= per_param["adamw_8bit"] < 4.0
+
+
+@pytest.mark.slow
+def test_head_gap_measures_both_heads_on_the_tiny_model(tiny_model_dir, tmp_path, capsys):
+    """benchmarks/head_gap.py: two bf16 runs (autocast trainer, bf16 sampling copy), the head in bf16 and in
+    float32, and one table of their gaps (BENCHMARKS.md §14 on the default model)."""
+    from benchmarks import head_gap
+
+    keys = [f"model.name_or_path={tiny_model_dir}", "data.size=16", "data.task_kwargs={}", "generation.num_generations=4",
+            "generation.max_new_tokens=6", "training.prompts_per_step=2", "training.micro_batch_size=4",
+            "data.few_shot=[]"]
+    assert head_gap.main(["--steps", "1", "--out", str(tmp_path), "--", *[a for k in keys for a in ("--set", k)]]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(("| bf16 | 1 |", "| float32 | 1 |"))]
+    assert len(rows) == 2
+    config = (tmp_path / "float32" / "config.yaml").read_text()
+    assert "lm_head_fp32: true" in config and "dtype: bfloat16" in config
+    gaps = [float(r.split("|")[4]) for r in rows]  # rms d: a bf16 copy never samples exactly as the trainer scores
+    assert all(g > 0 for g in gaps)

@@ -69,10 +69,9 @@ def load_policy(m: ModelPlan, model_path: str | None, strategy: Strategy):
     def adapt(model: torch.nn.Module) -> torch.nn.Module:
         fill_pad_token(model, tokenizer)
         if m.lm_head_fp32:  # before LoRA, which config rules keep off the head
-            if not has_linear_head(model):  # a given peft model whose adapters wrap the head
+            if not has_linear_head(model):  # a family whose head is its own module
                 raise UserError(f"model.lm_head_fp32: the model's LM head is a "
-                                f"{type(model.get_output_embeddings()).__name__}, not a plain nn.Linear; "
-                                "leave lm_head out of the adapter's target modules")
+                                f"{type(model.get_output_embeddings()).__name__}, not a plain nn.Linear")
             use_fp32_head(model)
         if m.lora is not None and not is_peft_model(model):  # a given peft model brings its own adapters
             model = apply_lora(model, r=m.lora.r, alpha=m.lora.alpha, dropout=m.lora.dropout,

@@ -21,9 +21,9 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
+from maxent_grpo.rewards.catalog import RewardFunction, register_reward
 from maxent_grpo.tasks.answers import canonical_answer, completion_text, extract_boxed, extract_final_answer
 
-RewardFunction = Callable[..., list[float | None]]
 LengthUnit = Literal["chars", "tokens"]
 
 
@@ -117,6 +117,7 @@ def _check_timeout(timeout_seconds: int | None) -> None:
         raise ValueError(f"timeout_seconds must be a positive int or None, got {timeout_seconds!r}")
 
 
+@register_reward("accuracy")
 def make_accuracy(*, timeout_seconds: int | None = 5) -> RewardFunction:
     """1.0 when math-verify finds the completion equal to the `answer` column
     (`verify(parse(gold), parse(completion))`, gold first), else 0.0. None when the
@@ -132,6 +133,7 @@ def make_accuracy(*, timeout_seconds: int | None = 5) -> RewardFunction:
     return _named(accuracy, "accuracy")
 
 
+@register_reward("boxed_accuracy")
 def make_boxed_accuracy(*, timeout_seconds: int | None = 5) -> RewardFunction:
     """1.0 when the completion's final answer (last `\\boxed{}`, else `<answer>`)
     equals the gold canonically (`canonical_answer`) or, failing that, by
@@ -166,6 +168,7 @@ def make_boxed_accuracy(*, timeout_seconds: int | None = 5) -> RewardFunction:
 # ------------------------------------------------------------------ format
 
 
+@register_reward("format")
 def make_format(*, style: Literal["boxed", "answer_tag"] = "boxed", pattern: str | None = None) -> RewardFunction:
     """1.0 when the completion has the expected answer format, else 0.0.
 
@@ -199,6 +202,7 @@ _TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 _TAG_FORMAT = re.compile(r"\s*<think>.*?</think>\s*<answer>\s*\S.*?</answer>\s*", re.DOTALL)
 
 
+@register_reward("tag_format")
 def make_tag_format() -> RewardFunction:
     """1.0 for `<think>...</think><answer>...</answer>` and nothing else around it
     (whitespace aside), each tag exactly once and a non-empty answer; else 0.0."""
@@ -212,6 +216,7 @@ def make_tag_format() -> RewardFunction:
     return _named(tag_format, "tag_format")
 
 
+@register_reward("tag_count")
 def make_tag_count() -> RewardFunction:
     """0.25 for each of `<think>`, `</think>`, `<answer>`, `</answer>` that occurs
     exactly once: partial credit on the way to `tag_format`."""
@@ -228,6 +233,7 @@ _STEP_MARKERS = re.compile(
 )
 
 
+@register_reward("reasoning_steps")
 def make_reasoning_steps(*, min_steps: int = 3) -> RewardFunction:
     """`min(1, count / min_steps)` where `count` is the number of step markers
     (`Step 1:`, `1.` list items, `-`/`*` bullets, `First,` ... `Finally,`)."""
@@ -243,6 +249,7 @@ def make_reasoning_steps(*, min_steps: int = 3) -> RewardFunction:
 # ------------------------------------------------------------------ length
 
 
+@register_reward("cosine_length")
 def make_cosine_length(
     *,
     min_value_wrong: float = -1.0,
@@ -291,6 +298,7 @@ def make_cosine_length(
     return _named(cosine_length, "cosine_length")
 
 
+@register_reward("length")
 def make_length(
     *, max_length: int = 1000, direction: Literal["penalise", "favour"] = "penalise", unit: LengthUnit = "chars"
 ) -> RewardFunction:
@@ -311,6 +319,7 @@ def make_length(
     return _named(length, "length")
 
 
+@register_reward("soft_overlong")
 def make_soft_overlong(*, max_completion_len: int, soft_punish_cache: int) -> RewardFunction:
     """DAPO's soft overlong punishment (arXiv 2503.14476 Eq. 13; TRL ``get_soft_overlong_punishment``,
     verl ``overlong_buffer``): with ``L`` the completion's tokens, ``0`` for ``L <= L_max - L_cache``,
@@ -338,6 +347,7 @@ def make_soft_overlong(*, max_completion_len: int, soft_punish_cache: int) -> Re
     return _named(soft_overlong, "soft_overlong")
 
 
+@register_reward("repetition_penalty")
 def make_repetition_penalty(*, ngram_size: int = 3, max_penalty: float = -1.0) -> RewardFunction:
     """`max_penalty * (1 - distinct / total)` over the completion's word n-grams
     (lower-cased, whitespace-split): 0 for no repeated n-gram, approaching
@@ -365,6 +375,7 @@ def make_repetition_penalty(*, ngram_size: int = 3, max_penalty: float = -1.0) -
 # ---------------------------------------------------------------- reasoning-gym
 
 
+@register_reward("reasoning_gym")
 def make_reasoning_gym(*, entry_column: str = "rg_entry", task_column: str = "task") -> RewardFunction:
     """The task's own scorer: `score_answer(final_answer, entry)` from reasoning-gym.
 
@@ -404,6 +415,7 @@ def make_reasoning_gym(*, entry_column: str = "rg_entry", task_column: str = "ta
 ENV_REWARD_COLUMN = "environment_reward"  # each episode's score from its environment (envs/)
 
 
+@register_reward("environment")
 def make_environment() -> RewardFunction:
     """The environment's own score of each multi-turn episode (TRL's ``get_reward``), None where it gave none.
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from maxent_grpo.tasks.answers import completion_text
-from maxent_grpo.rewards.builtin import RewardFunction, _column, _named
+from maxent_grpo.rewards.builtin import _column, _named
+from maxent_grpo.rewards.catalog import RewardFunction, register_reward
 from maxent_grpo.rewards.sandbox import SandboxLimits, SandboxResult, require_isolation, run_many
 
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
@@ -148,6 +149,7 @@ def _limits(timeout_s: float, memory_mb: int, max_workers: int, options: Mapping
     return SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb, **options)
 
 
+@register_reward("code_unit_tests")
 def make_code_unit_tests(
     *, tests_column: str = "test_list", setup_column: str | None = None, timeout_s: float = 10.0,
     memory_mb: int = 1024, max_workers: int = 4, require_namespaces: bool = True, **sandbox: Any,
@@ -172,6 +174,7 @@ def make_code_unit_tests(
     return _named(code_unit_tests, "code_unit_tests")
 
 
+@register_reward("code_check")
 def make_code_check(
     *, test_column: str = "test", entry_point_column: str = "entry_point", prefix_column: str | None = "code_prompt",
     timeout_s: float = 10.0, memory_mb: int = 1024, max_workers: int = 4, require_namespaces: bool = True,

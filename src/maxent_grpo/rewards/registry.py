@@ -1,6 +1,7 @@
 """Reward functions by name, the configured set of them, and their checked evaluation.
 
-`REWARD_FUNCTIONS` maps each built-in name to its factory. A config entry names a
+`REWARD_FUNCTIONS` maps each built-in name to its factory (each registers itself where it is
+defined: ``rewards/catalog.py``). A config entry names a
 built-in or any importable `module:function`; `evaluate_rewards` calls every
 function the way TRL's GRPOTrainer does (`f(prompts=..., completions=...,
 **columns)`), so reward functions written for TRL run unchanged, and checks what
@@ -11,6 +12,7 @@ returned None).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import difflib
 import functools
 import math
@@ -23,35 +25,17 @@ from typing import Any
 import torch
 
 from maxent_grpo.errors import UserError
-from maxent_grpo.rewards import builtin, code
-from maxent_grpo.rewards.builtin import RewardFunction
+from maxent_grpo.rewards import builtin
+from maxent_grpo.rewards.catalog import REWARD_FUNCTIONS, RewardFunction
 from maxent_grpo.rewards.context import RewardContext, accepted_keywords
 from maxent_grpo.rewards.invoke import call_all
-from maxent_grpo.rewards.reward_model import make_reward_model
 from maxent_grpo.rewards.user_code import import_reference, split_reference
 from maxent_grpo.rollout.backend import RolloutBatch
-from maxent_grpo.tasks.modebench import make_modebench_reward
-from maxent_grpo.tasks.modebench_package import make_modebench_pkg_reward
 
-REWARD_FUNCTIONS: dict[str, Callable[..., RewardFunction]] = {
-    "accuracy": builtin.make_accuracy,
-    "boxed_accuracy": builtin.make_boxed_accuracy,
-    "format": builtin.make_format,
-    "tag_format": builtin.make_tag_format,
-    "tag_count": builtin.make_tag_count,
-    "reasoning_steps": builtin.make_reasoning_steps,
-    "cosine_length": builtin.make_cosine_length,
-    "length": builtin.make_length,
-    "repetition_penalty": builtin.make_repetition_penalty,
-    "soft_overlong": builtin.make_soft_overlong,  # DAPO's soft overlong punishment (kwargs max_completion_len, soft_punish_cache)
-    "reasoning_gym": builtin.make_reasoning_gym,
-    "code_unit_tests": code.make_code_unit_tests,
-    "code_check": code.make_code_check,
-    "environment": builtin.make_environment,  # a multi-turn episode's score from its environment (envs/)
-    "modebench": make_modebench_reward,  # the ModeBench task verifiers (data.source: modebench:<task>)
-    "reward_model": make_reward_model,  # a sequence classifier scoring prompt + completion (kwargs model: PATH_OR_ID)
-    "modebench_pkg": make_modebench_pkg_reward,  # modebench 0.4.0's grade (data.source: modebench_pkg:<domain>)
-}
+# The modules whose reward factories register themselves where they are defined (rewards/catalog.py),
+# besides builtin: imported for that alone.
+for _module in ("code", "modebench", "reward_model"):
+    importlib.import_module(f"maxent_grpo.rewards.{_module}")
 
 
 @dataclass

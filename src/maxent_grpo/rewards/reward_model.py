@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from maxent_grpo.rewards.builtin import RewardFunction
+from maxent_grpo.rewards.catalog import RewardFunction, register_reward
 
 __all__ = ["make_reward_model"]
 
@@ -27,6 +27,7 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
+@register_reward("reward_model")
 def make_reward_model(*, model: str, batch_size: int = 8, dtype: str = "float32") -> RewardFunction:
     """The reward function of the sequence classifier at ``model`` (a path or a hub id)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer

@@ -30,11 +30,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from maxent_grpo.tasks.answers import canonical_answer, completion_text, extract_final_answer
+from maxent_grpo.tasks.answers import canonical_answer, extract_final_answer
 from maxent_grpo.tasks import coloring, countdown, pair_sum
 from maxent_grpo.tasks.modebench_package import Grades, row_mode_key as row_mode_key_package
 
-__all__ = ["EVAL_SEED", "PREFIX", "TASKS", "Task", "mode_info", "modebench_reward", "modebench_rows", "row_mode_key",
+__all__ = ["EVAL_SEED", "PREFIX", "TASKS", "Task", "mode_info", "modebench_rows", "row_mode_key",
            "row_task"]
 
 PREFIX = "modebench:"
@@ -200,27 +200,3 @@ def answer_key(row: Mapping[str, Any], completion: str, grades: Grades | None = 
         return modes[0]
     answer = extract_final_answer(completion)
     return None if answer is None else canonical_answer(answer)
-
-
-def make_modebench_reward() -> Callable[..., list[float | None]]:
-    """The ``modebench`` reward: 1.0 when the final answer (last ``\\boxed{}``) passes the row's task verifier,
-    else 0.0; None on rows that are not ModeBench rows."""
-
-    def modebench(prompts, completions, **columns) -> list[float | None]:
-        tasks, problems = columns.get("mb_task"), columns.get("mb_problem")
-        if tasks is None or problems is None:
-            raise ValueError("reward 'modebench' needs the columns mb_task and mb_problem (data.source: modebench:<task>)")
-        out: list[float | None] = []
-        for task, problem, completion in zip(tasks, problems, completions):
-            if task is None:
-                out.append(None)
-                continue
-            answer = extract_final_answer(completion_text(completion))
-            out.append(float(TASKS[task].verify(answer, json.loads(problem))))
-        return out
-
-    modebench.__name__ = modebench.__qualname__ = "modebench"
-    return modebench
-
-
-modebench_reward = make_modebench_reward()

@@ -46,8 +46,8 @@ from dataclasses import asdict
 from fractions import Fraction
 from typing import Any
 
-__all__ = ["DOMAINS", "GENERATED_DOMAINS", "PREFIX", "Grades", "Unscorable", "grade_row", "make_modebench_pkg_reward",
-           "package_rows", "row_mode_key"]
+__all__ = ["DOMAINS", "GENERATED_DOMAINS", "PREFIX", "Grades", "Unscorable", "grade_row", "package_rows",
+           "row_mode_key"]
 
 PREFIX = "modebench_pkg:"
 DOMAINS = ("countdown", "graph_coloring", "python_factors", "mathir", "pantry_plan")
@@ -292,21 +292,3 @@ def row_mode_key(row: Mapping[str, Any], completion: str, grades: Grades | None 
     """The canonical mode key of a verified completion; None when it is not correct. ``grades``:
     the batch's :class:`Grades` (None: grade now)."""
     return (grade_row(row, completion) if grades is None else grades.grade(row, completion))["canonical_key"]
-
-
-def make_modebench_pkg_reward() -> Callable[..., list[float | None]]:
-    """The ``modebench_pkg`` reward: 1.0 iff the package grades the completion ``correct``, 0.0 for
-    ``incorrect``/``malformed``; None on rows that are not package rows; an unscorable outcome raises.
-    ``mode_grades``: the batch's :class:`Grades`, which the answer keys and replay admission then reuse."""
-    from maxent_grpo.tasks.answers import completion_text
-
-    def modebench_pkg(prompts, completions, mode_grades: Grades | None = None, **columns) -> list[float | None]:
-        tasks = columns.get("mbp_task")
-        if tasks is None:
-            raise ValueError(f"reward 'modebench_pkg' needs the column mbp_task (data.source: {PREFIX}<domain>)")
-        grades = Grades() if mode_grades is None else mode_grades
-        return [None if task is None else float(grades.grade({"mbp_task": task}, completion_text(c))["verified"])
-                for task, c in zip(tasks, completions)]
-
-    modebench_pkg.__name__ = modebench_pkg.__qualname__ = "modebench_pkg"
-    return modebench_pkg

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks import result_files
 from benchmarks.modebench import _cli, _run, _sets
 
 REPO = Path(__file__).resolve().parents[1]
@@ -109,7 +110,7 @@ def load(results: Path) -> dict[str, list[RunSummary]]:
     by_arm: dict[str, list[RunSummary]] = {}
     for done in sorted(results.glob("*/seed*/done.json")):
         arm, seed = done.parent.parent.name, int(done.parent.name[4:])
-        rows = [json.loads(line) for line in (done.parent / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        rows = result_files.read_jsonl(done.parent / "metrics.jsonl")
         by_arm.setdefault(arm, []).append(summarize(arm, seed, rows))
     order = [a for a in ARMS if a in by_arm] + sorted(a for a in by_arm if a not in ARMS)
     return {a: sorted(by_arm[a], key=lambda s: s.seed) for a in order}
@@ -168,7 +169,7 @@ def run_one(arm: str, seed: int, *, results: Path, work: Path, extra: list[str])
     _run([_cli(), "train", "--output-dir", str(run_dir), *_sets({**ARMS[arm], **PINNED, "training.seed": seed}),
           *extra], out / "log.txt", None)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    (out / "metrics.jsonl").write_text("".join(json.dumps({k: r[k] for k in KEEP}) + "\n" for r in rows))
+    result_files.write_text(out / "metrics.jsonl", "".join(json.dumps({k: r[k] for k in KEEP}) + "\n" for r in rows))
     (out / "log.txt").unlink()
     (out / "done.json").write_text(json.dumps({
         "arm": arm, "seed": seed, "steps": len(rows), "wall_s": round(time.time() - t0, 1), "cpu": _cpu(),

@@ -59,10 +59,11 @@ def child(args) -> dict:
 
         backend = HFGenerationBackend(policy, tokenizer, dtype=sample_dtype)
     else:
+        from maxent_grpo.rollout.settings import VllmConfig
         from maxent_grpo.rollout.vllm_colocate import VLLMColocateBackend
 
         backend = VLLMColocateBackend(path, tokenizer, model_dtype=policy.dtype, sample_dtype=sample_dtype,
-                                      enforce_eager=args.backend == "vllm_eager")
+                                      options=VllmConfig(enforce_eager=args.backend == "vllm_eager"))
     start_s = time.perf_counter() - t0
     prompts = _prompts(tokenizer, args.prompts)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0)

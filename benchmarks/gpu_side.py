@@ -7,7 +7,7 @@ Each side runs in this process, its phase functions wrapped by a :class:`PhaseMe
 * generate: HF generation. Ours: ``pipeline.produce_rollouts`` (the rewards, string checks,
   included); TRL: ``GRPOTrainer._generate``.
 * score: the log-prob passes before the update (reference, old policy) and the advantages. Ours:
-  ``pipeline._score_and_weight``; TRL: the rest of ``_generate_and_score_completions`` (its rewards included).
+  ``pipeline.score_batch`` (the scoring stages); TRL: the rest of ``_generate_and_score_completions`` (its rewards included).
 * update: the rest of the optimizer step: forward, backward, AdamW, logging. Ours:
   ``loop._update_and_log`` (the weight sync to the sampling copy included); TRL: from its step's
   ``on_step_begin`` to ``on_step_end`` less the two phases above.
@@ -91,7 +91,7 @@ def run_ours(setting, model_dir: Path, work: Path, meter: PhaseMeter):
     # The synchronous loop's batch (prepare_training_batch) and the rollout queue's each call their own name.
     meter.wrap(pipeline, "produce_rollouts", "generate")
     meter.wrap(rollout_queue, "produce_rollouts", "generate")
-    meter.wrap(pipeline, "_score_and_weight", "score")
+    meter.wrap(pipeline, "score_batch", "score")
     meter.wrap(loop, "_update_and_log", "update")
     # No final checkpoint: TRL's side writes none, and at 1.5B it is 18.5 GB and tens of seconds.
     config = write_config(setting, model_dir, work / "config.yaml", extra={"checkpoint": {"save_final": False}})

@@ -7,7 +7,7 @@ moved off zero as training moves them; one fp32 colocated engine per mode; ``--p
 by one after a first (untimed) one. Bytes are what a push hands the engine: every weight of the merged
 model (a tied head once), or the adapter's file. After the last push both engines sample the same prompt and their
 log-probs are compared with the policy's (both within fp32 rounding of it: the check that the pushes
-land). BENCHMARKS.md §6b.
+land). BENCHMARKS.md §5.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ import torch
 from maxent_grpo.core.logprobs import get_per_token_logps
 from maxent_grpo.models import apply_lora, load_model_and_tokenizer, resolve_model_path
 from maxent_grpo.rollout.backend import SamplingParams, build_rollout_batch, pack_rollout
-from maxent_grpo.rollout.vllm_colocate import VLLMColocateBackend
+from maxent_grpo.rollout.settings import VllmConfig
+from maxent_grpo.rollout.vllm_colocate import AdapterPush, VLLMColocateBackend
 from maxent_grpo.rollout.vllm_weights import adapter_rank, full_state_items
-from maxent_grpo.tiny import build_tiny_model
+from benchmarks.tiny_model import build_tiny_model
 
 SAMPLING = SamplingParams(max_new_tokens=16, temperature=0.7)
 
@@ -59,8 +60,9 @@ def measure(model_path: str, pushes: int, work: Path) -> dict[str, dict]:
     merged_bytes = sum(t.numel() * t.element_size() for t in unique.values())
     out = {}
     for mode in ("merged", "adapter"):
-        extra = {} if mode == "merged" else {"lora_rank": adapter_rank(model), "adapter_dir": work / "adapters"}
-        engine = VLLMColocateBackend(model_path, tokenizer, model_dtype=torch.float32, enforce_eager=True, **extra)
+        adapter = None if mode == "merged" else AdapterPush(adapter_rank(model), work / "adapters")
+        engine = VLLMColocateBackend(model_path, tokenizer, model_dtype=torch.float32,
+                                     options=VllmConfig(enforce_eager=True), adapter=adapter)
         engine.sync_weights(model)  # untimed: the first adapter load plans the engine's LoRA slots
         seconds = []
         for _ in range(pushes):

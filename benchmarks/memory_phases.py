@@ -29,7 +29,7 @@ PHASES = {
     ("__call__", "step.py"): "optimizer update (clip, step, zero)",
     ("save", "setup.py"): "checkpoint",
     ("finish_batch", "pipeline.py"): "batch preparation",
-    ("compute_rewards", "pipeline.py"): "rewards",
+    ("reward", "stages.py"): "rewards",
 }
 
 

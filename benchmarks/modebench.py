@@ -11,7 +11,8 @@ seeded order. Each final model is evaluated with ``maxent-grpo eval`` on the fix
 split (K samples at temperature 1 plus one greedy) once per eval seed. One (arm, train seed)
 writes ``<results>/<arm>/seed<s>/``: ``config.yaml`` (the full resolved config),
 ``train_metrics.jsonl``, ``eval-seed<e>/{summary.json, completions.jsonl, per_prompt.jsonl}``
-and last ``done.json``; a run with ``done.json`` is skipped, so ``run`` resumes.
+and last ``done.json`` (each ``.jsonl`` stored gzipped, ``benchmarks/result_files.py``); a run with
+``done.json`` is skipped, so ``run`` resumes.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
+from benchmarks import result_files
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "modebench.yaml"
@@ -88,13 +91,12 @@ def _slim(src: Path, dest: Path) -> None:
     """Copy an eval folder, dropping each record's prompt text (prompt_index and task identify it)."""
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copy(src / "summary.json", dest / "summary.json")
-    shutil.copy(src / "per_prompt.jsonl", dest / "per_prompt.jsonl")
+    result_files.copy(src / "per_prompt.jsonl", dest / "per_prompt.jsonl")
     lines = []
-    for line in (src / "completions.jsonl").read_text().splitlines():
-        record = json.loads(line)
+    for record in result_files.read_jsonl(src / "completions.jsonl"):
         record.pop("prompt")
         lines.append(json.dumps(record))
-    (dest / "completions.jsonl").write_text("\n".join(lines) + "\n")
+    result_files.write_text(dest / "completions.jsonl", "\n".join(lines) + "\n")
 
 
 @dataclass(frozen=True)
@@ -142,7 +144,7 @@ def train_arm(arm: str, arm_sets: dict, seed: int, *, results: Path, work: Path,
         steps = max(int(p.name.split("-")[1]) for p in ckpts.glob("step-*"))
         final = ckpts / f"step-{steps}"
         shutil.copy(run_dir / "config.yaml", out / "config.yaml")
-        shutil.copy(run_dir / "metrics.jsonl", out / "train_metrics.jsonl")
+        result_files.copy(run_dir / "metrics.jsonl", out / "train_metrics.jsonl")
     return Trained(out=out, run_dir=run_dir, log=log, final=final, steps=steps, train_s=time.time() - t0,
                    resumed_from=saved[-1] if saved else 0)
 
@@ -234,7 +236,7 @@ def cmd_analyze(args) -> int:
 
 def smoke_model(work: Path) -> Path:
     """The tiny random model the smoke runs train, built once under ``work``."""
-    from maxent_grpo.tiny import build_tiny_model
+    from benchmarks.tiny_model import build_tiny_model
 
     model_dir = work / "tiny-model"
     if not (model_dir / "config.json").is_file():

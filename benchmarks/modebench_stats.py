@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from benchmarks import result_files
+
 EQUIVALENCE_MARGIN = 0.03
 START = "start_model"  # the untrained model: a reference row, not an arm of the comparison
 METRICS = ("pass@8", "mean@8", "coverage@8", "greedy_pass@1")
@@ -32,8 +34,7 @@ def load_observations(results: Path) -> pd.DataFrame:
         info = json.loads(done.read_text())
         for eval_dir in sorted(done.parent.glob("eval-seed*")):
             eval_seed = int(eval_dir.name.removeprefix("eval-seed"))
-            for line in (eval_dir / "per_prompt.jsonl").read_text().splitlines():
-                p = json.loads(line)
+            for p in result_files.read_jsonl(eval_dir / "per_prompt.jsonl"):
                 k = max(int(name.split("@")[1]) for name in p if name.startswith("pass@"))
                 rows.append({
                     "arm": info["arm"], "train_seed": info["seed"], "eval_seed": eval_seed,
@@ -202,8 +203,8 @@ def training_table(results: Path, arms: dict) -> str:
         runs = []
         for done in sorted(results.glob(f"{arm}/seed*/done.json")):
             path = done.parent / "train_metrics.jsonl"
-            if path.is_file():
-                runs.append([json.loads(line) for line in path.read_text().splitlines()])
+            if result_files.exists(path):
+                runs.append(result_files.read_jsonl(path))
         if not runs:
             continue
 

@@ -32,7 +32,7 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
 def _tiny(out: Path) -> Path:
     if (out / "config.json").is_file():
         return out
-    from maxent_grpo.tiny import build_tiny_model
+    from benchmarks.tiny_model import build_tiny_model
 
     # Built beside and renamed, so a concurrent or interrupted build never leaves half a folder.
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
@@ -67,7 +67,7 @@ def random_model(name: str, out: Path, *, device: str = "cpu", seed: int = 0) ->
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from maxent_grpo.tiny import build_tiny_tokenizer
+    from benchmarks.tiny_model import build_tiny_tokenizer
 
     if (out / "config.json").is_file():
         return out

@@ -1,5 +1,6 @@
 """The policy pass alone on one real batch: positions and seconds of the padded, shared-prompt,
-packed and packed-behind-shared-prompt forwards and backwards (``training.packing``).
+packed, packed-behind-shared-prompt (KV cache) and one-pass (prompt and completions in one row)
+forwards and backwards (``training.packing``, ``training.inline_prompts``).
 
     python benchmarks/packing_pass.py --completions RUN/completions/step-1.jsonl --reps 3 --threads 1
 
@@ -7,7 +8,7 @@ The batch is rebuilt from a run's completion table (prompt text, tokenised as th
 each completion's text cut to its logged length), padded as the trainer pads a step, and split
 into micro-batches of ``--micro-batch-size`` rows. Every variant calls ``Scoring.logps`` as the
 trainer does (entropies on) and backpropagates a loss over the completion tokens; the variants
-alternate within each repetition (A B C D A B C D), so a busy machine slows them alike.
+alternate within each repetition (A B C D E A B C D E), so a busy machine slows them alike.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = {
         "shared prompts": Scoring(share_prompts=True),
         "packed behind shared prompts": Scoring(share_prompts=True, packing=True),
+        "prompt and completions in one pass": Scoring(share_prompts=True, packing=True, inline_prompts=True),
         "padded": Scoring(share_prompts=False),
         "packed rows": Scoring(share_prompts=False, packing=True),
     }

@@ -12,7 +12,8 @@ in the same order. Each final model is evaluated once with ``maxent-grpo eval`` 
 split: ``eval.draws`` groups of ``eval.k`` samples per prompt at temperature 1 plus one greedy, with
 the same sampling seed for every arm. One (arm, train seed) writes ``<results>/<arm>/seed<s>/``:
 ``config.yaml`` (the full resolved config), ``train_metrics.jsonl``, ``eval/{summary.json,
-completions.jsonl, per_prompt.jsonl}`` (prompt text dropped) and last ``done.json``; a run with
+completions.jsonl, per_prompt.jsonl}`` (prompt text dropped; each ``.jsonl`` stored gzipped,
+``benchmarks/result_files.py``) and last ``done.json``; a run with
 ``done.json`` is skipped, so ``run`` resumes. The analysis is ``benchmarks/replay_study_stats.py``.
 """
 
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 
 from benchmarks.modebench import START, _cli, _env, _run, _sets, _slim, smoke_model, train_arm
+from benchmarks import result_files
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "modebench_replay.yaml"
@@ -150,7 +152,7 @@ def run_length(arm: str, seed: int, *, steps: int, every: int, results: Path, wo
             resume = ["--resume"] if ckpts.is_dir() and any(ckpts.glob("step-*")) else ["--overwrite"]
             _run([_cli(), "train", *base, "--output-dir", str(run_dir), *_sets(overrides), *resume], log, env)
             shutil.copy(run_dir / "config.yaml", out / "config.yaml")
-            shutil.copy(run_dir / "metrics.jsonl", out / "train_metrics.jsonl")
+            result_files.copy(run_dir / "metrics.jsonl", out / "train_metrics.jsonl")
         for n in marks:
             done = out / f"step-{n}" / "done.json"
             if done.is_file():

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from benchmarks import result_files
 from benchmarks.modebench_stats import arm_effects, holm
 from maxent_grpo.core.mode_metrics import prompt_pcmd
 
@@ -63,7 +64,7 @@ def load(results: Path) -> tuple[pd.DataFrame, list[str]]:
     rows, failed = [], []
     for done in sorted(results.glob("*/seed*/done.json")):
         info = json.loads(done.read_text())
-        records = [json.loads(line) for line in (done.parent / "eval" / "completions.jsonl").read_text().splitlines()]
+        records = result_files.read_jsonl(done.parent / "eval" / "completions.jsonl")
         if any(r["unscorable"] for r in records):
             failed.append(f"{info['arm']}/seed{info['seed']}")
             continue
@@ -198,8 +199,8 @@ def _train_runs(results: Path, arm: str) -> list[list[dict]]:
     runs = []
     for done in sorted(results.glob(f"{arm}/seed*/done.json")):
         path = done.parent / "train_metrics.jsonl"
-        if path.is_file():
-            runs.append([json.loads(line) for line in path.read_text().splitlines()])
+        if result_files.exists(path):
+            runs.append(result_files.read_jsonl(path))
     return runs
 
 

@@ -7,7 +7,7 @@ built-in default task, whose two rewards are the pair GDPO was made for: a spars
 
 Each seed trains both arms with ``method: grpo`` and everything else the default's (15 steps, 4 prompts
 x 8 completions, SmolLM2-135M-Instruct), in that order, seed by seed. The report reads each run's
-``metrics.jsonl``: the mean correctness and format rewards over the first and the last three steps,
+``metrics.jsonl`` (or, in ``benchmarks/results/``, its gzipped form): the mean correctness and format rewards over the first and the last three steps,
 the mean correctness over all steps (the area under its curve: "which learns correctness faster"),
 and the first step at which a step's mean correctness reached 0.5.
 """
@@ -15,11 +15,15 @@ and the first step at which a step's mean correctness reached 0.5.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path, for benchmarks.*
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import result_files  # noqa: E402
 
 ARMS = ("sum_then_normalize", "normalize_then_sum")
 ACC, FMT = "rewards/boxed_accuracy/mean", "rewards/format/mean"
@@ -48,9 +52,9 @@ def report(out: Path, seeds: list[int]) -> str:
     for arm in ARMS:
         for seed in seeds:
             path = out / arm / f"seed-{seed}" / "metrics.jsonl"
-            if not path.is_file():
+            if not result_files.exists(path):
                 continue
-            s = summary([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+            s = summary(result_files.read_jsonl(path))
             per_arm[arm].append(s)
             lines.append(f"| {arm} | {seed} | {s['steps']} | {s['acc_first3']:.3f} | {s['acc_last3']:.3f} | "
                          f"{s['acc_mean']:.3f} | {s['fmt_first3']:.3f} | {s['fmt_last3']:.3f} | "

@@ -3,7 +3,7 @@
     python scripts/gpu_check.py prepare              # here (needs PyPI): wheels into .gpu-wheels/
     python3 scripts/gpu_check.py run OUT [--budget S] # there (no registry): install, tier, benchmarks
 
-The GPU machine this project is sometimes lent (docs/SCALING.md, "The GPU check") has torch,
+The GPU machine the check is made for (docs/SCALING.md, "The GPU check") has torch,
 transformers, accelerate, peft, pandas, pyarrow and pytest, but no ``datasets``, ``trl``,
 ``reasoning-gym``, ``math-verify`` or ``vllm``, and cannot reach a package registry. Our GPU path
 needs none of the last three (the tier and ``benchmarks/gpu.py`` use ``pair_sum`` tasks and

@@ -18,6 +18,6 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama model + byte-level BPE tokenizer with a ChatML template, on disk."""
-    from maxent_grpo.tiny import build_tiny_model
+    from benchmarks.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))

@@ -67,6 +67,18 @@ def build_rows(model: torch.nn.Module, seed: int = 0, lengths=LENGTHS) -> dict[s
             "advantages": adv, "old_logps": old, "ref_logps": ref}
 
 
+def build_shared_rows(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """:func:`build_rows` with every group of ``G`` rows given its first row's prompt (ragged completions
+    of 7, 3, 5, 1 and 6, 2, 0, 4 tokens: one is empty): distinct prompts that groups share."""
+    rows = build_rows(model)
+    ids, attn = rows["input_ids"].clone(), rows["attention_mask"].clone()
+    for i in range(ids.shape[0]):
+        head = i - i % G
+        ids[i, :PROMPT_LEN] = ids[head, :PROMPT_LEN]
+        attn[i, :PROMPT_LEN] = attn[head, :PROMPT_LEN]
+    return {**rows, "input_ids": ids, "attention_mask": attn}
+
+
 def reference_logps(model: torch.nn.Module, rows: dict[str, torch.Tensor]) -> torch.Tensor:
     """``[B, T]`` completion log-probs from full logits and a plain log_softmax (the float64 references'
     own, sharing no code with the library's scoring)."""

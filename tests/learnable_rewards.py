@@ -95,3 +95,50 @@ def even_first_token(prompts, completions, completion_ids, **kwargs):
     """1 when the completion's first token id is even, else 0: about half of a random tiny model's
     completions, so most groups hold both rewarded and unrewarded completions."""
     return [float(bool(ids) and ids[0] % 2 == 0) for ids in completion_ids]
+
+
+def parity_every_other_call(flat_first: bool):
+    """A factory: alternately 0 for every completion (a round with no varied group) and ``parity``,
+    starting flat when ``flat_first``; each completion's token-id sum is logged as the ``token_sum``
+    column. Dynamic sampling must draw a second round and keep its groups with their own rewards and columns."""
+    seen = [0 if flat_first else 1]
+
+    def reward(prompts, completions, completion_ids, log_extra, **kwargs):
+        seen[0] += 1
+        log_extra("token_sum", [sum(ids) for ids in completion_ids])
+        if seen[0] % 2 == 1:
+            return [0.0] * len(completion_ids)
+        return parity(prompts, completions, completion_ids)
+
+    return reward
+
+
+def fails_at(step: int, times: int, tally: str):
+    """A factory: ``parity``, except that the first ``times`` batches drawn for optimizer step
+    ``step`` (TRL's ``trainer_state.global_step``) raise: each is skipped, and the next one drawn for the
+    same step. The failures are counted in the file ``tally``, as an outside judge's outage would be: a
+    run resumed from a checkpoint written after a failure does not fail again where it did."""
+    from pathlib import Path
+
+    count = Path(tally)
+
+    def reward(prompts, completions, completion_ids, trainer_state, **kwargs):
+        failed = int(count.read_text()) if count.is_file() else 0
+        if trainer_state.global_step == step and failed < times:
+            count.write_text(str(failed + 1))
+            raise RuntimeError(f"judge unreachable at step {step} (failure {failed + 1})")
+        return parity(prompts, completions, completion_ids)
+
+    return reward
+
+
+def flat_from(step: int):
+    """A factory: ``parity`` for the batches of the steps before ``step``, then 0 for every completion
+    (a reward the model no longer earns)."""
+
+    def reward(prompts, completions, completion_ids, trainer_state, **kwargs):
+        if trainer_state.global_step >= step:
+            return [0.0] * len(completion_ids)
+        return parity(prompts, completions, completion_ids)
+
+    return reward

@@ -12,6 +12,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # benchmarks/ is a top-level folder, not part of the package
 
+from benchmarks import result_files  # noqa: E402
 from benchmarks.default_learning import ARMS, load, main, per_seed, summarize, t_interval, table  # noqa: E402
 
 
@@ -77,7 +78,8 @@ def test_run_trains_each_arm_and_seed_once_and_resumes(tiny_model_dir, tmp_path,
     assert set(done) == {"weighted_mle", "centered_mle"} and all(d["steps"] == 6 for d in done.values())
     for arm in done:
         assert not (tmp_path / "work" / arm / "seed0").exists()  # removed once its metrics are kept
-        rows = [json.loads(line) for line in (results / arm / "seed0" / "metrics.jsonl").read_text().splitlines()]
+        rows = result_files.read_jsonl(results / arm / "seed0" / "metrics.jsonl")  # stored gzipped
+        assert (results / arm / "seed0" / "metrics.jsonl.gz").is_file()
         assert [r["step"] for r in rows] == list(range(1, 7))
     before = {p: p.stat().st_mtime_ns for p in results.rglob("*") if p.is_file()}
     assert main(argv) == 0

@@ -16,7 +16,7 @@ Dataset = pytest.importorskip("datasets", reason="datasets is not installed (the
 
 from maxent_grpo.cli import main
 from maxent_grpo.eval_command import fresh_task_rows, select_eval_rows
-from maxent_grpo.evaluate import CORRECT_THRESHOLD, evaluate_prompts
+from maxent_grpo.evaluate import CORRECT_THRESHOLD, EvalSampling, evaluate_prompts
 from maxent_grpo.models import load_tokenizer
 from maxent_grpo.rewards.registry import build_reward_spec
 from maxent_grpo.rollout.backend import Completion, PromptGroup, SamplingParams
@@ -160,7 +160,7 @@ def test_evaluate_prompts_metrics_from_a_scripted_generator(tiny_model_dir):
     spec = build_reward_spec([{"name": "test_evaluate:boxed_in_valid"}, {"name": "length"}])
     sampling = SamplingParams(max_new_tokens=16, temperature=0.7)
     summary, records = evaluate_prompts(
-        backend, tokenizer, ROWS, spec, k=5, sampling=sampling, system_prompt="Be brief."
+        backend, tokenizer, ROWS, spec, EvalSampling(k=5, sampling=sampling, system_prompt="Be brief.")
     )
     # Scores by hand: first prompt 1, 1, 1, 0.1, None; third 0.1, 0.1, 0.1, None, 1; fourth 0.1 x 5.
     expected = {
@@ -200,18 +200,18 @@ def test_evaluate_prompts_k1_and_bad_arguments(tiny_model_dir):
     sampling = SamplingParams(max_new_tokens=16)
     rows = [ROWS[0], ROWS[3]]
     summary, records = evaluate_prompts(
-        ScriptedBackend(tokenizer, SCRIPT), tokenizer, rows, spec, k=1, sampling=sampling, greedy=False
+        ScriptedBackend(tokenizer, SCRIPT), tokenizer, rows, spec, EvalSampling(k=1, sampling=sampling, greedy=False)
     )
     assert summary == {"pass@1": 0.5, "mean@1": pytest.approx(0.55), "distinct@1": 0.5, "num_prompts": 2}
     assert [r["mode"] for r in records] == ["sampled", "sampled"]
     for bad in (0, -1, True, 2.0):
         with pytest.raises(ValueError, match="k must"):
-            evaluate_prompts(ScriptedBackend(tokenizer, SCRIPT), tokenizer, rows, spec, k=bad, sampling=sampling)
+            evaluate_prompts(ScriptedBackend(tokenizer, SCRIPT), tokenizer, rows, spec, EvalSampling(k=bad, sampling=sampling))
     with pytest.raises(ValueError, match="rows"):
-        evaluate_prompts(ScriptedBackend(tokenizer, SCRIPT), tokenizer, [], spec, k=1, sampling=sampling)
+        evaluate_prompts(ScriptedBackend(tokenizer, SCRIPT), tokenizer, [], spec, EvalSampling(k=1, sampling=sampling))
     with pytest.raises(RuntimeError, match="no prompt"):
         evaluate_prompts(
-            ScriptedBackend(tokenizer, SCRIPT, short=SCRIPT), tokenizer, rows, spec, k=2, sampling=sampling
+            ScriptedBackend(tokenizer, SCRIPT, short=SCRIPT), tokenizer, rows, spec, EvalSampling(k=2, sampling=sampling)
         )
 
 

@@ -101,7 +101,7 @@ def test_gpu_side_meters_three_phases_per_step_on_both_sides_with_the_same_promp
         pytest.skip(ours_available())
     # The meter replaces these for good (a side runs alone in its process): put them back after the test.
     for owner, name in ((rollout_queue, "produce_rollouts"), (pipeline, "produce_rollouts"),
-                        (pipeline, "_score_and_weight"), (loop, "_update_and_log"),
+                        (pipeline, "score_batch"), (loop, "_update_and_log"),
                         (GRPOTrainer, "_generate"), (GRPOTrainer, "_generate_and_score_completions")):
         monkeypatch.setattr(owner, name, getattr(owner, name))
     # gpu.py's digest reward: every group has signal, so both sides take real steps.

@@ -27,7 +27,7 @@ FLOORS = [
     ("maxent_grpo.training",),  # the run
     ("maxent_grpo.config",),  # the configuration, compiled into the run's plan
     ("maxent_grpo.eval_command", "maxent_grpo.report_data", "maxent_grpo.report_html", "maxent_grpo.report",
-     "maxent_grpo.tiny", "maxent_grpo.cli", "maxent_grpo.front", "maxent_grpo"),
+     "maxent_grpo.cli", "maxent_grpo.front", "maxent_grpo"),
 ]
 
 

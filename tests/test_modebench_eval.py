@@ -17,7 +17,7 @@ import modebench.evaluation  # noqa: E402
 from modebench.evaluation import evaluate as package_evaluate  # noqa: E402
 
 from maxent_grpo.errors import ConfigError  # noqa: E402
-from maxent_grpo.evaluate import evaluate_prompts, modebench_summary, per_prompt_metrics, per_task_means  # noqa: E402
+from maxent_grpo.evaluate import EvalSampling, evaluate_prompts, modebench_summary, per_prompt_metrics, per_task_means  # noqa: E402
 from maxent_grpo.models import load_tokenizer  # noqa: E402
 from maxent_grpo.rewards.registry import build_reward_spec  # noqa: E402
 from maxent_grpo.rollout.backend import SamplingParams  # noqa: E402
@@ -66,12 +66,12 @@ def counted(monkeypatch):
     return calls
 
 
-def _evaluate(tiny_model_dir, rows, script, **kwargs):
+def _evaluate(tiny_model_dir, rows, script, *, k, draws=1, **kwargs):
     tokenizer = load_tokenizer(tiny_model_dir)
     backend = ScriptedBackend(tokenizer, script)
     spec = build_reward_spec([{"name": "modebench_pkg"}])
-    summary, records = evaluate_prompts(backend, tokenizer, rows, spec, sampling=SamplingParams(max_new_tokens=8),
-                                        **kwargs)
+    how = EvalSampling(k=k, sampling=SamplingParams(max_new_tokens=8), draws=draws)
+    summary, records = evaluate_prompts(backend, tokenizer, rows, spec, how, **kwargs)
     return backend, summary, records
 
 

@@ -13,6 +13,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # benchmarks/ is a top-level folder, not part of the package
 
+from benchmarks import result_files  # noqa: E402
 from benchmarks.modebench import ARMS, main  # noqa: E402
 from benchmarks.modebench_stats import EQUIVALENCE_MARGIN, arm_effects, holm, load_observations  # noqa: E402
 
@@ -81,10 +82,11 @@ def test_smoke_two_arms_two_steps(tmp_path, capsys):
         assert done["steps"] == 2 and done["eval_seeds"] == [0, 1]
         config = (run / "config.yaml").read_text()
         assert "loss_type: dr_grpo" in config and "scale_rewards: none" in config
-        records = [json.loads(line) for line in (run / "eval-seed0" / "completions.jsonl").read_text().splitlines()]
+        records = result_files.read_jsonl(run / "eval-seed0" / "completions.jsonl")  # stored gzipped
         assert all("mode_key" in r and r["num_valid"] >= 2 and "prompt" not in r for r in records)
         assert {r["task"] for r in records} == {"pair_sum", "coloring", "countdown"}
-        assert len((run / "eval-seed1" / "per_prompt.jsonl").read_text().splitlines()) == 6
+        assert len(result_files.read_jsonl(run / "eval-seed1" / "per_prompt.jsonl")) == 6
+        assert not (run / "eval-seed1" / "per_prompt.jsonl").exists()
     df = load_observations(results)
     assert len(df) == 2 * 2 * 6  # arms x eval seeds x prompts
     assert "| xdr_tau0.05 | 1 |" in report and "(baseline)" in report

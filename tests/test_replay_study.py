@@ -14,6 +14,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # benchmarks/ is a top-level folder, not part of the package
 
+from benchmarks import result_files  # noqa: E402
 from benchmarks.modebench import smoke_model  # noqa: E402
 from benchmarks.replay_study import ARMS, RECIPE, START, main, study_length  # noqa: E402
 from benchmarks.replay_study_stats import analyze, arm_mean, effects, load, per_seed, prompt_metrics  # noqa: E402
@@ -180,10 +181,10 @@ def test_smoke_two_arms_two_steps(tmp_path, capsys):
     for arm in ("dr_grpo", "redr"):
         run = results / arm / "seed0"
         assert json.loads((run / "done.json").read_text())["steps"] == 2
-        records = [json.loads(line) for line in (run / "eval" / "completions.jsonl").read_text().splitlines()]
+        records = result_files.read_jsonl(run / "eval" / "completions.jsonl")  # stored gzipped
         assert all("prompt" not in r and r["task"] == "graph_coloring" for r in records)
         assert len([r for r in records if r["mode"] == "sampled"]) == 2 * 1 * 4  # prompts x draws x k
-    assert "replay/time_s" in (results / "redr" / "seed0" / "train_metrics.jsonl").read_text()
+    assert "replay/time_s" in result_files.read_text(results / "redr" / "seed0" / "train_metrics.jsonl")
     assert "| redr | 1 |" in report
     # Resumable: a second run trains nothing (the files stay as they were).
     stamps = {p: p.stat().st_mtime_ns for p in results.glob("*/seed0/**/*") if p.is_file()}
@@ -218,7 +219,7 @@ def test_a_cut_off_run_resumes_from_its_checkpoint_as_if_never_cut(tmp_path):
     assert (resumed.steps, resumed.resumed_from, whole.resumed_from) == (2, 1, 0)
 
     def records(trained):
-        rows = [json.loads(line) for line in (trained.out / "train_metrics.jsonl").read_text().splitlines()]
+        rows = result_files.read_jsonl(trained.out / "train_metrics.jsonl")
         return [{k: v for k, v in r.items() if not k.startswith(("time/", "replay/time")) and "time" not in k}
                 for r in rows]
 
@@ -253,7 +254,7 @@ def test_length_evaluates_every_checkpoint_and_resumes(tmp_path, capsys):
     out = tmp_path / "results" / "length" / "dr_grpo" / "seed0"
     assert [json.loads((out / f"step-{n}" / "done.json").read_text())["step"] for n in (1, 2)] == [1, 2]
     assert (tmp_path / "results" / START / "seed0" / "done.json").is_file()  # step 0: the study's start run
-    assert len((out / "train_metrics.jsonl").read_text().splitlines()) == 2
+    assert len(result_files.read_jsonl(out / "train_metrics.jsonl")) == 2
     assert [line.split("|")[1].strip() for line in report.splitlines() if line.startswith("| ") and "step" not in line] \
         == ["0", "1", "2"]
     assert not (tmp_path / "runs" / "length" / "dr_grpo" / "seed0").exists()  # checkpoints go once all are evaluated

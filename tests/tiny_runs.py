@@ -75,3 +75,22 @@ def compiled(path=None, overrides=None, *, fast_bf16: bool = False, cuda: bool =
     from maxent_grpo.training.precision import Machine
 
     return compile_run(load_config(path, overrides), Machine(fast_bf16=fast_bf16, cuda=cuda, processes=processes))
+
+
+def collapsing_model(tiny_model_dir, out):
+    """The tiny model with sharper token distributions (its tied embedding x8: long, low-entropy
+    completions) and an end-of-sequence row of the same scale, likely in some contexts only: trained with
+    test_collapse's settings, its answers fall to one token within a dozen steps, the collapse signature."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        w = model.get_output_embeddings().weight
+        w.mul_(8.0)
+        gen = torch.Generator().manual_seed(1)
+        w[tok.eos_token_id] = torch.randn(w.shape[1], generator=gen) * 0.02 * 8.0 * 3.0
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

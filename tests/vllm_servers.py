@@ -24,11 +24,13 @@ def free_port() -> int:
 
 
 def start_server(model_dir, log: Path, *, dtype: str = "float32", python: str = sys.executable,
-                 taskset: str | None = None, vllm_args: tuple[str, ...] = (), lora_rank: int | None = None):
+                 taskset: str | None = None, vllm_args: tuple[str, ...] = (), lora_rank: int | None = None,
+                 port: int | None = None):
     """``(process, url)`` of a documented ``maxent-grpo serve`` (eager) once it answers;
     ``taskset``: the cores it may run on; ``vllm_args``: more of vLLM's own flags; ``lora_rank``:
-    ``--lora-rank`` (LoRA adapters loaded at run time)."""
-    port = free_port()
+    ``--lora-rank`` (LoRA adapters loaded at run time); ``port``: a given one (a server back at its
+    old address), else a free one."""
+    port = free_port() if port is None else port
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     lora = [] if lora_rank is None else ["--lora-rank", str(lora_rank)]
     cmd = [python, "-m", "maxent_grpo.cli", "serve", str(model_dir), "--port", str(port), "--dtype", dtype, *lora,

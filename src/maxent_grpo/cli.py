@@ -35,7 +35,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="maxent-grpo", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _train_parser(sub)
+    _eval_parser(sub)
+    _serve_parser(sub)
+    rep = sub.add_parser("report", help="plots and an HTML page for runs", description="Plot one run, or overlay several.")
+    rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    rep.add_argument("--out", metavar="DIR", help="output folder (default: RUN_DIR/report, or ./report for several runs)")
+    return parser
 
+
+def _train_parser(sub) -> None:
     train = sub.add_parser(
         "train", help="train a policy", epilog=_config_epilog(),
         description="Train a policy with GRPO or a MaxEnt variant. With no --config, runs the built-in "
@@ -56,8 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="override any config key, dotted for nested sections, e.g. --set loss.beta=0.04; repeatable",
     )
     train.add_argument(
-        "--resume", nargs="?", const=True, default=None, metavar="PATH",
-        help="continue from a checkpoint: PATH, or the latest complete one in the output dir",
+        "--resume", nargs="?", const="auto", default=None, metavar="PATH|auto",
+        help="continue from a checkpoint: PATH; auto (also with no value): the latest complete one in the "
+        "output dir, or start afresh when there is none (one command line for the first start and every "
+        "restart, e.g. under torchrun --max-restarts)",
     )
     train.add_argument(
         "--overwrite", action="store_true",
@@ -69,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
 
+
+def _eval_parser(sub) -> None:
     ev = sub.add_parser(
         "eval", help="evaluate a model or checkpoint", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="""Sample K completions per prompt (plus one greedy) and write
@@ -94,6 +107,8 @@ prompt (4 groups of 8 on modebench_pkg data); an answer its verifier cannot scor
     ev.add_argument("-k", type=int, default=None, help="samples per prompt (eval.k)")
     ev.add_argument("--output", metavar="DIR", required=True, help="folder for summary.json and completions.jsonl")
 
+
+def _serve_parser(sub) -> None:
     srv = sub.add_parser(
         "serve", help="start a vLLM server for generation.backend: vllm_server",
         description="Start vLLM's OpenAI-compatible server with the flags the vllm_server backend needs "
@@ -115,11 +130,6 @@ prompt (4 groups of 8 on modebench_pkg data); an answer its verifier cannot scor
     srv.add_argument("--lm-head-fp32", action="store_true",
                      help="the LM head's matmul in float32 (vLLM's head_dtype), for model.lm_head_fp32")
     srv.add_argument("--print-command", action="store_true", help="print the command instead of running it")
-
-    rep = sub.add_parser("report", help="plots and an HTML page for runs", description="Plot one run, or overlay several.")
-    rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    rep.add_argument("--out", metavar="DIR", help="output folder (default: RUN_DIR/report, or ./report for several runs)")
-    return parser
 
 
 def _train(args) -> int:

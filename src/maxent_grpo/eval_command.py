@@ -19,7 +19,7 @@ import torch
 from maxent_grpo.data.datasets import RG_PREFIX, PromptSampler, load_prompt_dataset, split_train_eval
 from maxent_grpo.errors import ConfigError
 from maxent_grpo.envs import ENVIRONMENT_COLUMN
-from maxent_grpo.evaluate import eval_seed, evaluate_prompts, per_prompt_metrics, per_task_means, write_eval_outputs
+from maxent_grpo.evaluate import EvalSampling, eval_seed, evaluate_prompts, per_prompt_metrics, per_task_means, write_eval_outputs
 from maxent_grpo.models import load_model_and_tokenizer, resolve_model_path
 from maxent_grpo.rewards.registry import build_reward_spec
 from maxent_grpo.rollout.backends import BACKENDS
@@ -164,9 +164,10 @@ def run_eval(plan: RunPlan, args) -> int:
     torch.manual_seed(eval_seed(plan.seed))
     with backend.rollout_phase(model):
         summary, records = evaluate_prompts(
-            backend, tokenizer, rows, spec, k=k, sampling=plan.batch.sampling,
-            system_prompt=plan.batch.system_prompt, few_shot=plan.batch.few_shot, episodes=episodes,
-            draws=plan.eval.draws, min_defined_prompts=plan.eval.min_defined_prompts,
+            backend, tokenizer, rows, spec,
+            EvalSampling(k=k, sampling=plan.batch.sampling, draws=plan.eval.draws,
+                         system_prompt=plan.batch.system_prompt, few_shot=plan.batch.few_shot),
+            episodes=episodes, min_defined_prompts=plan.eval.min_defined_prompts,
         )
     summary.update(per_task_means(per_prompt_metrics(records, k)))
     summary["model"] = str(args.model)

@@ -43,7 +43,7 @@ import json
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -65,7 +65,7 @@ from maxent_grpo.tasks.modebench_package import Grades, Unscorable
 log = logging.getLogger("maxent_grpo")
 
 __all__ = [
-    "CORRECT_THRESHOLD", "eval_seed", "evaluate_prompts", "per_prompt_metrics", "per_task_means", "write_eval_outputs",
+    "CORRECT_THRESHOLD", "EvalSampling", "eval_seed", "evaluate_prompts", "per_prompt_metrics", "per_task_means", "write_eval_outputs",
 ]
 
 # A completion is correct when the deciding reward function (the first one in the
@@ -165,25 +165,34 @@ def _records(spec: RewardSpec, scored: RolloutRecord, indices: list[int], mode: 
     return out
 
 
+@dataclass(frozen=True)
+class EvalSampling:
+    """How :func:`evaluate_prompts` samples each prompt: ``draws`` groups of ``k`` completions under
+    ``sampling``, and one greedy completion (``greedy``), each prompt framed by ``system_prompt`` and
+    ``few_shot`` as training frames it."""
+
+    k: int
+    sampling: SamplingParams
+    draws: int = 1
+    greedy: bool = True
+    system_prompt: str | None = None
+    few_shot: Sequence[FewShotExample] = ()
+
+
 def evaluate_prompts(
     backend: GenerationBackend,
     tokenizer,
     rows: list[dict],
     spec: RewardSpec,
+    how: EvalSampling,
     *,
-    k: int,
-    sampling: SamplingParams,
-    system_prompt: str | None = None,
-    few_shot: Sequence[FewShotExample] = (),
-    greedy: bool = True,
     episodes: EpisodePlay | None = None,
     carry: Carry = lambda record: record,
-    draws: int = 1,
     min_defined_prompts: int = MIN_DEFINED_PROMPTS,
     trainer_state: TrainerState | None = None,
 ) -> tuple[dict[str, float | bool | str | None], list[dict]]:
-    """Sample ``draws`` groups of ``k`` completions per row (and one greedy one); return the summary and
-    one record per completion.
+    """Sample ``how.draws`` groups of ``how.k`` completions per row (and one greedy one); return the summary
+    and one record per completion.
 
     The summary holds ``pass@j``, ``mean@j``, ``distinct@j`` for ``j`` in ``{1, k}`` (over all
     ``draws * k`` samples), ``greedy_pass@1`` (with ``greedy``), ``num_prompts`` (rows whose
@@ -197,6 +206,7 @@ def evaluate_prompts(
     validation passes it through the run's data plane, ``training/validation.py``). ``trainer_state``:
     what reward functions that read TRL's ``trainer_state`` get (the step the model was trained to).
     """
+    k, draws, sampling, system_prompt, few_shot = how.k, how.draws, how.sampling, how.system_prompt, how.few_shot
     for name, value in (("k", k), ("draws", draws)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -213,7 +223,7 @@ def evaluate_prompts(
     records = _records(spec, _scored(spec, [rows[i] for i in kept], sampled, carry, grades, trainer_state), kept, "sampled",
                        episodes, k, grades)
     greedy_correct: dict[int, bool] = {}
-    if greedy:
+    if how.greedy:
         params = replace(sampling, do_sample=False, temperature=1.0, top_p=1.0, top_k=0)
         gbatch, gdropped = _sample(backend, tokenizer, [rows[i] for i in kept], 1, params, system_prompt, few_shot,
                                    episodes)

@@ -9,8 +9,11 @@ and the step in the environment, and the process kills itself there::
 
 dies by SIGKILL (exit -9, nothing flushed, no handler run: what ``kill -9`` or
 the OOM killer does) when the save of step 3 has written its first files and
-not the rest. Unset, which is always the case outside the tests, every point is
-one dictionary lookup.
+not the rest. ``POINT@STEP:rankR`` kills only the process of rank R (``$RANK``,
+torchrun's): one worker of several. A worker that torchrun restarted
+(``--max-restarts``, ``$TORCHELASTIC_RESTART_COUNT`` above 0) is never killed: it
+replays the step that killed its first incarnation and must get through it. Unset,
+which is always the case outside the tests, every point is one dictionary lookup.
 
 A leaf module (standard library only), like ``run_files``.
 """
@@ -32,14 +35,20 @@ KILL_POINTS = (
 
 
 def kill_point(name: str, step: int) -> None:
-    """SIGKILL this process if ``$MAXENT_GRPO_KILL_AT`` is ``name@step``."""
+    """SIGKILL this process if ``$MAXENT_GRPO_KILL_AT`` is ``name@step`` (or ``name@step:rankR`` and this
+    process is rank R), unless torchrun restarted it."""
     if name not in KILL_POINTS:
         raise ValueError(f"unknown kill point {name!r}")  # a call site out of step with the list
     wanted = os.environ.get(ENV)
     if wanted is None:
         return
-    point, sep, at = wanted.partition("@")
-    if point not in KILL_POINTS or not sep or not at.isdigit():
-        raise ValueError(f"{ENV}={wanted!r}: expected POINT@STEP with POINT one of {', '.join(KILL_POINTS)}")
-    if point == name and int(at) == step:
+    point, sep, rest = wanted.partition("@")
+    at, colon, rank = rest.partition(":")
+    if (point not in KILL_POINTS or not sep or not at.isdigit()
+            or (colon and not (rank.startswith("rank") and rank[4:].isdigit()))):
+        raise ValueError(f"{ENV}={wanted!r}: expected POINT@STEP or POINT@STEP:rankR with POINT one of "
+                         f"{', '.join(KILL_POINTS)}")
+    if point != name or int(at) != step or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    if not colon or rank[4:] == os.environ.get("RANK", "0"):
         os.kill(os.getpid(), signal.SIGKILL)

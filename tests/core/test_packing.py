@@ -32,18 +32,6 @@ def _mask(spans, width):
     return mask
 
 
-def _shared_rows(model):
-    """The worker's rows with every group of ``G`` rows given its first row's prompt (ragged
-    completions of 7, 3, 5, 1 and 6, 2, 0, 4 tokens: one is empty)."""
-    rows = worker.build_rows(model)
-    ids, attn = rows["input_ids"].clone(), rows["attention_mask"].clone()
-    for i in range(ids.shape[0]):
-        head = i - i % worker.G
-        ids[i, : worker.PROMPT_LEN] = ids[head, : worker.PROMPT_LEN]
-        attn[i, : worker.PROMPT_LEN] = attn[head, : worker.PROMPT_LEN]
-    return {**rows, "input_ids": ids, "attention_mask": attn}
-
-
 # ---------------------------------------------------------------- the plan
 
 
@@ -157,7 +145,7 @@ def test_completions_packed_behind_shared_prompts_equal_the_shared_padded_forwar
     entropies and gradients of the shared-prompt forward over padded completions (the same prompt
     work, the same sums over the rows that share it), and the plain padded forward's values."""
     model = _model(tiny_model_dir, impl)
-    rows = _shared_rows(model)
+    rows = worker.build_shared_rows(model)
     ids, mask, cmask = rows["input_ids"], rows["attention_mask"], rows["completion_mask"]
     assert len(set(map(tuple, ids[:, : worker.PROMPT_LEN].tolist()))) == ids.shape[0] // worker.G
     assert bool((cmask.sum(1) < cmask.shape[1]).any())  # ragged completions: padding to remove
@@ -183,7 +171,7 @@ def test_completions_packed_behind_shared_prompts_equal_the_shared_padded_forwar
 
 def test_an_empty_completion_keeps_one_slot_and_the_others_their_values(tiny_model_dir):
     model = _model(tiny_model_dir, "sdpa")
-    rows = _shared_rows(model)
+    rows = worker.build_shared_rows(model)
     ids, mask = rows["input_ids"].clone(), rows["attention_mask"].clone()
     mask[1, worker.PROMPT_LEN :] = 0  # row 1: no completion token at all
     with torch.no_grad():
@@ -233,7 +221,7 @@ def _cases():
 @pytest.mark.parametrize("spec", _cases())
 def test_every_method_steps_to_the_same_update_packed_or_padded(tiny_model_dir, spec, share):
     base = worker.load_model(str(tiny_model_dir))
-    rows = _shared_rows(base) if share else worker.build_rows(base)
+    rows = worker.build_shared_rows(base) if share else worker.build_rows(base)
     gen = torch.Generator().manual_seed(11)
     n, g = len(worker.LENGTHS), worker.G
     extra = {"listwise_weights": torch.softmax(torch.randn(n // g, g, generator=gen, dtype=torch.float64), -1).reshape(-1)}

@@ -362,13 +362,18 @@ def test_activation_checkpointing_recomputes_the_layers_and_leaves_the_gradient_
     assert _max_abs_diff(checkpointed, plain) <= 1e-6 * _grad_scale(plain)
 
 
-def test_activation_checkpointing_needs_unshared_prompts_named_in_one_line():
+def test_activation_checkpointing_with_shared_prompts_needs_the_one_pass_layout_named_in_one_line():
     from maxent_grpo.config.load import ConfigError
     from tiny_runs import compiled
 
-    with pytest.raises(ConfigError, match="^training.gradient_checkpointing: needs training.share_prompts: false"):
-        compiled(None, ["training.gradient_checkpointing=true", "training.share_prompts=true"])
+    with pytest.raises(ConfigError, match="^training.gradient_checkpointing: needs training.share_prompts: false, "
+                       "or training.inline_prompts"):
+        compiled(None, ["training.gradient_checkpointing=true", "training.share_prompts=true",
+                        "training.inline_prompts=false"])
     plan = compiled(None, ["training.gradient_checkpointing=true", "training.share_prompts=false"])
     assert plan.model.gradient_checkpointing
-    # share_prompts auto (the default) turns itself off under checkpointing (training/precision.py).
-    assert not compiled(None, ["training.gradient_checkpointing=true"]).scoring.share_prompts
+    # The CPU's auto: shared prompts in the one-pass layout, which checkpointing recomputes like any forward;
+    # on CUDA share_prompts auto is off (training/precision.py).
+    on_cpu = compiled(None, ["training.gradient_checkpointing=true"]).scoring
+    assert on_cpu.share_prompts and on_cpu.packing and on_cpu.inline_prompts
+    assert not compiled(None, ["training.gradient_checkpointing=true"], cuda=True).scoring.share_prompts

@@ -10,7 +10,9 @@ import pytest
 datasets = pytest.importorskip("datasets", reason="datasets is not installed (the GPU machine's image)")
 
 from maxent_grpo.rewards.builtin import make_reasoning_gym
-from maxent_grpo.data.datasets import DEFAULT_INSTRUCTION, PromptSampler, load_prompt_dataset, split_train_eval
+from maxent_grpo.data.datasets import (
+    DEFAULT_INSTRUCTION, ColumnNames, PromptSampler, load_prompt_dataset, split_train_eval,
+)
 from maxent_grpo.data.prompts import FewShotExample, format_prompt
 from maxent_grpo.errors import ConfigError, DataError
 from maxent_grpo.config.load import load_config
@@ -33,14 +35,14 @@ def one_line_error(excinfo) -> str:
 
 def test_jsonl_renames_columns_casts_answers_and_keeps_the_rest(tmp_path):
     rows = [{"question": f"q{i}", "solution": i * 10, "level": i % 2} for i in range(5)]
-    ds = load_prompt_dataset(write_jsonl(tmp_path / "d.jsonl", rows), prompt_column="question", answer_column="solution")
+    ds = load_prompt_dataset(write_jsonl(tmp_path / "d.jsonl", rows), columns=ColumnNames("question", "solution"))
     # The answer column keeps its own name too: a TRL reward reads kwargs["solution"].
     assert sorted(ds.column_names) == ["answer", "level", "prompt", "solution"]
     assert ds["solution"][:] == [i * 10 for i in range(5)]
     assert ds["prompt"][:] == [f"q{i}" for i in range(5)]
     assert ds["answer"][:] == [str(i * 10) for i in range(5)]
     assert ds["level"][:] == [0, 1, 0, 1, 0]
-    assert load_prompt_dataset(str(tmp_path / "d.jsonl"), prompt_column="question", size=2)["prompt"][:] == ["q0", "q1"]
+    assert load_prompt_dataset(str(tmp_path / "d.jsonl"), columns=ColumnNames(prompt="question"), size=2)["prompt"][:] == ["q0", "q1"]
 
 
 def test_parquet_and_json_with_chat_prompts(tmp_path):
@@ -97,11 +99,11 @@ def test_size_split_and_rename_conflicts(tmp_path):
     with pytest.raises(DataError, match="only the split 'train', got split='test'"):
         load_prompt_dataset(path, split="test")
     with pytest.raises(DataError, match="cannot use column 'q' as 'prompt': a column 'prompt' exists already"):
-        load_prompt_dataset(path, prompt_column="q")
+        load_prompt_dataset(path, columns=ColumnNames(prompt="q"))
     with pytest.raises(DataError, match="size must be a positive int"):
         load_prompt_dataset(path, size=0)
     with pytest.raises(DataError, match=r"d\.jsonl: no answer column 'solution'; columns: \['prompt', 'q'\]"):
-        load_prompt_dataset(path, answer_column="solution")
+        load_prompt_dataset(path, columns=ColumnNames(answer="solution"))
 
 
 def test_hub_name_offline_is_a_clear_one_line_error():

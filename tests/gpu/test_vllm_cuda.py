@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from maxent_grpo.rollout.backend import SamplingParams
+from maxent_grpo.rollout.settings import VllmConfig
 from maxent_grpo.rollout.vllm_colocate import VLLMColocateBackend  # imports vllm only when an engine is built
 
 pytestmark = [
@@ -28,7 +29,7 @@ GREEDY = SamplingParams(max_new_tokens=24, do_sample=False)
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from maxent_grpo.tiny import build_tiny_model
+    from benchmarks.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-vllm-cuda"), hidden_size=128, num_heads=2)
 
@@ -44,8 +45,8 @@ def _engine(model_dir, sleep_mode: bool):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    engine = VLLMColocateBackend(model_dir, tokenizer, model_dtype=torch.float32, enable_sleep_mode=sleep_mode,
-                                 gpu_memory_utilization=0.2, max_model_len=512)
+    engine = VLLMColocateBackend(model_dir, tokenizer, model_dtype=torch.float32, options=VllmConfig(
+        enable_sleep_mode=sleep_mode, gpu_memory_utilization=0.2, max_model_len=512))
     return _policy(model_dir), engine, _prompts(tokenizer)
 
 

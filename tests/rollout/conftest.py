@@ -8,6 +8,6 @@ import pytest
 @pytest.fixture(scope="module")
 def vllm_model_dir(tmp_path_factory):
     """A tiny model whose head size vLLM's CPU attention supports."""
-    from maxent_grpo.tiny import build_tiny_model
+    from benchmarks.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-vllm"), hidden_size=128, num_heads=2)

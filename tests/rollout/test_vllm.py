@@ -29,6 +29,7 @@ from maxent_grpo.core.logprobs import get_per_token_logps  # noqa: E402
 from maxent_grpo.core.rollout_correction import mismatch_metrics, rollout_mismatch_sums  # noqa: E402
 from maxent_grpo.rollout.backend import SamplingParams, build_rollout_batch, pack_rollout  # noqa: E402
 from maxent_grpo.rollout.vllm_weights import full_state_items  # noqa: E402
+from maxent_grpo.rollout.settings import VllmConfig  # noqa: E402
 from maxent_grpo.rollout.vllm_colocate import VLLMColocateBackend  # noqa: E402
 from maxent_grpo.rollout.vllm_server import VLLMServerBackend  # noqa: E402
 from maxent_grpo.training.metrics import read_metrics  # noqa: E402
@@ -38,6 +39,7 @@ from vllm_servers import free_port, start_server, stop_server  # noqa: E402
 pytestmark = pytest.mark.vllm
 
 TEMPERATURE = 0.7
+EAGER = VllmConfig(enforce_eager=True)  # an engine that starts in seconds on the CPU
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +71,7 @@ def _perturbed_policy(model_dir, seed):
 
 @pytest.fixture(scope="module")
 def engine(vllm_model_dir, tokenizer):
-    return VLLMColocateBackend(vllm_model_dir, tokenizer, model_dtype=torch.float32, enforce_eager=True)
+    return VLLMColocateBackend(vllm_model_dir, tokenizer, model_dtype=torch.float32, options=EAGER)
 
 
 def _prompt(tokenizer, text="What is 3 + 4?"):
@@ -249,7 +251,7 @@ def test_bf16_sampler_shows_a_mismatch_and_fp32_none(engine, vllm_model_dir, tok
     fp32 = mismatch_metrics(rollout_mismatch_sums(*_trainer_vs_sampler(
         model, engine.generate(prompts, 4, SAMPLING), 4, tokenizer.pad_token_id)))
     bf16_engine = VLLMColocateBackend(vllm_model_dir, tokenizer, model_dtype=torch.float32,
-                                      sample_dtype=torch.bfloat16, enforce_eager=True)
+                                      sample_dtype=torch.bfloat16, options=EAGER)
     bf16 = mismatch_metrics(rollout_mismatch_sums(*_trainer_vs_sampler(
         model, bf16_engine.generate(prompts, 4, SAMPLING), 4, tokenizer.pad_token_id)))
     del bf16_engine
@@ -264,7 +266,7 @@ def test_a_float32_head_reaches_a_bf16_engine(vllm_model_dir, tokenizer):
     """model.lm_head_fp32 with a vLLM sampler: the engine's logits processor runs the head in float32
     (vLLM's head_dtype), while the rest of the engine stays bf16."""
     engine = VLLMColocateBackend(vllm_model_dir, tokenizer, model_dtype=torch.float32, sample_dtype=torch.bfloat16,
-                                 enforce_eager=True, head_fp32=True)
+                                 options=EAGER, head_fp32=True)
     try:
         assert engine.llm.llm_engine.model_config.head_dtype == torch.float32
         dtypes = engine.llm.collective_rpc(
@@ -323,11 +325,10 @@ def test_sleep_mode_is_refused_on_the_cpu_build(vllm_model_dir, tokenizer):
     """Why tests/rollout/test_vllm_sleep.py drives the sequence against a stand-in: vLLM refuses here;
     and a run asking for it on this device gets one line naming the key."""
     with pytest.raises(Exception, match="Sleep mode is not supported on current platform"):
-        VLLMColocateBackend(vllm_model_dir, tokenizer, model_dtype=torch.float32, enforce_eager=True,
-                            enable_sleep_mode=True)
+        VLLMColocateBackend(vllm_model_dir, tokenizer, model_dtype=torch.float32,
+                            options=VllmConfig(enforce_eager=True, enable_sleep_mode=True))
     from maxent_grpo.errors import ConfigError
     from maxent_grpo.rollout.backends import BACKENDS
-    from maxent_grpo.rollout.settings import VllmConfig
 
     with pytest.raises(ConfigError, match="generation.vllm.enable_sleep_mode"):
         BACKENDS["vllm"].check(VllmConfig(enable_sleep_mode=True), str(vllm_model_dir))
@@ -438,7 +439,7 @@ def test_training_with_vllm_learns(vllm_model_dir, tmp_path):
     assert max(r["sampling/sampling_logp_difference/max"] for r in rows) < 1e-4
     # The trained model ends early: completions that stopped end with the EOS token, scored like the rest.
     final = out / "checkpoints" / "step-16"
-    engine = VLLMColocateBackend(final, tokenizer_of(final), model_dtype=torch.float32, enforce_eager=True)
+    engine = VLLMColocateBackend(final, tokenizer_of(final), model_dtype=torch.float32, options=EAGER)
     tok = tokenizer_of(final)
     groups = engine.generate([_prompt(tok)] * 2, 8, SamplingParams(max_new_tokens=16, temperature=TEMPERATURE))
     stopped = [c for g in groups for c in g.completions if c.finish_reason == "stop"]

@@ -16,7 +16,8 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/test.sh runs these tests in .venv-vllm")
 
 from maxent_grpo.cli import main  # noqa: E402
-from maxent_grpo.rollout.vllm_colocate import VLLMColocateBackend  # noqa: E402
+from maxent_grpo.rollout.settings import VllmConfig  # noqa: E402
+from maxent_grpo.rollout.vllm_colocate import AdapterPush, VLLMColocateBackend  # noqa: E402
 from maxent_grpo.rollout.vllm_server import VLLMServerBackend, loaded_adapters  # noqa: E402
 from maxent_grpo.training.metrics import read_metrics  # noqa: E402
 from test_vllm import SAMPLING, _adapted_policy, _max_diff, _policy, _prompt, tokenizer_of  # noqa: E402
@@ -55,8 +56,8 @@ def _follows_each_version(backend, model_dir, tokenizer) -> None:
 
 
 def test_colocated_engine_samples_each_pushed_adapter(vllm_model_dir, tokenizer, tmp_path):
-    engine = VLLMColocateBackend(vllm_model_dir, tokenizer, model_dtype=torch.float32, enforce_eager=True,
-                                 lora_rank=RANK, adapter_dir=tmp_path / "adapters")
+    engine = VLLMColocateBackend(vllm_model_dir, tokenizer, model_dtype=torch.float32,
+                                 options=VllmConfig(enforce_eager=True), adapter=AdapterPush(RANK, tmp_path / "adapters"))
     try:
         _follows_each_version(engine, vllm_model_dir, tokenizer)
         # Each push is a new folder; the older one is gone.

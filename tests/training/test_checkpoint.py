@@ -21,6 +21,7 @@ from maxent_grpo.training.checkpoint import (
     find_latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    CheckpointContents,
     save_checkpoint,
     verify_checkpoint,
 )
@@ -73,10 +74,9 @@ def test_round_trip_restores_everything_exactly(tiny_model_dir, tmp_path):
     model, tokenizer, optimizer, scheduler = _make(tiny_model_dir)
     for _ in range(2):
         _train_step(model, optimizer, scheduler)
-    path = save_checkpoint(
-        tmp_path, 2, model=model, tokenizer=tokenizer, optimizer=optimizer, lr_scheduler=scheduler,
-        trainer_state=TRAINER_STATE, keep_last=None,
-    )
+    path = save_checkpoint(tmp_path, 2, CheckpointContents(
+        model=model, tokenizer=tokenizer, optimizer=optimizer, lr_scheduler=scheduler, trainer_state=TRAINER_STATE,
+    ), keep_last=None)
     assert path == tmp_path / "checkpoints" / "step-2"
     assert verify_checkpoint(path)
     manifest = json.loads((path / "manifest.json").read_text())
@@ -121,8 +121,8 @@ def test_peft_checkpoint_saves_and_restores_only_the_adapter(tiny_model_dir, tmp
 
     model, optimizer, scheduler = make()
     _train_step(model, optimizer, scheduler)
-    path = save_checkpoint(tmp_path, 1, model=model, tokenizer=None, optimizer=optimizer,
-                           lr_scheduler=scheduler, trainer_state={"step": 1}, keep_last=1)
+    path = save_checkpoint(tmp_path, 1, CheckpointContents(model=model, tokenizer=None, optimizer=optimizer,
+                           lr_scheduler=scheduler, trainer_state={"step": 1}), keep_last=1)
     assert (path / "adapter_model.safetensors").is_file() and not (path / "model.safetensors").exists()
     trained = {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
     model2, optimizer2, scheduler2 = make()
@@ -137,8 +137,8 @@ def test_peft_checkpoint_saves_and_restores_only_the_adapter(tiny_model_dir, tmp
 
 def _save(tmp_path, step, parts, keep_last=None):
     model, tokenizer, optimizer, scheduler = parts
-    return save_checkpoint(tmp_path, step, model=model, tokenizer=tokenizer, optimizer=optimizer,
-                           lr_scheduler=scheduler, trainer_state={"step": step}, keep_last=keep_last)
+    return save_checkpoint(tmp_path, step, CheckpointContents(model=model, tokenizer=tokenizer, optimizer=optimizer,
+                           lr_scheduler=scheduler, trainer_state={"step": step}), keep_last=keep_last)
 
 
 def test_keep_last_prunes_to_the_newest(tiny_model_dir, tmp_path):
@@ -154,15 +154,15 @@ def test_keep_last_prunes_to_the_newest(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="keep_last"):
         _save(tmp_path, 30, parts, keep_last=0)
     with pytest.raises(ValueError, match="trainer_state"):
-        save_checkpoint(tmp_path, 30, model=parts[0], tokenizer=None, optimizer=parts[2], lr_scheduler=None,
-                        trainer_state={"x": object()}, keep_last=None)
+        save_checkpoint(tmp_path, 30, CheckpointContents(model=parts[0], tokenizer=None, optimizer=parts[2],
+                        lr_scheduler=None, trainer_state={"x": object()}), keep_last=None)
 
 
 def test_a_failed_save_leaves_nothing_behind(tiny_model_dir, tmp_path):
     model, _, optimizer, scheduler = _make(tiny_model_dir)
     with pytest.raises(AttributeError):  # the "tokenizer" cannot be saved, half-way through
-        save_checkpoint(tmp_path, 3, model=model, tokenizer=object(), optimizer=optimizer, lr_scheduler=scheduler,
-                        trainer_state={"step": 3}, keep_last=None)
+        save_checkpoint(tmp_path, 3, CheckpointContents(model=model, tokenizer=object(), optimizer=optimizer,
+                        lr_scheduler=scheduler, trainer_state={"step": 3}), keep_last=None)
     assert list((tmp_path / "checkpoints").iterdir()) == []
 
 
@@ -234,7 +234,9 @@ KILL_SCRIPT = textwrap.dedent(
 
 
     if __name__ == "__main__":
-        from maxent_grpo.training.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
+        from maxent_grpo.training.checkpoint import (
+            CheckpointContents, find_latest_checkpoint, load_checkpoint, save_checkpoint,
+        )
 
         out = sys.argv[1]
         model, optimizer, scheduler = make()
@@ -245,8 +247,9 @@ KILL_SCRIPT = textwrap.dedent(
         for step in range(start + 1, start + 1000):
             model.weight.grad = torch.randn_like(model.weight)
             optimizer.step()
-            save_checkpoint(out, step, model=model, tokenizer=None, optimizer=optimizer, lr_scheduler=scheduler,
-                            trainer_state={"step": step, "blob": list(range(20000))}, keep_last=2)
+            save_checkpoint(out, step, CheckpointContents(model=model, tokenizer=None, optimizer=optimizer,
+                            lr_scheduler=scheduler, trainer_state={"step": step, "blob": list(range(20000))}),
+                            keep_last=2)
     """
 )
 

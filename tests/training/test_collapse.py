@@ -8,12 +8,11 @@ import logging
 import statistics
 
 import pytest
-import torch
 
 from maxent_grpo.cli import main
 from maxent_grpo.training.collapse import CollapseWatch, collapse_signature
 from maxent_grpo.training.metrics import read_metrics
-from tiny_runs import tiny_overrides
+from tiny_runs import collapsing_model, tiny_overrides
 
 
 def _row(step, entropy, length, reward, spread=0.5):
@@ -62,23 +61,6 @@ def test_watch_says_it_once_per_stretch():
     assert all(off.observe(r) is None for r in _history((2.0, 4.0, 0.1), 1))
 
 
-def _collapsing_model(tiny_model_dir, out):
-    """The tiny model with sharper token distributions (its tied embedding x8: long, low-entropy
-    completions) and an end-of-sequence row of the same scale, likely in some contexts only."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    with torch.no_grad():
-        w = model.get_output_embeddings().weight
-        w.mul_(8.0)
-        gen = torch.Generator().manual_seed(1)
-        w[tok.eos_token_id] = torch.randn(w.shape[1], generator=gen) * 0.02 * 8.0 * 3.0
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
 def test_a_collapsing_run_is_warned_on_the_console_and_in_the_tracker(tiny_model_dir, tmp_path, caplog):
     """The reward pays for long completions; the weighted MLE on near-uniform weights (q_temperature 100)
     pushes each completion up by 1/T_i per token, so the end-of-sequence token of short ones most
@@ -86,7 +68,7 @@ def test_a_collapsing_run_is_warned_on_the_console_and_in_the_tracker(tiny_model
     entropy over the fewer, first tokens rises: the signature."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    model = _collapsing_model(tiny_model_dir, tmp_path / "model")
+    model = collapsing_model(tiny_model_dir, tmp_path / "model")
     out = tmp_path / "run"
     args = tiny_overrides(model, out, steps=12, num_generations=8, max_new_tokens=16, prompts_per_step=2,
                           rewards="[{name: length, kwargs: {max_length: 16, direction: favour, unit: tokens}}]",

@@ -48,7 +48,7 @@ def test_the_students_kl_to_the_teacher_falls(sharper_student, tiny_model_dir, t
 
 
 def test_a_teacher_with_another_vocabulary_is_refused(tiny_model_dir, tmp_path, capsys):
-    from maxent_grpo.tiny import build_tiny_tokenizer
+    from benchmarks.tiny_model import build_tiny_tokenizer
 
     other = tmp_path / "other-teacher"
     shutil.copytree(tiny_model_dir, other)
@@ -112,7 +112,7 @@ def test_teacher_prompt_rows_replace_each_groups_prompt_and_keep_the_completions
 def teacher_with_own_template(tiny_model_dir, tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from maxent_grpo.tiny import CHATML_TEMPLATE
+    from benchmarks.tiny_model import CHATML_TEMPLATE
 
     out = tmp_path_factory.mktemp("templated-teacher")
     shutil.copytree(tiny_model_dir, out, dirs_exist_ok=True)

@@ -50,7 +50,10 @@ def test_explicit_settings_are_kept_on_any_hardware():
 @pytest.mark.parametrize("sets, cuda, expected", [
     ({}, False, True),  # the CPU: each distinct prompt runs once
     ({}, True, False),  # CUDA: the KV-cache forward and backward measured 1.75x a plain one (H100)
-    ({"training.gradient_checkpointing": "true"}, False, False),  # a shared prompt's cache cannot be recomputed
+    # A shared prompt's KV cache cannot be recomputed; the one-pass layout (the CPU's inline_prompts) can.
+    ({"training.gradient_checkpointing": "true"}, False, True),
+    ({"training.gradient_checkpointing": "true", "training.inline_prompts": "false"}, False, False),
+    ({"training.gradient_checkpointing": "true"}, True, False),
     ({"training.share_prompts": "false"}, False, False),
     ({"training.share_prompts": "true"}, True, True),
 ])
@@ -62,7 +65,7 @@ def test_share_prompts_auto_is_on_for_the_cpu_only(sets, cuda, expected):
 @pytest.mark.parametrize("sets, cuda, expected", [
     ({}, False, True),  # the CPU: completions packed behind the shared prompts
     ({}, True, False),  # CUDA: no shared prompts, and packed rows alone not timed on a GPU
-    ({"training.gradient_checkpointing": "true"}, False, False),  # no shared prompts
+    ({"training.gradient_checkpointing": "true", "training.inline_prompts": "false"}, False, False),  # no sharing
     ({"training.share_prompts": "true"}, True, True),
     ({"training.packing": "true"}, True, True),
     ({"training.packing": "false"}, False, False),
@@ -106,9 +109,25 @@ def test_compile_auto_is_off_for_vllm_and_true_is_refused_there():
         _plan(False, True, **{"training.strategy": "fsdp2", "generation.compile": "true"})
 
 
-def test_share_prompts_true_with_gradient_checkpointing_is_refused_in_one_line():
-    with pytest.raises(ConfigError, match="training.gradient_checkpointing"):
-        _plan(**{"training.gradient_checkpointing": "true", "training.share_prompts": "true"})
+def test_share_prompts_true_with_gradient_checkpointing_needs_the_one_pass_layout():
+    for off in ({"training.inline_prompts": "false"}, {"training.packing": "false"}):
+        with pytest.raises(ConfigError, match="^training.gradient_checkpointing: .*inline_prompts"):
+            _plan(**{"training.gradient_checkpointing": "true", "training.share_prompts": "true", **off})
+    plan = _plan(**{"training.gradient_checkpointing": "true", "training.share_prompts": "true"})
+    assert plan.scoring.share_prompts and plan.scoring.packing and plan.scoring.inline_prompts
+
+
+@pytest.mark.parametrize("sets, cuda, expected", [
+    ({}, False, True),  # the CPU: each prompt in its completions' forward
+    ({}, True, False),  # CUDA: not measured there (share_prompts is off too)
+    ({"training.share_prompts": "true"}, True, False),  # CUDA, shared: the KV cache, as measured
+    ({"training.share_prompts": "true", "training.inline_prompts": "true"}, True, True),
+    ({"training.packing": "false"}, False, False),  # needs the completions packed
+    ({"training.inline_prompts": "false"}, False, False),
+])
+def test_inline_prompts_auto_is_on_where_prompts_are_shared_and_packed_on_the_cpu(sets, cuda, expected):
+    plan = _plan(False, cuda, **sets)
+    assert plan.scoring.inline_prompts is expected
 
 
 @pytest.mark.parametrize("sets, fast, expected", [

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from contextlib import contextmanager
 
+from maxent_grpo.rewards.maxent import weighting_at
 from maxent_grpo.training.pipeline import prepare_training_batch
 from maxent_grpo.training.skip_counts import SkipCounts
 from maxent_grpo.training.setup import build_run
@@ -58,7 +59,7 @@ def test_a_step_is_one_phase_around_every_round_and_an_evaluation_is_another(tin
         recorder = PhaseRecorder(run.ctx.backend)
         run.ctx = dataclasses.replace(run.ctx, backend=recorder)
         skips = SkipCounts()
-        prepared = prepare_training_batch(run.ctx, recorder, run.sampler.next_batch(), weighting=run.state.weighting,
+        prepared = prepare_training_batch(run.ctx, recorder, run.sampler.next_batch(), weighting=weighting_at(run.plan.weighting, run.state.controllers),
                                           skips=skips, more_rows=run.sampler.next_batch)
         assert prepared is None and skips.last.stage == "dynamic_sampling" and dict(skips.by_stage) == {
             "dynamic_sampling": 1}

@@ -42,7 +42,7 @@ from maxent_grpo.training.run_plan import BatchPlan, RunPlan, with_steps
 from maxent_grpo.training.data import DataPlan
 from maxent_grpo.training.micro_batches import auto_rows
 from maxent_grpo.training.policy import LoraPlan, ModelPlan, OptimizerPlan
-from maxent_grpo.training.precision import Machine, Precision, resolve_precision
+from maxent_grpo.training.precision import Machine, Precision, PrecisionAsked, precision_for
 from maxent_grpo.training.sampler import SamplerPlan
 from maxent_grpo.training.schedule import LoggingPlan, Schedule
 from maxent_grpo.training.strategy import STRATEGIES
@@ -181,9 +181,10 @@ def _weighting(cfg: TrainConfig) -> WeightingSettings:
 def _precision(cfg: TrainConfig, machine: Machine, master: str) -> Precision:
     g, t = cfg.generation, cfg.training
     backend = BACKENDS[g.backend]
-    return resolve_precision(
-        machine=machine, compute_dtype=cfg.model.dtype, master=master, sample_dtype=g.dtype,
+    return precision_for(machine, PrecisionAsked(
+        compute_dtype=cfg.model.dtype, master=master, sample_dtype=g.dtype,
         autocast_bf16=t.autocast_bf16, share_prompts=t.share_prompts, packing=t.packing,
+        inline_prompts=t.inline_prompts,
         rollout_correction=cfg.loss.rollout_correction,
         gradient_checkpointing=t.gradient_checkpointing, engine_owns_weights=backend.owns_weights,
         max_staleness=cfg.rollout.max_staleness, compile_decoding=g.compile, hf_sampler=g.backend == "hf",
@@ -191,105 +192,61 @@ def _precision(cfg: TrainConfig, machine: Machine, master: str) -> Precision:
         # A LoRA policy or an FSDP2 policy sampled by HF samples from itself: no copy to make.
         samples_itself=not backend.owns_weights and (
             cfg.model.lora.enabled or STRATEGIES[t.strategy].collective_forward),
-    )
+    ))
 
 
 def compile_run(cfg: TrainConfig, machine: Machine, objects: PythonObjects | None = None) -> RunPlan:
     """Compile ``cfg`` (``load_config``'s result: presets applied, every key checked) for ``machine``.
     ``objects``: what the config's ``python:`` references name (``maxent_grpo.train``, ``GRPOTrainer``)."""
-    g, t, lo, d, m = cfg.generation, cfg.training, cfg.loss, cfg.data, cfg.model
+    g, t, lo, m = cfg.generation, cfg.training, cfg.loss, cfg.model
     objects = objects or PythonObjects()
     master = master_dtype(m.dtype, m.lora.enabled)
-    given_model, given_tokenizer = resolve_model(m.name_or_path, objects)
-    if given_model is not None:  # first: what a model object rules out decides before any other rule
+    given = resolve_model(m.name_or_path, objects)
+    if given[0] is not None:  # first: what a model object rules out decides before any other rule
         check_given_model(cfg)
     check_run(cfg, machine, master, eval_rows_given=objects.eval_dataset is not None)
-    given_rows, given_eval = resolve_data(d.source, d.eval_size, objects)
-    tools, classes = resolve_environment(cfg.environment.tools, cfg.environment.classes, objects)
     weighting = _weighting(cfg)  # loss.beta and maxent.*: before the method's own loss bounds
     precision = _precision(cfg, machine, master)
     micro_batch_size, micro_batch_from_memory, micro_note = _micro_batch(cfg, machine)
     episodes = episode_limits(cfg.environment, g.max_new_tokens)
     sampling = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                               top_k=g.top_k, stop=tuple(g.stop))
-    batch = BatchPlan(
-        num_generations=g.num_generations, prompts_per_step=prompts_per_step(cfg), system_prompt=d.system_prompt,
-        few_shot=tuple(d.few_shot), sampling=sampling, max_retry_rounds=g.max_retry_rounds,
-        dynamic_sampling=lo.dynamic_sampling, max_gen_batches=lo.max_gen_batches,
-        mask_truncated_completions=lo.mask_truncated_completions,
-        zero_truncated_completion_rewards=lo.zero_truncated_completion_rewards,
-        reward_stats=RewardStatsSettings(
-            q_temperature=cfg.maxent.q_temperature, q_epsilon=cfg.maxent.q_epsilon,
-            scale_rewards=lo.scale_rewards, advantage_estimator=lo.advantage_estimator,
-            aggregation=lo.multi_objective_aggregation,
-        ),
-        policy_entropy_bonus_coef=lo.policy_entropy_bonus_coef, episodes=episodes,
-        reward_advantages=cfg.teacher.rewards or cfg.teacher.name_or_path is None,
-    )
-    lora = m.lora
     plan = RunPlan(
         method=_compile_method(cfg, precision.rollout_correction, micro_batch_size),
         scoring=Scoring(temperature=g.temperature, share_prompts=precision.share_prompts,
                         autocast_bf16=precision.autocast_bf16, rows_per_pass=micro_batch_size,
-                        packing=precision.packing),
-        batch=batch,
+                        packing=precision.packing, inline_prompts=precision.inline_prompts),
+        batch=_batch_plan(cfg, sampling, episodes, weighting),
         micro_batch_size=micro_batch_size,
         micro_batch_from_memory=micro_batch_from_memory,
         release_host_memory=t.release_host_memory,
         num_iterations=t.num_iterations,
         max_grad_norm=t.max_grad_norm,
-        data=DataPlan(
-            source=d.source, split=d.split, size=d.size, seed=t.seed, task_kwargs=dict(d.task_kwargs),
-            instruction=d.instruction, prompt_column=d.prompt_column, answer_column=d.answer_column,
-            eval_size=d.eval_size,
-            num_epochs=d.num_epochs, shuffle=d.shuffle, environment=cfg.environment, episodes=episodes,
-            tools=tools, classes=classes, given=given_rows, given_eval=given_eval,
-        ),
-        model=ModelPlan(
-            name_or_path=m.name_or_path, dtype=m.dtype, master_dtype=master,
-            lora=LoraPlan(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
-                          target_modules=tuple(lora.target_modules), use_rslora=lora.use_rslora)
-            if lora.enabled else None,
-            gradient_checkpointing=t.gradient_checkpointing, autocast_bf16=precision.autocast_bf16,
-            lm_head_fp32=m.lm_head_fp32, given=given_model, given_tokenizer=given_tokenizer,
-        ),
-        sampler=SamplerPlan(
-            backend=g.backend, sample_dtype=precision.sample_dtype, batch_size=g.batch_size,
-            share_prompts=precision.share_prompts, compile=precision.compile_decoding, vllm=g.vllm,
-            lm_head_fp32=m.lm_head_fp32, size_from_prompts=BACKENDS[g.backend].plans_context and g.vllm.max_model_len is None and episodes is None,
-            params=sampling, system_prompt=d.system_prompt, few_shot=tuple(d.few_shot),
-        ),
-        optimizer=OptimizerPlan(
-            learning_rate=t.learning_rate, lr_scheduler=t.lr_scheduler, warmup_steps=t.warmup_steps,
-            warmup_ratio=t.warmup_ratio, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2),
-            total_updates=None,
-            name=t.optimizer,
-            fused=t.optimizer == "adamw_fused" or (
-                t.optimizer == "adamw" and machine.cuda and not STRATEGIES[t.strategy].collective_forward),
-        ),
+        data=_data_plan(cfg, episodes, objects),
+        model=_model_plan(cfg, master, precision, given),
+        sampler=_sampler_plan(cfg, precision, sampling, episodes),
+        optimizer=_optimizer_plan(cfg, machine),
         rollout=cfg.rollout,
         schedule=Schedule(
             max_steps=t.max_steps, max_consecutive_skips=t.max_consecutive_skips,
             save_steps=cfg.checkpoint.save_steps, save_minutes=cfg.checkpoint.save_minutes,
             keep_last=cfg.checkpoint.keep_last, save_final=cfg.checkpoint.save_final,
-            eval_every_steps=cfg.eval.every_steps, num_epochs=d.num_epochs,
+            eval_every_steps=cfg.eval.every_steps, num_epochs=cfg.data.num_epochs,
         ),
         logging=LoggingPlan(
             output_dir=cfg.logging.output_dir, report_to=tuple(cfg.logging.report_to),
             log_completions_every=cfg.logging.log_completions_every, progress_bar=cfg.logging.progress_bar,
             collapse_window=cfg.logging.collapse_window, observers=tuple(objects.callbacks),
         ),
-        eval=EvalPlan(num_prompts=cfg.eval.num_prompts, k=eval_k(cfg.eval.k, d.source), seed=t.seed,
-                      draws=eval_draws(cfg.eval.draws, d.source), min_defined_prompts=cfg.eval.min_defined_prompts),
+        eval=EvalPlan(num_prompts=cfg.eval.num_prompts, k=eval_k(cfg.eval.k, cfg.data.source), seed=t.seed,
+                      draws=eval_draws(cfg.eval.draws, cfg.data.source), min_defined_prompts=cfg.eval.min_defined_prompts),
         weighting=weighting,
         rewards=resolve_rewards(cfg.rewards, objects),
         replay=cfg.replay,
         adaptive_entropy=AdaptiveEntropy(lo.entropy_target, lo.entropy_coef_delta, lo.entropy_coef_min,
                                          lo.entropy_coef_max) if lo.adaptive_entropy else None,
         ref_sync=_ref_sync(cfg),
-        teacher=None if cfg.teacher.name_or_path is None else TeacherPlan(
-            cfg.teacher.name_or_path, cfg.teacher.dtype, own_template=cfg.teacher.chat_template == "teacher",
-            system_prompt=d.system_prompt, few_shot=tuple(d.few_shot)),
+        teacher=_teacher_plan(cfg),
         strategy=t.strategy,
         dist_timeout_minutes=t.dist_timeout_minutes,
         seed=t.seed,
@@ -297,3 +254,75 @@ def compile_run(cfg: TrainConfig, machine: Machine, objects: PythonObjects | Non
         notes=precision.notes + micro_note + _head_note(cfg),
     )
     return plan if t.max_steps is None else with_steps(plan, t.max_steps)
+
+
+def _batch_plan(cfg: TrainConfig, sampling: SamplingParams, episodes, weighting: WeightingSettings) -> BatchPlan:
+    g, lo, d = cfg.generation, cfg.loss, cfg.data
+    return BatchPlan(
+        num_generations=g.num_generations, prompts_per_step=prompts_per_step(cfg), system_prompt=d.system_prompt,
+        few_shot=tuple(d.few_shot), sampling=sampling, max_retry_rounds=g.max_retry_rounds,
+        dynamic_sampling=lo.dynamic_sampling, max_gen_batches=lo.max_gen_batches,
+        mask_truncated_completions=lo.mask_truncated_completions,
+        zero_truncated_completion_rewards=lo.zero_truncated_completion_rewards,
+        reward_stats=RewardStatsSettings(
+            q=weighting.q_distribution, scale_rewards=lo.scale_rewards, advantage_estimator=lo.advantage_estimator,
+            aggregation=lo.multi_objective_aggregation,
+        ),
+        policy_entropy_bonus_coef=lo.policy_entropy_bonus_coef, episodes=episodes,
+        reward_advantages=cfg.teacher.rewards or cfg.teacher.name_or_path is None,
+    )
+
+
+def _data_plan(cfg: TrainConfig, episodes, objects: PythonObjects) -> DataPlan:
+    d = cfg.data
+    given_rows, given_eval = resolve_data(d.source, d.eval_size, objects)
+    tools, classes = resolve_environment(cfg.environment.tools, cfg.environment.classes, objects)
+    return DataPlan(
+        source=d.source, split=d.split, size=d.size, seed=cfg.training.seed, task_kwargs=dict(d.task_kwargs),
+        instruction=d.instruction, prompt_column=d.prompt_column, answer_column=d.answer_column,
+        eval_size=d.eval_size, num_epochs=d.num_epochs, shuffle=d.shuffle, environment=cfg.environment,
+        episodes=episodes, tools=tools, classes=classes, given=given_rows, given_eval=given_eval,
+    )
+
+
+def _model_plan(cfg: TrainConfig, master: str, precision: Precision, given: tuple) -> ModelPlan:
+    m, lora = cfg.model, cfg.model.lora
+    return ModelPlan(
+        name_or_path=m.name_or_path, dtype=m.dtype, master_dtype=master,
+        lora=LoraPlan(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
+                      target_modules=tuple(lora.target_modules), use_rslora=lora.use_rslora)
+        if lora.enabled else None,
+        gradient_checkpointing=cfg.training.gradient_checkpointing, autocast_bf16=precision.autocast_bf16,
+        lm_head_fp32=m.lm_head_fp32, given=given[0], given_tokenizer=given[1],
+    )
+
+
+def _sampler_plan(cfg: TrainConfig, precision: Precision, sampling: SamplingParams, episodes) -> SamplerPlan:
+    g, d = cfg.generation, cfg.data
+    return SamplerPlan(
+        backend=g.backend, sample_dtype=precision.sample_dtype, batch_size=g.batch_size,
+        share_prompts=precision.share_prompts, compile=precision.compile_decoding, vllm=g.vllm,
+        lm_head_fp32=cfg.model.lm_head_fp32,
+        size_from_prompts=BACKENDS[g.backend].plans_context and g.vllm.max_model_len is None and episodes is None,
+        params=sampling, system_prompt=d.system_prompt, few_shot=tuple(d.few_shot),
+    )
+
+
+def _optimizer_plan(cfg: TrainConfig, machine: Machine) -> OptimizerPlan:
+    t = cfg.training
+    return OptimizerPlan(
+        learning_rate=t.learning_rate, lr_scheduler=t.lr_scheduler, warmup_steps=t.warmup_steps,
+        warmup_ratio=t.warmup_ratio, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2),
+        total_updates=None,
+        name=t.optimizer,
+        fused=t.optimizer == "adamw_fused" or (
+            t.optimizer == "adamw" and machine.cuda and not STRATEGIES[t.strategy].collective_forward),
+    )
+
+
+def _teacher_plan(cfg: TrainConfig) -> TeacherPlan | None:
+    te, d = cfg.teacher, cfg.data
+    if te.name_or_path is None:
+        return None
+    return TeacherPlan(te.name_or_path, te.dtype, own_template=te.chat_template == "teacher",
+                       system_prompt=d.system_prompt, few_shot=tuple(d.few_shot))

@@ -274,10 +274,13 @@ def config_from_tree(user: dict, config_dir: Path | None, overrides) -> TrainCon
             entry.name = resolve_reference(entry.name, config_dir)
         if entry.name == "reward_model" and "model" in entry.kwargs:
             entry.kwargs["model"] = _resolve_model_path(entry.kwargs["model"], config_dir)
-    cfg.environment.tools = [tool if is_python_reference(tool) else resolve_reference(tool, config_dir, "tool")
-                             for tool in cfg.environment.tools]
-    cfg.environment.classes = {k: v if is_python_reference(v) else resolve_reference(v, config_dir, "environment class")
-                               for k, v in cfg.environment.classes.items()}
+    env = cfg.environment
+    cfg.environment = dataclasses.replace(
+        env,
+        tools=[tool if is_python_reference(tool) else resolve_reference(tool, config_dir, "tool") for tool in env.tools],
+        classes={k: v if is_python_reference(v) else resolve_reference(v, config_dir, "environment class")
+                 for k, v in env.classes.items()},
+    )
     cfg.data.source = _resolve_data_file(cfg.data.source, config_dir)
     return cfg
 

@@ -72,8 +72,10 @@ def check_run(cfg: TrainConfig, machine: Machine, master: str, *, eval_rows_give
     require(not (lora and cfg.model.lm_head_fp32 and "lm_head" in cfg.model.lora.target_modules),
             "model.lm_head_fp32", "the float32 head cannot be a LoRA-wrapped head; leave lm_head out of "
             "model.lora.target_modules")
-    require(not (t.gradient_checkpointing and t.share_prompts is True), "training.gradient_checkpointing",
-            "needs training.share_prompts: false (a shared prompt's KV cache cannot be recomputed in the backward)")
+    one_pass = t.inline_prompts is not False and t.packing is not False  # the prompt in its completions' forward
+    require(not (t.gradient_checkpointing and t.share_prompts is True and not one_pass), "training.gradient_checkpointing",
+            "needs training.share_prompts: false, or training.inline_prompts and training.packing on (a shared "
+            "prompt's KV cache cannot be recomputed in the backward)")
     total = prompts_per_step(cfg) * g.num_generations
     require(t.micro_batch_size == "auto" or total % t.micro_batch_size == 0, "training.micro_batch_size",
             f"{t.micro_batch_size} does not divide the {total} completions of a step")

@@ -271,6 +271,14 @@ class TrainingConfig:
         "gradients as the padded forward: with share_prompts, each distinct prompt runs once and its "
         "completions are packed end to end behind its KV cache; without, each row's real tokens are packed "
         "into fewer rows (also under flash attention); auto: with share_prompts only")})
+    # One forward per group: each distinct prompt once, its completions packed behind it in the same row,
+    # each completion seeing the prompt and itself only (core/packing.inline_prompt_inputs): the padded
+    # forward's values and gradients, with no KV cache, so activation checkpointing can recompute it.
+    # auto: on the CPU (BENCHMARKS.md §10); off on CUDA until it is measured there.
+    inline_prompts: Literal[True, False, "auto"] = field(default="auto", metadata={"help": (
+        "with share_prompts and packing: each distinct prompt in the same forward as its completions (one "
+        "packed row per prompt, a completion seeing the prompt and itself only) instead of through a KV cache; "
+        "also runs under gradient_checkpointing; auto: on the CPU")})
     # glibc keeps freed heap pages resident; malloc_trim(0) before each micro-batch's forward and
     # backward hands them back (training/host_memory.py). At SmolLM2-135M: peak 0.1-0.2 GiB lower,
     # the step about 3-5% longer (the pages are faulted in again; BENCHMARKS.md §2).
@@ -278,11 +286,11 @@ class TrainingConfig:
         "CPU: hand freed heap memory back to the OS before each micro-batch's forward and backward "
         "(a lower peak resident set for a slightly slower step; nothing on a GPU)")})
     # Keep only each decoder layer's input and recompute the layer in the backward: activation
-    # memory of one layer instead of all, for about one more forward of compute. Needs
-    # share_prompts: false (a shared prompt's KV cache cannot be recomputed).
+    # memory of one layer instead of all, for about one more forward of compute. A shared prompt's KV
+    # cache cannot be recomputed: with share_prompts it needs the one-pass layout (inline_prompts, packing).
     gradient_checkpointing: bool = field(default=False, metadata={"help": (
-        "recompute each decoder layer in the backward (less activation memory); needs share_prompts: "
-        "false")})
+        "recompute each decoder layer in the backward (less activation memory); with share_prompts, needs "
+        "inline_prompts and packing")})
     # How several processes share the work: ddp (each holds the whole model) or fsdp2
     # (each holds 1/world_size of the weights, gradients and optimizer state; training/sharding.py).
     strategy: Literal[tuple(STRATEGIES)] = field(default="ddp", metadata={"help": (  # training/strategy.py

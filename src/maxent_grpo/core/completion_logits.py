@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from maxent_grpo.core.packing import (
-    pack_plan, pack_plan_by_group, packed_inputs, prefixed_packed_inputs, unpack_behind_prompt, unpack_completion,
+    inline_prompt_inputs, pack_plan, pack_plan_by_group, packed_inputs, prefixed_packed_inputs, unpack_behind_prompt,
+    unpack_completion,
 )
 
 
@@ -74,8 +75,9 @@ def distinct_prompt_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) ->
 class ForwardLayout:
     """How one scoring call runs the model over its ``[B, L]`` rows (:func:`forward_layout`).
 
-    ``kind``: ``"shared_packed"`` (each distinct prompt once, its completions packed behind it
-    through its KV cache), ``"packed"`` (whole rows packed padding-free), ``"shared"`` (each
+    ``kind``: ``"inline"`` (one forward: each distinct prompt once with its group's completions packed
+    behind it in the same row, a completion seeing the prompt and itself only), ``"shared_packed"``
+    (each distinct prompt once, its completions packed behind it through its KV cache), ``"packed"`` (whole rows packed padding-free), ``"shared"`` (each
     distinct prompt once, the padded completions through its KV cache) or ``"plain"`` (one padded
     forward). ``first`` / ``inverse``: :func:`distinct_prompt_rows`, for the shared kinds. ``flash``:
     the attention is flash attention's variable-length kernel (whole rows pack into one bin).
@@ -90,6 +92,8 @@ class ForwardLayout:
         """Token positions the forwards run the model over: ``B * L`` padded, each distinct prompt once
         plus every completion slot when shared, the bins' widths when packed."""
         b, length = input_ids.shape
+        if self.kind == "inline":
+            return len(self.first) * _inline_width(attention_mask, prompt_length, self.first, self.inverse)
         if self.kind == "shared_packed":
             bins = completion_pack_plan(attention_mask, prompt_length, self.inverse)[0]
             return len(self.first) * prompt_length + bins.computed_tokens
@@ -101,15 +105,18 @@ class ForwardLayout:
 
 
 def forward_layout(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   prompt_length: int, *, share_prompts: bool, pack: bool) -> ForwardLayout:
+                   prompt_length: int, *, share_prompts: bool, pack: bool, inline_prompts: bool = False) -> ForwardLayout:
     """The one place the layout is chosen. Prompts are shared when ``share_prompts``, there are
     completion positions and some row repeats a prompt; under ``pack`` too unless the attention is
-    flash attention (its variable-length kernel has no cached prefix: it packs whole rows)."""
+    flash attention (its variable-length kernel has no cached prefix: it packs whole rows). Shared and
+    packed, ``inline_prompts`` runs each prompt in the same forward as its completions (``"inline"``)
+    rather than through a KV cache."""
     flash = _unwrapped(model).config._attn_implementation.startswith("flash")
     if share_prompts and input_ids.shape[1] > prompt_length and not (pack and flash):
         first, inverse = distinct_prompt_rows(input_ids[:, :prompt_length], attention_mask[:, :prompt_length])
         if first.numel() < input_ids.shape[0]:
-            return ForwardLayout("shared_packed" if pack else "shared", flash, first, inverse)
+            kind = ("inline" if inline_prompts else "shared_packed") if pack else "shared"
+            return ForwardLayout(kind, flash, first, inverse)
     return ForwardLayout("packed" if pack else "plain", flash)
 
 
@@ -166,6 +173,26 @@ def _shared_packed_forward(model, input_ids, attention_mask, prompt_length, layo
     return prompt, rest, plan
 
 
+def _inline_width(attention_mask: torch.Tensor, prompt_length: int, first: torch.Tensor,
+                  inverse: torch.Tensor) -> int:
+    """The width of :func:`inline_prompt_inputs`'s rows: the longest prompt plus its group's completions."""
+    lengths = attention_mask[:, prompt_length:].sum(dim=1).clamp(min=1)
+    per_prompt = torch.zeros(first.numel(), dtype=lengths.dtype, device=lengths.device).index_add(0, inverse, lengths)
+    return int((attention_mask[first, :prompt_length].sum(dim=1) + per_prompt).max())
+
+
+def _inline_forward(model, input_ids, attention_mask, prompt_length, layout, with_logits):
+    """One forward over one row per distinct prompt, its completions packed behind it in the row
+    (:func:`inline_prompt_inputs`). Returns the output, the completions' plan and each prompt's last position."""
+    impl = _unwrapped(model).config._attn_implementation
+    inputs, plan, prompt_last = inline_prompt_inputs(
+        input_ids, attention_mask, prompt_length, layout.first, layout.inverse,
+        mask="bool" if impl == "sdpa" else "additive", mask_dtype=next(model.parameters()).dtype)
+    no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)
+    out = model(**inputs, logits_to_keep=0 if with_logits else no_logits, use_cache=False)
+    return out, plan, prompt_last
+
+
 def _forwards(model, input_ids, attention_mask, prompt_length, layout, with_logits):
     """Run the model over prompt+completion, padded: the shared-prompt pair of forwards (prompt rows
     once, then the completions through the KV cache) or the one plain forward; return the outputs.
@@ -208,37 +235,65 @@ def _forwards(model, input_ids, attention_mask, prompt_length, layout, with_logi
     return [out]
 
 
-def completion_logits(
+def completion_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      prompt_length: int, **layout) -> torch.Tensor:
+    """Logits ``[B, L - prompt_length, V]``; position ``t`` predicts ``input_ids[:, prompt_length + t]``.
+
+    ``input_ids`` / ``attention_mask`` are ``[B, L]`` with prompts left-padded to
+    ``prompt_length``. The plain path runs one forward (LM head only where needed);
+    ``share_prompts`` (default on) runs each distinct prompt row once when some row repeats;
+    ``pack`` (default off) runs the rows padding-free: with ``share_prompts``, each distinct
+    prompt once and its completions packed behind it, otherwise whole rows (the choice:
+    :func:`forward_layout`).
+    """
+    return _completion_positions(model, input_ids, attention_mask, prompt_length, with_logits=True, **layout)
+
+
+def _completion_positions(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     prompt_length: int,
     *,
+    with_logits: bool,
     share_prompts: bool = True,
     pack: bool = False,
+    inline_prompts: bool = False,
 ) -> torch.Tensor:
-    """Logits ``[B, L - prompt_length, V]``; position ``t`` predicts ``input_ids[:, prompt_length + t]``.
-
-    ``input_ids`` / ``attention_mask`` are ``[B, L]`` with prompts left-padded to
-    ``prompt_length``. The plain path runs one forward (LM head only where needed);
-    ``share_prompts`` runs each distinct prompt row once when some row repeats; ``pack`` runs
-    the rows padding-free: with ``share_prompts``, each distinct prompt once and its completions
-    packed behind it, otherwise whole rows (the choice: :func:`forward_layout`).
-    """
-    layout = forward_layout(model, input_ids, attention_mask, prompt_length, share_prompts=share_prompts, pack=pack)
+    """The forwards :func:`forward_layout` chooses, and the completion positions' logits
+    (``with_logits``) or final hidden states, ``[B, L - prompt_length, V or H]``: the one body of
+    :func:`completion_logits` and :func:`completion_hidden_states`."""
+    layout = forward_layout(model, input_ids, attention_mask, prompt_length, share_prompts=share_prompts, pack=pack,
+                            inline_prompts=inline_prompts)
     completion_length = input_ids.shape[1] - prompt_length
+    captured: list[torch.Tensor] = []
+    with contextlib.nullcontext() if with_logits else _last_hidden_states(model, captured):
+        if layout.kind == "inline":
+            out, plan, prompt_last = _inline_forward(model, input_ids, attention_mask, prompt_length, layout,
+                                                     with_logits=with_logits)
+            outs = [out]
+        elif layout.kind == "shared_packed":
+            *outs, plan = _shared_packed_forward(model, input_ids, attention_mask, prompt_length, layout,
+                                                 with_logits=with_logits)
+        elif layout.kind == "packed":
+            *outs, plan = _packed_forward(model, input_ids, attention_mask, layout.flash, with_logits=with_logits)
+        else:
+            outs = _forwards(model, input_ids, attention_mask, prompt_length, layout, with_logits=with_logits)
+    states = [out.logits for out in outs] if with_logits else captured
+    if layout.kind == "inline":
+        packed = states[0]
+        last = packed[torch.arange(packed.shape[0], device=packed.device), prompt_last]
+        return unpack_behind_prompt(last, packed, plan, layout.inverse, completion_length)
     if layout.kind == "shared_packed":
-        prompt, rest, plan = _shared_packed_forward(model, input_ids, attention_mask, prompt_length, layout,
-                                                    with_logits=True)
-        return unpack_behind_prompt(prompt.logits[:, -1], rest.logits, plan, layout.inverse, completion_length)
+        prompt, rest = states
+        return unpack_behind_prompt(prompt[:, -1], rest, plan, layout.inverse, completion_length)
     if layout.kind == "packed":
-        out, plan = _packed_forward(model, input_ids, attention_mask, layout.flash, with_logits=True)
-        return unpack_completion(out.logits, plan, prompt_length, input_ids.shape[1])
-    outs = _forwards(model, input_ids, attention_mask, prompt_length, layout, with_logits=True)
+        return unpack_completion(states[0], plan, prompt_length, input_ids.shape[1])
     if layout.kind == "shared":
-        prompt, rest = outs
-        return torch.cat([prompt.logits[layout.inverse], rest.logits[:, :-1]], dim=1)
-    return outs[0].logits[:, :-1]
+        prompt, rest = states
+        return torch.cat([prompt[layout.inverse, -1:], rest[:, :-1]], dim=1)
+    # Logits were kept for the last completion_length + 1 positions, hidden states for all L.
+    return states[0][:, -(completion_length + 1) : -1]
 
 
 # Model families whose CausalLM computes ``logits = lm_head(decoder(...).last_hidden_state)``
@@ -273,38 +328,11 @@ def _last_hidden_states(model: torch.nn.Module, into: list):
         handle.remove()
 
 
-def completion_hidden_states(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    prompt_length: int,
-    *,
-    share_prompts: bool = True,
-    pack: bool = False,
-) -> torch.Tensor:
+def completion_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                             prompt_length: int, **layout) -> torch.Tensor:
     """Final hidden states ``[B, L - prompt_length, H]``; position ``t`` predicts ``input_ids[:, prompt_length + t]``.
 
-    The same forwards as :func:`completion_logits` with no LM head applied: the
-    logits at those positions are ``model.get_output_embeddings()(hidden)``.
+    The same forwards as :func:`completion_logits` (and its ``share_prompts`` / ``pack``) with no
+    LM head applied: the logits at those positions are ``model.get_output_embeddings()(hidden)``.
     """
-    captured: list[torch.Tensor] = []
-    layout = forward_layout(model, input_ids, attention_mask, prompt_length, share_prompts=share_prompts, pack=pack)
-    with _last_hidden_states(model, captured):
-        if layout.kind == "shared_packed":
-            _, _, plan = _shared_packed_forward(model, input_ids, attention_mask, prompt_length, layout,
-                                                with_logits=False)
-        elif layout.kind == "packed":
-            _, plan = _packed_forward(model, input_ids, attention_mask, layout.flash, with_logits=False)
-        else:
-            _forwards(model, input_ids, attention_mask, prompt_length, layout, with_logits=False)
-    if layout.kind == "shared_packed":
-        prompt_hidden, rest_hidden = captured
-        return unpack_behind_prompt(prompt_hidden[:, -1], rest_hidden, plan, layout.inverse,
-                                    input_ids.shape[1] - prompt_length)
-    if layout.kind == "packed":
-        return unpack_completion(captured[0], plan, prompt_length, input_ids.shape[1])
-    if layout.kind == "shared":
-        prompt_hidden, rest_hidden = captured
-        return torch.cat([prompt_hidden[layout.inverse, -1:], rest_hidden[:, :-1]], dim=1)
-    (hidden,) = captured
-    return hidden[:, prompt_length - 1 : -1]
+    return _completion_positions(model, input_ids, attention_mask, prompt_length, with_logits=False, **layout)

@@ -317,3 +317,26 @@ def meta_gradients(
     kl_target = settings.kl_controller.target
     beta_grad = None if kl is None or kl_target <= 0 else kl_target - kl
     return tau_grad, beta_grad
+
+
+def step_controllers(
+    state: ControllerState, settings: ControllerSettings, weight_entropy: float | None, measured_kl: float | None,
+    step: int,
+) -> ControllerState:
+    """All of §8 after optimizer step ``step``: the meta controller every ``meta.every`` steps when it
+    is on, else the tau controller then the beta controller. Returns the new state.
+
+    ``weight_entropy`` (None without listwise weights) and ``measured_kl`` (None without a KL term)
+    must already be averaged over every process, so every rank steps to the same state.
+    """
+    meta = settings.meta
+    if meta.enabled:
+        if step % meta.every != 0:
+            return state
+        tau_grad, beta_grad = meta_gradients(weight_entropy, measured_kl, settings, step)
+        return apply_meta_gradients(state, settings, tau_grad=tau_grad, beta_grad=beta_grad, step=step)
+    if weight_entropy is not None:
+        state = update_tau(state, weight_entropy, settings.tau_schedule, step)
+    if measured_kl is not None:
+        state = update_beta(state, measured_kl, settings.kl_controller, step)
+    return state

@@ -68,24 +68,17 @@ def _check_input_ids(input_ids: torch.Tensor) -> None:
         raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
 
 
-def compute_per_token_logps(
-    logits: torch.Tensor,
-    input_ids: torch.Tensor,
-    prompt_length: int,
-    *,
-    temperature: float = 1.0,
-    chunk_rows: int = DEFAULT_CHUNK_ROWS,
-) -> torch.Tensor:
+def compute_per_token_logps(logits: torch.Tensor, input_ids: torch.Tensor, prompt_length: int,
+                            **options) -> torch.Tensor:
     """Log-probs of the completion tokens ``input_ids[:, prompt_length:]``.
 
     ``logits`` are either the model's outputs for the whole ``input_ids``
     (``[B, L, V]``; position ``t`` predicts token ``t+1``, so positions
     ``prompt_length-1 .. L-2`` are used) or already trimmed to those positions
-    (``[B, L - prompt_length, V]``). Returns ``[B, L - prompt_length]``.
+    (``[B, L - prompt_length, V]``). Returns ``[B, L - prompt_length]``. Options
+    (``temperature``, ``chunk_rows``) as :func:`compute_per_token_logps_and_entropies`'s.
     """
-    logps, _ = compute_per_token_logps_and_entropies(
-        logits, input_ids, prompt_length, temperature=temperature, chunk_rows=chunk_rows, with_entropy=False
-    )
+    logps, _ = compute_per_token_logps_and_entropies(logits, input_ids, prompt_length, with_entropy=False, **options)
     return logps
 
 
@@ -118,23 +111,13 @@ def compute_per_token_logps_and_entropies(
     )
 
 
-def get_per_token_logps(
-    model,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    prompt_length: int,
-    *,
-    temperature: float = 1.0,
-    chunk_rows: int = DEFAULT_CHUNK_ROWS,
-    share_prompts: bool = True,
-    fused_head: bool = True,
-    pack: bool = False,
-) -> torch.Tensor:
-    """Completion-token log-probs ``[B, L - prompt_length]`` of ``model``."""
+def get_per_token_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
+                        **options) -> torch.Tensor:
+    """Completion-token log-probs ``[B, L - prompt_length]`` of ``model``: the log-probs of
+    :func:`get_per_token_logps_and_entropies`, with its options (``temperature``, ``chunk_rows``,
+    ``share_prompts``, ``fused_head``, ``pack``) and no entropies."""
     logps, _ = get_per_token_logps_and_entropies(
-        model, input_ids, attention_mask, prompt_length,
-        temperature=temperature, chunk_rows=chunk_rows, with_entropy=False, share_prompts=share_prompts,
-        fused_head=fused_head, pack=pack,
+        model, input_ids, attention_mask, prompt_length, with_entropy=False, **options
     )
     return logps
 
@@ -151,6 +134,7 @@ def get_per_token_logps_and_entropies(
     share_prompts: bool = True,
     fused_head: bool = True,
     pack: bool = False,
+    inline_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``model`` over prompt+completion (``[B, L]``, prompts left-padded,
     ``attention_mask`` 0 on padding); return completion log-probs and token entropies,
@@ -160,7 +144,9 @@ def get_per_token_logps_and_entropies(
     ``[B, T, V]`` logits never exist, where the model family allows it
     (``supports_fused_head``); otherwise the model's own logits are used.
     ``pack``: run the rows padding-free (``core/packing.py``): with ``share_prompts``, each distinct
-    prompt once and its completions packed behind it; otherwise whole rows.
+    prompt once and its completions packed behind it; otherwise whole rows. ``inline_prompts`` (shared and
+    packed): each prompt in the same forward as its completions, one row per prompt, rather than through
+    a KV cache (``core/packing.inline_prompt_inputs``).
 
     Values at padded completion positions are meaningless; mask them downstream.
     """
@@ -176,13 +162,14 @@ def get_per_token_logps_and_entropies(
     targets = input_ids[:, prompt_length:]
     if fused_head and supports_fused_head(model):
         hidden = completion_hidden_states(model, input_ids, attention_mask, prompt_length,
-                                          share_prompts=share_prompts, pack=pack)
+                                          share_prompts=share_prompts, pack=pack, inline_prompts=inline_prompts)
         head = lm_head(model)  # after the forward (see lm_head)
         return lm_head_logps(
             hidden, head.weight, head.bias, targets,
             temperature=temperature, with_entropy=with_entropy, chunk_rows=chunk_rows, fp32=is_fp32_head(head),
         )
-    logits = completion_logits(model, input_ids, attention_mask, prompt_length, share_prompts=share_prompts, pack=pack)
+    logits = completion_logits(model, input_ids, attention_mask, prompt_length, share_prompts=share_prompts, pack=pack,
+                               inline_prompts=inline_prompts)
     return selective_logps(
         logits, targets, temperature=temperature, with_entropy=with_entropy, chunk_rows=chunk_rows,
     )
@@ -207,6 +194,7 @@ class Scoring:
     autocast_bf16: bool = False
     rows_per_pass: int = 8
     packing: bool = False
+    inline_prompts: bool = False  # shared and packed: prompt and completions in one forward (no KV cache)
 
     def __post_init__(self) -> None:
         check_temperature(self.temperature)
@@ -220,13 +208,15 @@ class Scoring:
             return get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, prompt_length, temperature=self.temperature,
                 with_entropy=with_entropy, share_prompts=self.share_prompts, pack=self.packing,
+                inline_prompts=self.inline_prompts,
             )
 
     def forward_positions(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                           prompt_length: int) -> int:
         """Token positions one :meth:`logps` call runs ``model`` over (``ForwardLayout.positions``)."""
         layout = forward_layout(model, input_ids, attention_mask, prompt_length,
-                                share_prompts=self.share_prompts, pack=self.packing)
+                                share_prompts=self.share_prompts, pack=self.packing,
+                                inline_prompts=self.inline_prompts)
         return layout.positions(input_ids, attention_mask, prompt_length)
 
     def score_rows(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, *,

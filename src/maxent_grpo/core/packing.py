@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PackPlan", "pack_plan", "pack_plan_by_group", "packed_inputs", "prefixed_packed_inputs",
+__all__ = ["PackPlan", "inline_prompt_inputs", "pack_plan", "pack_plan_by_group", "packed_inputs", "prefixed_packed_inputs",
            "unpack_completion", "unpack_behind_prompt"]
 
 
@@ -194,3 +194,58 @@ def unpack_behind_prompt(prompt_last: torch.Tensor, packed: torch.Tensor, plan: 
     source = torch.minimum((t - 1).unsqueeze(0), (plan.length - 1).unsqueeze(1))
     rest = packed[plan.bin.unsqueeze(1), plan.offset.unsqueeze(1) + source]
     return torch.cat([prompt_last[inverse].unsqueeze(1), rest], dim=1)
+
+
+def inline_prompt_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
+                         first: torch.Tensor, inverse: torch.Tensor, *, pad_id: int = 0, mask: str = "bool",
+                         mask_dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], PackPlan, torch.Tensor]:
+    """One packed row per distinct prompt, for a single forward: the prompt's real tokens once, then each
+    of its group's completions end to end (an empty completion keeps one slot, never read).
+
+    ``input_ids`` / ``attention_mask`` ``[B, L]``, prompts left-padded to ``prompt_length``;
+    ``first`` ``[D]`` / ``inverse`` ``[B]``: each distinct prompt's first row and each row's prompt.
+    Positions: the prompt's ``0 .. p-1``, each completion's ``p .. p + len - 1``, as in its own padded row.
+    The mask ``[D, 1, W, W]`` lets a prompt token see the prompt's earlier tokens, and a completion token
+    the whole prompt and its own earlier tokens, never a sibling's; an unused tail position sees itself.
+    So every completion token is the same function of its row as in the padded batch, and the prompt's
+    activations, computed once, receive the gradient of all its completions.
+
+    Returns the model's inputs, the completions' :class:`PackPlan` (``bin`` = the row's prompt, ``offset``
+    past the prompt; for :func:`unpack_behind_prompt`) and each prompt's last position ``[D]``.
+    """
+    if mask not in ("bool", "additive"):
+        raise ValueError(f"mask must be 'bool' or 'additive', got {mask!r}")
+    dev, b = input_ids.device, input_ids.shape[0]
+    prompt_len = attention_mask[first, :prompt_length].sum(dim=1)  # [D] real prompt tokens
+    length = attention_mask[:, prompt_length:].sum(dim=1).clamp(min=1)  # [B]
+    # Each completion's place behind its prompt: the lengths of the earlier rows of its group, summed.
+    same = inverse.unsqueeze(0) == inverse.unsqueeze(1)  # [B, B]
+    earlier = torch.ones(b, b, dtype=torch.bool, device=dev).tril(-1)
+    offset = prompt_len[inverse] + ((same & earlier).long() * length.unsqueeze(0)).sum(dim=1)
+    width = int((offset + length).max())
+    d = first.numel()
+    ids = torch.full((d, width), pad_id, dtype=input_ids.dtype, device=dev)
+    positions = torch.zeros((d, width), dtype=torch.long, device=dev)
+    segment = torch.full((d, width), -1, dtype=torch.long, device=dev)  # -2: prompt, b: row b's completion
+    # The prompts: their real tokens are the last prompt_len of the prompt columns.
+    p_rows = torch.repeat_interleave(torch.arange(d, device=dev), prompt_len)
+    p_within = torch.arange(int(prompt_len.sum()), device=dev) - (torch.cumsum(prompt_len, 0) - prompt_len)[p_rows]
+    ids[p_rows, p_within] = input_ids[first[p_rows], prompt_length - prompt_len[p_rows] + p_within]
+    positions[p_rows, p_within] = p_within
+    segment[p_rows, p_within] = -2
+    # The completions, right-padded: their real tokens come first.
+    c_rows = torch.repeat_interleave(torch.arange(b, device=dev), length)
+    c_within = torch.arange(int(length.sum()), device=dev) - (torch.cumsum(length, 0) - length)[c_rows]
+    ids[inverse[c_rows], offset[c_rows] + c_within] = input_ids[c_rows, prompt_length + c_within]
+    positions[inverse[c_rows], offset[c_rows] + c_within] = prompt_len[inverse[c_rows]] + c_within
+    segment[inverse[c_rows], offset[c_rows] + c_within] = c_rows
+    q, k = segment.unsqueeze(2), segment.unsqueeze(1)
+    causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()
+    eye = torch.eye(width, dtype=torch.bool, device=dev)
+    allowed = ((((k == -2) | (q == k)) & (q != -1) & causal) | eye).unsqueeze(1)
+    if mask == "additive":
+        dtype = mask_dtype or torch.float32
+        allowed = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill(~allowed, torch.finfo(dtype).min)
+    plan = PackPlan(start=torch.full((b,), prompt_length, dtype=torch.long, device=dev), length=length,
+                    bin=inverse, offset=offset, bins=d, width=width)
+    return {"input_ids": ids, "position_ids": positions, "attention_mask": allowed}, plan, prompt_len - 1

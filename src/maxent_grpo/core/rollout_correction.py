@@ -132,6 +132,46 @@ def seq_error_weights(
 
 
 @dataclass(frozen=True)
+class CorrectionPlan:
+    """How one step corrects for the sampler -> trainer mismatch, decided once where the step is planned
+    (``core/step.py``, from its ``LossSpec``); every term reads it.
+
+    ``mode`` and ``cap``: ``loss.rollout_correction`` and its C. ``in_policy_loss``: the registered policy
+    loss applies the weight itself (GMPO, VESPO: ``applies_correction``), so the step does not multiply it
+    in again. ``seq_error_threshold``: NeMo-RL's sequence filter (None: off).
+    """
+
+    mode: str = "none"
+    cap: float = 2.0
+    in_policy_loss: bool = False
+    seq_error_threshold: float | None = None
+
+    @property
+    def level(self) -> str:
+        return correction_parts(self.mode)[0]
+
+    def weights(self, old_logp: torch.Tensor, behaviour_logp: torch.Tensor | None,
+                mask: torch.Tensor) -> torch.Tensor | None:
+        """The detached ``[B, T]`` weight of a micro-batch (None when off or without behaviour log-probs)."""
+        if behaviour_logp is None or self.mode == "none":
+            return None
+        return rollout_correction_weights(old_logp, behaviour_logp, mask, self.mode, self.cap)
+
+    def sequence_filter(self, old_logp: torch.Tensor, behaviour_logp: torch.Tensor,
+                        mask: torch.Tensor) -> torch.Tensor | None:
+        """The ``[B, T]`` 0/1 weight of the sequence filter (None when off)."""
+        if self.seq_error_threshold is None:
+            return None
+        return seq_error_weights(old_logp, behaviour_logp, mask, self.seq_error_threshold)
+
+    def mismatch(self, old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor) -> MismatchSums:
+        """A micro-batch's sampler/trainer mismatch statistics, at this plan's level and cap."""
+        return rollout_mismatch_sums(old_logp, behaviour_logp, mask, level=self.level,
+                                     seq_error_threshold=self.seq_error_threshold,
+                                     cap=None if self.mode == "none" else self.cap)
+
+
+@dataclass(frozen=True)
 class MismatchSums:
     """Additive and extreme statistics of one process's mismatch; combined over ranks before dividing.
 

@@ -37,13 +37,7 @@ from maxent_grpo.core.entropy_terms import top_entropy_threshold
 from maxent_grpo.core.logprobs import Scoring
 from maxent_grpo.core.losses import POLICY_LOSSES, LossMetric, StepNormalizer
 from maxent_grpo.core.replay import ReplayBatch, replay_backward
-from maxent_grpo.core.rollout_correction import (
-    MismatchSums,
-    combine_mismatch_sums,
-    correction_parts,
-    rollout_correction_weights,
-    rollout_mismatch_sums,
-)
+from maxent_grpo.core.rollout_correction import CorrectionPlan, MismatchSums, combine_mismatch_sums
 from maxent_grpo.core.step_inputs import LossSpec, MicroBatch
 from maxent_grpo.core.step_terms import StepFacts, TermOut, TokenView, step_terms
 
@@ -198,7 +192,7 @@ def grpo_step(
     _check_micro_batches(micro_batches, spec, terms)
     facts = StepFacts(_step_normalizer(micro_batches, spec, comm),
                       _step_entropy_threshold(model, micro_batches, spec.top_entropy_quantile, scoring),
-                      model.config.get_text_config().vocab_size)
+                      model.config.get_text_config().vocab_size, correction_plan(spec))
     optimizer.zero_grad()
     replay_metrics: dict[str, float] = {}
     if replay is not None:
@@ -209,7 +203,7 @@ def grpo_step(
     for i, mb in enumerate(micro_batches):
         _release(hooks)
         with comm.sync(i == len(micro_batches) - 1):  # gradients cross ranks once, in the last backward
-            view = _token_view(model, mb, spec, scoring)
+            view = _token_view(model, mb, facts.correction, scoring)
             outs = [term(view, facts) for term in terms]
             loss = _sum_losses(outs)
             _release(hooks)
@@ -217,7 +211,7 @@ def grpo_step(
         _accumulate(totals, [TermOut(None, {"loss": LossMetric(loss, "step"),
                                             "entropy": LossMetric((view.entropy * view.mask).sum(), "token")}), *outs])
         if mb.behaviour_logps is not None:
-            mismatch.append(_mismatch(view, spec))
+            mismatch.append(facts.correction.mismatch(view.old, mb.behaviour_logps, view.mask))
     reduced = _all_reduce(totals, comm, micro_batches[0].input_ids.device)
     with hooks.phase("update"):
         grad_norm = float(hooks.update(model, optimizer))
@@ -232,16 +226,18 @@ def _release(hooks: StepHooks) -> None:
         hooks.release()
 
 
-def _token_view(model, mb: MicroBatch, spec: LossSpec, scoring: Scoring) -> TokenView:
+def correction_plan(spec: LossSpec) -> CorrectionPlan:
+    """The step's sampler -> trainer correction, decided here once (``core/rollout_correction.py``)."""
+    return CorrectionPlan(spec.rollout_correction, spec.rollout_correction_cap,
+                          POLICY_LOSSES[spec.policy_loss].applies_correction, spec.seq_logprob_error_threshold)
+
+
+def _token_view(model, mb: MicroBatch, correction: CorrectionPlan, scoring: Scoring) -> TokenView:
     """Score ``mb`` once for every term: log-probs with their graph, entropies, the anchor, the correction."""
     logp, ent = scoring.logps(model, mb.input_ids, mb.attention_mask, mb.prompt_length, with_entropy=True)
     mask = mb.completion_mask.to(logp.dtype)
     old = logp.detach() if mb.old_logps is None else mb.old_logps
-    correction = None
-    if mb.behaviour_logps is not None and spec.rollout_correction != "none":
-        correction = rollout_correction_weights(
-            old, mb.behaviour_logps, mask, spec.rollout_correction, spec.rollout_correction_cap)
-    return TokenView(mb, logp, ent, mask, old, correction)
+    return TokenView(mb, logp, ent, mask, old, correction.weights(old, mb.behaviour_logps, mask))
 
 
 def _sum_losses(outs: list[TermOut]) -> torch.Tensor:
@@ -275,15 +271,6 @@ def _divisor(per: str, norm: StepNormalizer) -> int:
     if per == "step":
         return 1
     return max(norm.num_tokens if per == "token" else norm.num_sequences, 1)
-
-
-def _mismatch(view: TokenView, spec: LossSpec) -> MismatchSums:
-    """This micro-batch's sampler/trainer mismatch statistics (``core/rollout_correction.py``)."""
-    return rollout_mismatch_sums(
-        view.old, view.mb.behaviour_logps, view.mask, level=correction_parts(spec.rollout_correction)[0],
-        seq_error_threshold=spec.seq_logprob_error_threshold,
-        cap=None if spec.rollout_correction == "none" else spec.rollout_correction_cap,
-    )
 
 
 def _step_entropy_threshold(model, micro_batches, quantile: float, scoring: Scoring):

@@ -36,7 +36,7 @@ from maxent_grpo.core.entropy_terms import entropy_bonus, top_entropy_mask
 from maxent_grpo.core.losses import (
     POLICY_LOSSES, LossMetric, PolicyInputs, StepNormalizer, aggregate, kl_importance_weight, kl_penalty,
 )
-from maxent_grpo.core.rollout_correction import correction_parts, seq_error_weights
+from maxent_grpo.core.rollout_correction import CorrectionPlan
 from maxent_grpo.core.step_inputs import LossSpec, MicroBatch
 
 
@@ -66,6 +66,7 @@ class StepFacts:
     norm: StepNormalizer
     entropy_threshold: torch.Tensor | None
     vocab_size: int
+    correction: CorrectionPlan = CorrectionPlan()  # the sampler -> trainer correction (the view holds its weight)
 
 
 @dataclass(frozen=True)
@@ -130,17 +131,17 @@ class PolicyStepTerm:
                 advantages=mb.advantages, num_generations=mb.num_generations, clip=spec.clip,
                 row_weights=mb.row_weights, listwise_weights=mb.listwise_weights,
                 listwise_active=mb.listwise_active, behaviour_logp=mb.behaviour_logps, params=spec.policy_params,
-                correction_weights=v.correction if loss.applies_correction else None,
-                correction_level=correction_parts(spec.rollout_correction)[0],
+                correction_weights=v.correction if facts.correction.in_policy_loss else None,
+                correction_level=facts.correction.level,
             ),
             facts.norm,
         )
         per_token = term.per_token_loss
-        if v.correction is not None and not loss.applies_correction:
+        if v.correction is not None and not facts.correction.in_policy_loss:
             per_token = per_token * v.correction.to(per_token.dtype)
-        if spec.seq_logprob_error_threshold is not None:
-            per_token = per_token * seq_error_weights(
-                v.old, mb.behaviour_logps, v.mask, spec.seq_logprob_error_threshold).to(per_token.dtype)
+        sequence_filter = facts.correction.sequence_filter(v.old, mb.behaviour_logps, v.mask)
+        if sequence_filter is not None:
+            per_token = per_token * sequence_filter.to(per_token.dtype)
         part = aggregate(per_token, v.mask, spec.loss_type, facts.norm) + term.sequence_loss
         return TermOut(part, {"policy_loss": LossMetric(part, "step"), **term.metrics})
 

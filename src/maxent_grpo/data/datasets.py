@@ -16,6 +16,7 @@ import importlib.util
 import itertools
 import json
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -232,12 +233,20 @@ def _check_prompts(ds, source: str, environment_prompts: bool = False) -> None:
             raise DataError(f"{source}: empty prompt in row {row}")
 
 
+@dataclass(frozen=True)
+class ColumnNames:
+    """The columns of a table that hold the prompt and the answer (renamed ``prompt`` and ``answer``; the
+    answer column keeps its own name too)."""
+
+    prompt: str = "prompt"
+    answer: str = "answer"
+
+
 def load_prompt_dataset(
     source: str,
     *,
     split: str = "train",
-    prompt_column: str = "prompt",
-    answer_column: str = "answer",
+    columns: ColumnNames = ColumnNames(),
     size: int | None = None,
     seed: int = 0,
     data_files: Any = None,
@@ -246,7 +255,7 @@ def load_prompt_dataset(
     environment_prompts: bool = False,
 ):
     """A table of prompts (`datasets.Dataset`, or `Rows` for a generated source) with the standard
-    columns `prompt` and `answer`.
+    columns `prompt` and `answer` (from the table's `columns`).
 
     `source` is a local `.jsonl` / `.json` / `.parquet` file, `reasoning_gym:<task>`
     (`size` problems generated offline from `seed`, each question followed by
@@ -290,7 +299,7 @@ def load_prompt_dataset(
         ds = _load_file(path, split, data_files) if is_file else _load_hub(source, split, data_files)
         if size is not None and size < len(ds):
             ds = ds.select(range(size))
-    ds = _standardise(ds, source, prompt_column, answer_column, environment_prompts)
+    ds = _standardise(ds, source, columns.prompt, columns.answer, environment_prompts)
     _check_prompts(ds, source, environment_prompts)
     return ds
 

@@ -1,7 +1,7 @@
 """``Rows``: the table of a generated prompt source (reasoning-gym, ModeBench, the calculator), without ``datasets``.
 
-A generated task is a list of dicts already, and the GPU machine this project is lent has no
-``datasets``. ``Rows`` offers the part of ``datasets.Dataset``'s interface the trainer reads:
+A generated task is a list of dicts already, and a machine may have no ``datasets`` (a bare GPU
+image). ``Rows`` offers the part of ``datasets.Dataset``'s interface the trainer reads:
 ``len``, a row by index (a fresh dict), a column by name, iteration, ``column_names``,
 ``select``, ``rename_column``, ``add_column`` and ``train_test_split``, whose permutation is
 ``datasets``' own (``np.random.default_rng(seed).permutation(n)``, the test rows first), so a held-out

@@ -14,7 +14,7 @@ from maxent_grpo.errors import ConfigError, DataError
 from maxent_grpo.rewards.user_code import RewardImportError, import_reference
 
 
-@dataclass
+@dataclass(frozen=True)
 class EnvironmentConfig:
     # A registered environment (maxent_grpo.envs) each row plays over several turns; null with no
     # tools: one-shot prompts. A dataset column `environment` names one per row, over this default.

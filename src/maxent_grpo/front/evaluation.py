@@ -27,7 +27,7 @@ def evaluate_trainer_model(plan, model: Any, tokenizer: Any, dataset: Any, out_d
     from maxent_grpo.data.datasets import given_table
     from maxent_grpo.envs import ENVIRONMENT_COLUMN
     from maxent_grpo.evaluate import eval_seed, per_prompt_metrics, per_task_means, write_eval_outputs
-    from maxent_grpo.evaluate import evaluate_prompts
+    from maxent_grpo.evaluate import EvalSampling, evaluate_prompts
     from maxent_grpo.models import load_model_and_tokenizer, prepare_tokenizer
     from maxent_grpo.rewards.registry import build_reward_spec
     from maxent_grpo.training.data import row_episodes
@@ -52,9 +52,10 @@ def evaluate_trainer_model(plan, model: Any, tokenizer: Any, dataset: Any, out_d
     with torch.random.fork_rng(devices=[]), backend.rollout_phase(model):
         torch.manual_seed(eval_seed(plan.seed))
         summary, records = evaluate_prompts(
-            backend, tokenizer, rows, spec, k=plan.eval.k, sampling=plan.batch.sampling,
-            system_prompt=plan.batch.system_prompt, few_shot=plan.batch.few_shot, episodes=episodes,
-            draws=plan.eval.draws, min_defined_prompts=plan.eval.min_defined_prompts, trainer_state=trainer_state,
+            backend, tokenizer, rows, spec,
+            EvalSampling(k=plan.eval.k, sampling=plan.batch.sampling, draws=plan.eval.draws,
+                         system_prompt=plan.batch.system_prompt, few_shot=plan.batch.few_shot),
+            episodes=episodes, min_defined_prompts=plan.eval.min_defined_prompts, trainer_state=trainer_state,
         )
     model.train(was_training)
     summary.update(per_task_means(per_prompt_metrics(records, plan.eval.k)))

@@ -61,7 +61,9 @@ def train(
     ``transformers.TrainerCallback`` objects (``on_log``, ``on_step_end`` with each step's metrics) or
     objects with a tracker's ``log(metrics, step)``, ``log_table`` and ``close``. ``overrides``:
     ``KEY=VALUE`` strings or a dict of dotted keys, as ``--set``. ``resume``, ``overwrite`` and
-    ``allow_config_change`` are the CLI's ``--resume [PATH]``, ``--overwrite`` and ``--allow-config-change``.
+    ``allow_config_change`` are the CLI's ``--resume [PATH|auto]``, ``--overwrite`` and
+    ``--allow-config-change``: ``resume="auto"`` (or True) continues from the latest complete checkpoint in
+    the output folder, or starts afresh when there is none; a path resumes from that checkpoint.
     Raises :class:`~maxent_grpo.errors.UserError` (one line naming the key, argument, file or row) on bad
     input, before any model loads where it can be known then.
     """

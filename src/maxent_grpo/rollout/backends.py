@@ -21,7 +21,7 @@ import os
 import shutil
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -167,20 +167,16 @@ def _check_vllm(vllm: VllmConfig, model_path: str) -> None:
 
 
 def _build_vllm(i: BackendInputs) -> GenerationBackend:
-    from maxent_grpo.rollout.vllm_colocate import VLLMColocateBackend  # vllm is optional
+    from maxent_grpo.rollout.vllm_colocate import AdapterPush, VLLMColocateBackend  # vllm is optional
 
-    v = i.vllm
-    adapter = v.lora_sync == "adapter"
+    adapter = (AdapterPush(adapter_rank(i.model), _adapter_dir(i.default_sync_dir))
+               if i.vllm.lora_sync == "adapter" else None)
     backend = VLLMColocateBackend(
         i.model_path, i.tokenizer, model_dtype=i.model.dtype, sample_dtype=i.sample_dtype,
-        gpu_memory_utilization=v.gpu_memory_utilization, max_model_len=default_max_model_len(i),
-        enable_sleep_mode=v.enable_sleep_mode, enforce_eager=v.enforce_eager, world_size=i.world_size, seed=i.seed,
-        max_num_seqs=v.max_num_seqs, max_num_batched_tokens=v.max_num_batched_tokens,
-        lora_rank=adapter_rank(i.model) if adapter else None,
-        adapter_dir=_adapter_dir(i.default_sync_dir) if adapter else None, head_fp32=i.lm_head_fp32,
-        reload_mode=v.reload_mode,
+        options=replace(i.vllm, max_model_len=default_max_model_len(i)), world_size=i.world_size, seed=i.seed,
+        adapter=adapter, head_fp32=i.lm_head_fp32,
     )
-    if adapter:
+    if adapter is not None:
         weakref.finalize(backend, shutil.rmtree, backend.adapter_dir, True)
         backend.sync_weights(i.model)  # the engine samples the policy's adapter from the first step
     return backend

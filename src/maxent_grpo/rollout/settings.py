@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 
-@dataclass
+@dataclass(frozen=True)
 class VllmConfig:
     """Options of the vLLM backends (``generation.backend: vllm | vllm_server``); docs/VLLM.md."""
 
@@ -66,7 +66,7 @@ class VllmConfig:
 
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolloutConfig:
     """How rollouts reach the trainer: the ``rollout`` section (docs/ASYNC.md, ALGORITHMS.md §15)."""
 

@@ -10,7 +10,7 @@ works on vLLM's CPU build, where the ``model_runner.model.load_weights`` path
 TRL uses fails), then resets the prefix cache: without that, prompts whose KV
 blocks were cached under the old weights keep them.
 
-A LoRA policy is pushed merged, or with ``lora_sync: adapter`` (``adapter_dir`` set) as
+A LoRA policy is pushed merged, or with ``lora_sync: adapter`` (an :class:`AdapterPush`) as
 the adapter alone: the engine is planned for LoRA (``enable_lora``, one adapter at a
 time, the rank rounded up to one vLLM plans for), each push writes the adapter into a
 fresh folder (``vllm_weights.write_adapter``) and the next generate calls ask for it by
@@ -28,12 +28,14 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from packaging.version import Version
 
 from maxent_grpo.rollout.backend import PromptGroup, SamplingParams, TokenPrompts
+from maxent_grpo.rollout.settings import VllmConfig
 from maxent_grpo.rollout.vllm_common import engine_dtype, request_seeds, sampling_kwargs, to_completion
 from maxent_grpo.rollout.vllm_sleep import EngineSleep
 from maxent_grpo.rollout.vllm_weights import engine_lora_rank, full_state_items, write_adapter
@@ -41,34 +43,43 @@ from maxent_grpo.rollout.vllm_weights import engine_lora_rank, full_state_items,
 log = logging.getLogger("maxent_grpo")
 
 
+@dataclass(frozen=True)
+class AdapterPush:
+    """``lora_sync: adapter``: the policy's LoRA rank, and the folder each push writes its adapter into."""
+
+    rank: int
+    folder: Path
+
+
 class VLLMColocateBackend(TokenPrompts):
-    """Samples from a ``vllm.LLM`` living in this process; weights come from the policy after each step."""
+    """Samples from a ``vllm.LLM`` living in this process; weights come from the policy after each step.
+
+    ``options``: the engine's settings (``generation.vllm``: memory share, context length, sleep mode,
+    eager mode, scheduler limits, reload mode); the server-only ones are not read. ``adapter``: push the
+    LoRA adapter alone (None: the merged weights). ``head_fp32``: the LM head's matmul in float32.
+    """
 
     def __init__(
         self, model_path: str, tokenizer, *, model_dtype: torch.dtype, sample_dtype: torch.dtype | None = None,
-        gpu_memory_utilization: float = 0.3, max_model_len: int | None = None, enable_sleep_mode: bool = False,
-        enforce_eager: bool = False, world_size: int = 1, seed: int = 0, max_num_seqs: int | None = None,
-        max_num_batched_tokens: int | None = None, lora_rank: int | None = None, adapter_dir: Path | None = None,
-        head_fp32: bool = False, reload_mode: str = "layerwise",
+        options: VllmConfig = VllmConfig(), world_size: int = 1, seed: int = 0, adapter: AdapterPush | None = None,
+        head_fp32: bool = False,
     ):
         # The engine core and its worker must live in this process: the weight push hands
         # them a generator of tensors that cannot cross a process boundary (and copying
         # every weight through a pipe is what colocating avoids). vLLM reads this switch
         # from the environment only.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if reload_mode == "direct":  # read once, when the engine loads its weights (vLLM >= 0.34)
+        if options.reload_mode == "direct":  # read once, when the engine loads its weights (vLLM >= 0.34)
             os.environ["VLLM_RELOAD_MODE"] = "direct"
         import vllm  # the optional dependency: imported only by this backend
 
         self.tokenizer = tokenizer
         self.dtype = engine_dtype(model_dtype, sample_dtype)
-        if (lora_rank is None) != (adapter_dir is None):
-            raise ValueError("an adapter push needs both lora_rank and adapter_dir")
-        if enable_sleep_mode and adapter_dir is not None:
+        if options.enable_sleep_mode and adapter is not None:
             raise ValueError("sleep mode discards the base weights an adapter push leaves in the engine")
         # lora_sync: adapter: the engine samples each version of the adapter (the last push's) on its own base.
-        self.adapter_dir, self._lora, self._pushes = adapter_dir, None, 0
-        lora = {} if lora_rank is None else {"enable_lora": True, "max_lora_rank": engine_lora_rank(lora_rank),
+        self.adapter_dir, self._lora, self._pushes = None if adapter is None else adapter.folder, None, 0
+        lora = {} if adapter is None else {"enable_lora": True, "max_lora_rank": engine_lora_rank(adapter.rank),
                                              "max_loras": 1}
         self.llm = vllm.LLM(
             model=str(model_path),
@@ -77,24 +88,24 @@ class VLLMColocateBackend(TokenPrompts):
             # The engine seeds numpy with it, which takes 32 bits (eval's seeds are 63-bit); our samples
             # draw from per-request seeds (request_seeds), not from this one.
             seed=seed % 2**32,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len,
-            enable_sleep_mode=enable_sleep_mode,
-            enforce_eager=enforce_eager,
+            gpu_memory_utilization=options.gpu_memory_utilization,
+            max_model_len=options.max_model_len,
+            enable_sleep_mode=options.enable_sleep_mode,
+            enforce_eager=options.enforce_eager,
             logprobs_mode="processed_logprobs",
             distributed_executor_backend="external_launcher" if world_size > 1 else None,
             tensor_parallel_size=1,
-            max_num_seqs=max_num_seqs,  # None: vLLM's default for the platform
-            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=options.max_num_seqs,  # None: vLLM's default for the platform
+            max_num_batched_tokens=options.max_num_batched_tokens,
             # The LM head's matmul in float32 (model.lm_head_fp32), as the trainer's: vLLM's head_dtype.
             **({"hf_overrides": {"head_dtype": "float32"}} if head_fp32 else {}),
             # vLLM >= 0.34 allocates its KV cache outside torch and caps this process's torch allocator beside
             # it, a cap a sleeping engine does not lift: the trainer could not use the memory sleep frees.
             **({"enable_extensible_kv_cache": False}
-               if enable_sleep_mode and Version(vllm.__version__) >= Version("0.34") else {}),
+               if options.enable_sleep_mode and Version(vllm.__version__) >= Version("0.34") else {}),
             **lora,
         )
-        self.sleep = EngineSleep(self.llm, enabled=enable_sleep_mode)
+        self.sleep = EngineSleep(self.llm, enabled=options.enable_sleep_mode)
         self._sampling_params = vllm.SamplingParams
 
     def _generate(

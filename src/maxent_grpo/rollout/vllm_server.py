@@ -69,13 +69,14 @@ DEFAULT_CPU_KV_CACHE_GIB = 2
 
 def server_command(
     model_path: str, *, host: str = "127.0.0.1", port: int = 8000, dtype: str = "auto", extra: list[str] = (),
-    python: str = sys.executable, cpu_kv_cache_gib: int | None = None, lora_rank: int | None = None,
-    head_fp32: bool = False, reload_mode: str = "layerwise",
+    cpu_kv_cache_gib: int | None = None, lora_rank: int | None = None, head_fp32: bool = False,
+    reload_mode: str = "layerwise",
 ) -> tuple[list[str], dict[str, str]]:
     """The command and environment that start vLLM's server the way this client expects it.
 
-    ``vllm serve`` through :mod:`maxent_grpo.rollout.vllm_serve`, which also runs it on vLLM's CPU
-    build (where the ``vllm`` command fails at a package-metadata lookup);
+    ``vllm serve`` through :mod:`maxent_grpo.rollout.vllm_serve`, run by this Python (the one whose
+    environment holds vLLM), which also runs it on vLLM's CPU build (where the ``vllm`` command fails at
+    a package-metadata lookup);
     ``VLLM_SERVER_DEV_MODE=1`` turns on ``/collective_rpc`` and ``/reset_prefix_cache``;
     ``cpu_kv_cache_gib`` sets the CPU build's ``VLLM_CPU_KVCACHE_SPACE``; ``lora_rank`` plans the
     server for one LoRA adapter of that rank, loaded at run time (``lora_sync: adapter``); ``head_fp32``
@@ -85,7 +86,7 @@ def server_command(
     lora = [] if lora_rank is None else ["--enable-lora", "--max-lora-rank", str(engine_lora_rank(lora_rank)),
                                          "--max-loras", "1"]
     cmd = [
-        python, "-m", "maxent_grpo.rollout.vllm_serve", str(model_path),
+        sys.executable, "-m", "maxent_grpo.rollout.vllm_serve", str(model_path),
         "--host", host, "--port", str(port), "--dtype", dtype, "--logprobs-mode", "processed_logprobs",
         *lora, *(["--hf-overrides", json.dumps({"head_dtype": "float32"})] if head_fp32 else []), *extra,
     ]
@@ -161,9 +162,11 @@ def loaded_adapters(base_url: str, *, timeout_s: float = 30.0) -> list[str]:
 
 
 class VLLMServerBackend(TokenPrompts):
+    MAX_CONCURRENCY = 64  # most requests in flight at once
+
     def __init__(
         self, base_url: str, tokenizer, *, sync_dir: str | Path, is_main: bool = True,
-        any_rank: Callable[[bool], bool] | None = None, timeout_s: float = 600.0, max_concurrency: int = 64,
+        any_rank: Callable[[bool], bool] | None = None, timeout_s: float = 600.0,
         dtype: torch.dtype | None = None, remove_sync_dir: bool = False, lora_adapter: bool = False,
     ):
         self.base_url = base_url.rstrip("/")
@@ -173,7 +176,6 @@ class VLLMServerBackend(TokenPrompts):
         self.is_main = is_main
         self.any_rank = any_rank
         self.timeout_s = timeout_s
-        self.max_concurrency = max_concurrency
         self._pushes = 0
         self.model_name = served_model(self.base_url, timeout_s=timeout_s)
         # lora_sync: adapter: the requests name the last adapter pushed (adapter_pushes counts them on every rank).
@@ -200,7 +202,7 @@ class VLLMServerBackend(TokenPrompts):
             }
             for ids, seed in zip(prompt_ids, seeds)
         ]
-        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(bodies))) as pool:
+        with ThreadPoolExecutor(max_workers=min(self.MAX_CONCURRENCY, len(bodies))) as pool:
             replies = list(pool.map(lambda b: self._request("POST", "/v1/completions", b), bodies))
         return [
             PromptGroup(prompt=prompt, prompt_ids=list(ids), completions=self._completions(reply))

@@ -24,6 +24,7 @@ import re
 import shutil
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,33 +72,36 @@ _HASH_CHUNK = 1 << 20
 # ----------------------------------------------------------------------------- save
 
 
-def save_checkpoint(
-    output_dir: str | Path,
-    step: int,
-    *,
-    model: Any,
-    tokenizer: Any | None,
-    optimizer: torch.optim.Optimizer | None,
-    lr_scheduler: Any | None,
-    trainer_state: dict,
-    keep_last: int | None,
-    model_state_dict: dict[str, torch.Tensor] | None = None,
-    sharded_optimizer: Path | None = None,
-    reference_state: dict[str, torch.Tensor] | None = None,
-) -> Path:
-    """Write ``OUTPUT_DIR/checkpoints/step-{step}`` atomically and prune old checkpoints.
+@dataclass(frozen=True)
+class CheckpointContents:
+    """What one checkpoint holds.
 
-    ``model`` is the unwrapped model (a ``PreTrainedModel`` or a ``PeftModel``);
-    ``trainer_state`` must be JSON-serialisable. ``keep_last`` keeps that many
-    checkpoints (the newest by step, always including this one); ``None`` keeps all.
-    Call it on one process only. Returns the checkpoint folder.
-
-    For a sharded model, ``model_state_dict`` holds its gathered full weights and
-    ``sharded_optimizer`` (instead of ``optimizer``) a folder the ranks have written
-    their optimizer shards to; it is moved into the checkpoint as ``optimizer/``.
-    ``reference_state``: the parameters of a reference that follows the policy (``reference.safetensors``).
+    ``model`` is the unwrapped model (a ``PreTrainedModel`` or a ``PeftModel``); ``trainer_state`` must be
+    JSON-serialisable. For a sharded model, ``model_state_dict`` holds its gathered full weights and
+    ``sharded_optimizer`` (instead of ``optimizer``) a folder the ranks have written their optimizer shards
+    to; it is moved into the checkpoint as ``optimizer/``. ``reference_state``: the parameters of a
+    reference that follows the policy (``reference.safetensors``).
     """
-    if (optimizer is None) == (sharded_optimizer is None):
+
+    model: Any
+    tokenizer: Any | None
+    optimizer: torch.optim.Optimizer | None
+    lr_scheduler: Any | None
+    trainer_state: dict
+    model_state_dict: dict[str, torch.Tensor] | None = None
+    sharded_optimizer: Path | None = None
+    reference_state: dict[str, torch.Tensor] | None = None
+
+
+def save_checkpoint(output_dir: str | Path, step: int, contents: CheckpointContents, *,
+                    keep_last: int | None) -> Path:
+    """Write ``contents`` to ``OUTPUT_DIR/checkpoints/step-{step}`` atomically and prune old checkpoints.
+
+    ``keep_last`` keeps that many checkpoints (the newest by step, always including this one); ``None``
+    keeps all. Call it on one process only. Returns the checkpoint folder.
+    """
+    trainer_state = contents.trainer_state
+    if (contents.optimizer is None) == (contents.sharded_optimizer is None):
         raise ValueError("give exactly one of optimizer and sharded_optimizer")
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -119,8 +123,7 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        _write_contents(tmp, step, model, tokenizer, optimizer, lr_scheduler, state_text,
-                        model_state_dict, sharded_optimizer, reference_state)
+        _write_contents(tmp, step, contents, state_text)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed save (disk full...) leaves no debris
         raise
@@ -162,8 +165,9 @@ def save_failed(output_dir: str | Path, step: int, failure: str) -> CheckpointEr
     return CheckpointError(f"could not save the checkpoint of step {step}: {failure}; {kept}")
 
 
-def _write_contents(tmp: Path, step: int, model, tokenizer, optimizer, lr_scheduler, state_text: str,
-                    model_state_dict, sharded_optimizer, reference_state) -> None:
+def _write_contents(tmp: Path, step: int, c: CheckpointContents, state_text: str) -> None:
+    model, tokenizer, optimizer, lr_scheduler = c.model, c.tokenizer, c.optimizer, c.lr_scheduler
+    model_state_dict, sharded_optimizer, reference_state = c.model_state_dict, c.sharded_optimizer, c.reference_state
     model_format = "peft" if _is_peft_model(model) else "full"
     if model_state_dict is None:
         model.save_pretrained(tmp)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from maxent_grpo.data.datasets import given_table, load_prompt_dataset, split_train_eval
+from maxent_grpo.data.datasets import ColumnNames, given_table, load_prompt_dataset, split_train_eval
 from maxent_grpo.envs import ENVIRONMENT_COLUMN
 from maxent_grpo.envs.episodes import EpisodeLimits, EpisodePlay
 from maxent_grpo.envs.settings import EnvironmentConfig, row_environments
@@ -53,8 +53,8 @@ def load_table(d: DataPlan, limit: int | None = None):
         return given_table(d.given, "train_dataset", prompt_column=d.prompt_column, answer_column=d.answer_column,
                            environment_prompts=d.episodes is not None, limit=limit)
     return load_prompt_dataset(
-        d.source, split=d.split, prompt_column=d.prompt_column, answer_column=d.answer_column, size=d.size,
-        seed=d.seed, instruction=d.instruction, task_kwargs=d.task_kwargs, environment_prompts=d.episodes is not None,
+        d.source, split=d.split, columns=ColumnNames(d.prompt_column, d.answer_column), size=d.size, seed=d.seed,
+        instruction=d.instruction, task_kwargs=d.task_kwargs, environment_prompts=d.episodes is not None,
     )
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import re
 import shutil
 import subprocess
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -16,7 +18,19 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from maxent_grpo.errors import UserError
+
 log = logging.getLogger("maxent_grpo")
+
+# How long the ranks left after a failed collective wait for each other's answer before naming the rest lost.
+ROLL_CALL_S = 10.0
+# A gloo or NCCL transport failure (a peer gone, a collective timed out): gloo raises plain RuntimeErrors.
+_TRANSPORT_ERROR = re.compile(r"gloo/transport|ProcessGroupGloo|NCCL")
+_INCARNATION = ["0"]  # under torchrun: this group's number among the run's restarts (_incarnation_store)
+
+
+class LostRankError(UserError):
+    """A collective failed because other ranks stopped answering; the message names them."""
 
 
 @dataclass(frozen=True)
@@ -30,13 +44,17 @@ class Dist:
         a collective that waits longer than ``timeout_minutes`` for the others fails."""
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
             timeout = timedelta(minutes=timeout_minutes)
+            joined = _incarnation_store(timeout)
             if torch.cuda.is_available():
                 device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
                 torch.cuda.set_device(device)
                 # device_id: NCCL connects now, so a broken rank fails here and not at the first collective.
-                dist.init_process_group(backend="nccl", timeout=timeout, device_id=device)
+                dist.init_process_group(backend="nccl", timeout=timeout, device_id=device, **joined)
             else:
-                dist.init_process_group(backend="gloo", timeout=timeout)
+                dist.init_process_group(backend="gloo", timeout=timeout, **joined)
+            log.info("process group: %s, %s processes; a collective waits at most %g min for the others "
+                     "(training.dist_timeout_minutes), then the run stops naming the ranks that did not answer",
+                     dist.get_backend(), dist.get_world_size(), timeout_minutes)
         return cls.current()
 
     @classmethod
@@ -154,16 +172,79 @@ def process_group(timeout_minutes: float) -> Iterator[Dist]:
     traceback's frames would keep alive, are let go first.
     """
     joined_here = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not (dist.is_available() and dist.is_initialized())
+    group = None
     try:
-        yield Dist.init(timeout_minutes)
+        group = Dist.init(timeout_minutes)
+        yield group
     except BaseException as err:
         if joined_here:
             traceback.clear_frames(err.__traceback__)  # the finished frames' locals; the lines stay for printing
+            if group is not None and _transport_failed(err):
+                raise LostRankError(_lost_ranks_line(group, timeout_minutes, err)) from err
         raise
     finally:
         if joined_here and dist.is_initialized():
             gc.collect()  # the run's objects that sit in reference cycles
             dist.destroy_process_group()
+
+
+def _incarnation_store(timeout: timedelta) -> dict:
+    """``init_process_group``'s store, rank and world size under torchrun's shared rendezvous store (empty:
+    the launcher's ``env://`` as it is).
+
+    That store outlives a restart (``--max-restarts``), and with it the dead incarnation's keys, among them
+    each rank's address: a restarted worker that reads its predecessor's before the new one is written fails
+    to connect (and the restart with it). Each incarnation therefore gets keys of its own, numbered by how
+    often this rank has joined: the same number on every rank, since a restart restarts every worker."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                           timeout=timeout)
+    incarnation = client.add(f"maxent_grpo/joins/{world}/{rank}", 1)
+    _INCARNATION[0] = str(incarnation)
+    return {"store": dist.PrefixStore(f"maxent_grpo/incarnation/{incarnation}", client), "rank": rank,
+            "world_size": world}
+
+
+def _transport_failed(err: BaseException) -> bool:
+    """Whether ``err`` is a collective that failed for want of another rank (not a bug of this one)."""
+    if isinstance(err, dist.DistError):
+        return True
+    return isinstance(err, RuntimeError) and _TRANSPORT_ERROR.search(str(err)) is not None
+
+
+def _lost_ranks_line(group: Dist, timeout_minutes: float, err: BaseException) -> str:
+    """One line naming the ranks that did not answer a roll call of the ranks left, through torchrun's
+    rendezvous store (which outlives any worker), or saying that the store itself is gone."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    limit = f"training.dist_timeout_minutes={timeout_minutes:g}"
+    try:
+        lost = _roll_call(group, ROLL_CALL_S)
+    except (RuntimeError, OSError, KeyError, ValueError) as store_err:  # DistStoreError is a RuntimeError
+        return (f"rank {group.rank} of {group.world_size}: a collective failed ({first}) and the rendezvous store "
+                f"does not answer either ({type(store_err).__name__}); the node holding it is lost ({limit})")
+    if not lost:
+        return f"rank {group.rank} of {group.world_size}: a collective failed ({first}); every rank is still there"
+    named = ", ".join(str(r) for r in lost)
+    return (f"lost rank{'s' if len(lost) > 1 else ''} {named} of {group.world_size}: rank {group.rank}'s collective "
+            f"failed ({first}; {limit}) and {'they' if len(lost) > 1 else 'it'} did not answer within "
+            f"{ROLL_CALL_S:g} s; restart the run with --resume auto (torchrun --max-restarts does it)")
+
+
+def _roll_call(group: Dist, grace_s: float) -> list[int]:
+    """The ranks that did not check in within ``grace_s``; the keys are this incarnation's, so an earlier
+    one's (in torchrun's store, which outlives restarts) do not count."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=grace_s), wait_for_workers=False)
+    scope = f"maxent_grpo/roll_call/{_INCARNATION[0]}"
+    store.set(f"{scope}/{group.rank}", "here")
+    deadline = time.monotonic() + grace_s
+    while True:
+        missing = [r for r in range(group.world_size) if not store.check([f"{scope}/{r}"])]
+        if not missing or time.monotonic() > deadline:
+            return missing
+        time.sleep(0.2)
 
 
 class DataParallelPolicy(torch.nn.parallel.DistributedDataParallel):

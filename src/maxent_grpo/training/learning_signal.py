@@ -6,7 +6,10 @@ advantage is 0. :func:`no_signal_cause` names what the batch shows of the known 
 completions cut at ``generation.max_new_tokens`` (they score as unfinished), and reward functions
 that gave every completion the same value. :class:`ConstantRewardWatch` says once per function
 when one has given every completion of a batch the same value, the same in ``patience`` batches in
-a row: it adds nothing to the advantages (a constant function, or a task the model never solves).
+a row: it adds nothing to the advantages. The line says which case the run shows: the function's
+highest value after lower ones (saturated: the model has learned what it rewards), its lowest after
+higher ones (the model no longer earns it), or no other value since the run began (a constant
+function, a task the model never solves, or one it solved from the start).
 """
 
 from __future__ import annotations
@@ -48,17 +51,20 @@ def no_signal_cause(per_function: torch.Tensor, names: Sequence[str], truncated:
 
 class ConstantRewardWatch:
     """:meth:`observe` each batch's raw rewards; it returns one line per function that has just given
-    every completion the same value in ``patience`` batches in a row (each function is named once)."""
+    every completion the same value in ``patience`` batches in a row (each function is named once).
+    Each function's lowest and highest value over the run tell a saturated reward from a constant one."""
 
     def __init__(self, patience: int = 3):
         self.patience = patience
         self.runs: dict[str, tuple[float, int]] = {}  # name -> (value, batches in a row)
+        self.bounds: dict[str, tuple[float, float]] = {}  # name -> (lowest, highest) value over the run
         self.said: set[str] = set()
 
     def observe(self, per_function: torch.Tensor, names: Sequence[str]) -> list[str]:
         """``per_function`` ``[N, F]``: one batch's raw rewards, a column per function of ``names``."""
         lines = []
         for i, name in enumerate(names):
+            self._widen(name, per_function[:, i])
             value = constant_value(per_function[:, i])
             if value is None or math.isnan(value):
                 self.runs.pop(name, None)
@@ -68,14 +74,38 @@ class ConstantRewardWatch:
             self.runs[name] = (value, count)
             if count >= self.patience and name not in self.said:
                 self.said.add(name)
-                lines.append(f"reward {name!r} gave every completion {value:g} in each of the last {count} batches: it "
-                             "adds nothing to the advantages (a constant function, or a task the model never solves)")
+                lines.append(f"reward {name!r} gave every completion {value:g} in each of the last {count} batches"
+                             f"{self._why(name, value)}")
         return lines
 
+    def _widen(self, name: str, column: torch.Tensor) -> None:
+        values = [v for v in column.tolist() if not math.isnan(v)]
+        if values:
+            low, high = self.bounds.get(name, (min(values), max(values)))
+            self.bounds[name] = (min(low, *values), max(high, *values))
+
+    def _why(self, name: str, value: float) -> str:
+        low, high = self.bounds[name]
+        if low == high:
+            return (", and no other value since the run began: it adds nothing to the advantages (a constant "
+                    "function, a task the model never solves, or one it solved from the start)")
+        if value >= high:
+            return (f", its highest this run (it gave as low as {low:g} before): saturated, the model has learned "
+                    "what it rewards; it adds nothing more to the advantages")
+        if value <= low:
+            return (f", its lowest this run (it gave up to {high:g} before): the model no longer earns it; it adds "
+                    "nothing to the advantages")
+        return f" (it gave {low:g} to {high:g} before): it adds nothing to the advantages"
+
     def state_dict(self) -> dict:
-        """What a checkpoint keeps: each function's run of constant batches, and the functions named."""
-        return {"runs": {name: [value, count] for name, (value, count) in self.runs.items()}, "said": sorted(self.said)}
+        """What a checkpoint keeps: each function's run of constant batches, its lowest and highest value,
+        and the functions named."""
+        return {"runs": {name: [value, count] for name, (value, count) in self.runs.items()},
+                "bounds": {name: [low, high] for name, (low, high) in self.bounds.items()},
+                "said": sorted(self.said)}
 
     def load_state_dict(self, saved: dict) -> None:
         self.runs = {name: (float(value), int(count)) for name, (value, count) in saved["runs"].items()}
+        # A checkpoint written before the bounds were kept has none: they restart from the resumed batches.
+        self.bounds = {name: (float(low), float(high)) for name, (low, high) in saved.get("bounds", {}).items()}
         self.said = set(saved["said"])

@@ -24,12 +24,13 @@ from maxent_grpo.core.reference_sync import due, mix_into_reference
 from maxent_grpo.core.step import OptimizerUpdate, StepHooks, grpo_step
 from maxent_grpo.errors import UserError
 from maxent_grpo.kill_points import kill_point
-from maxent_grpo.rewards.maxent import controller_state_dict, update_controllers
+from maxent_grpo.core.controllers import step_controllers
+from maxent_grpo.rewards.maxent import weighting_at
 from maxent_grpo.training.checkpoint import find_latest_checkpoint
 from maxent_grpo.training.distributed import process_group
 from maxent_grpo.training.interrupt import RunInterrupted, StopSignals
 from maxent_grpo.training.learning_signal import no_signal_cause
-from maxent_grpo.training.metrics import MetricsLog, log_training_step, read_metrics, summarize_weight_stats
+from maxent_grpo.training.metrics import MetricsLog, MetricsSink, log_training_step, read_metrics, summarize_weight_stats
 from maxent_grpo.training.pipeline import PreparedBatch, count_batch, finish_batch, prepare_training_batch
 from maxent_grpo.training.run_plan import RunPlan, with_beta
 from maxent_grpo.training.replay import admit_batch, replay_batch
@@ -80,6 +81,7 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
         MetricsLog(run.output_dir / "metrics.jsonl", resume_after_step=state.start_step if state.resumed else None)
         if ctx.dist.is_main else None
     )
+    sink = MetricsSink(ctx.dist, metrics_log, run.trackers, run.output_dir)
     bar = tqdm(
         total=schedule.max_steps, initial=state.start_step, desc=run.plan.method.name, unit="step",
         disable=not (run.plan.logging.progress_bar and ctx.dist.is_main), dynamic_ncols=True,
@@ -94,13 +96,14 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
             # coming ones; each batch draws from its own seed (run seed, rank, batch), so a resumed
             # run or any number of processes samples exactly what an uninterrupted run would.
             record = None  # a batch the rollout queue hands over, counted below
+            weighting = weighting_at(run.plan.weighting, state.controllers)  # the live tau and beta
             if run.rollouts.synchronous:
-                outcome = prepare_training_batch(ctx, ctx.backend, run.rollouts.draw(step), weighting=state.weighting,
+                outcome = prepare_training_batch(ctx, ctx.backend, run.rollouts.draw(step), weighting=weighting,
                                                  skips=state.skips, step=step, more_rows=run.rollouts.draw_rows)
             else:
                 run.rollouts.begin_step(step)
                 record = run.rollouts.take(step)
-                outcome = finish_batch(ctx, record, state.weighting)
+                outcome = finish_batch(ctx, record, weighting)
             if isinstance(outcome, PreparedBatch) and not ctx.dist.any_rank(outcome.has_signal):
                 _count_no_signal(run, outcome, step + 1)
         except StopIteration:
@@ -122,7 +125,7 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
                 if state.skips.in_a_row >= schedule.max_consecutive_skips:
                     raise _too_many_skips(run, step)
             else:
-                metrics = _update_and_log(run, prepared, t_start, cpu_start, metrics_log)
+                metrics = _update_and_log(run, prepared, t_start, cpu_start, sink)
                 step = state.step
                 reward_comp = prepared.reward_comp
                 for line in state.constant_rewards.observe(reward_comp.per_function, reward_comp.reward_names):
@@ -144,7 +147,7 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
     return RunSummary(run.output_dir, state.step, final, history)
 
 
-def _update_and_log(run: Run, prepared: PreparedBatch, t_start: float, cpu_start: float, metrics_log) -> dict:
+def _update_and_log(run: Run, prepared: PreparedBatch, t_start: float, cpu_start: float, sink: MetricsSink) -> dict:
     """The optimizer step on ``prepared``, the controllers, and the step's metrics (returned); advances
     ``run.state.step``."""
     ctx, plan, state = run.ctx, run.plan, run.state
@@ -160,7 +163,8 @@ def _update_and_log(run: Run, prepared: PreparedBatch, t_start: float, cpu_start
     # Controllers run once per step on globally averaged inputs (§8).
     view = summarize_weight_stats(ctx.dist, prepared.weight_stats) if prepared.weight_stats is not None else None
     kl = ctx.dist.mean(result.metrics["kl"]) if "kl" in result.metrics else None
-    update_controllers(state.weighting, view, kl, step)
+    state.controllers = step_controllers(state.controllers, plan.weighting.controller_settings,
+                                         None if view is None else view.entropy, kl, step)
 
     timings["time/total"] = time.perf_counter() - t_start
     if "replay/time_s" in timings:  # what verified replay costs: its passes and its admission, of the whole step
@@ -172,8 +176,7 @@ def _update_and_log(run: Run, prepared: PreparedBatch, t_start: float, cpu_start
         extra.update(validate(run, step))
         extra["time/eval"] = time.perf_counter() - t_eval
     metrics = log_training_step(
-        prepared, result, step=step, dist=ctx.dist, metrics_log=metrics_log, trackers=run.trackers,
-        output_dir=run.output_dir, extra=extra, completion_table=plan.logging.completions_due(step),
+        prepared, result, sink, step=step, extra=extra, completion_table=plan.logging.completions_due(step),
         learning_rate=run.lr_scheduler.get_last_lr()[0], timings=timings, controller=_controller_metrics(run),
         max_completion_length=plan.method.loss.max_completion_length, weight_view=view,
     )
@@ -194,7 +197,7 @@ def _policy_update(run: Run, prepared, step: int, timings: dict):
     # own log-probs, detached, are that anchor, fresh or stale batch alike (old_logps=None): no
     # extra forward. Only passes after the first (num_iterations > 1) need it kept from before.
     old_logps = _old_logps(run, prepared) if plan.num_iterations > 1 else None
-    spec = with_beta(plan, state.weighting.beta)
+    spec = with_beta(plan, state.controllers.beta)
     if state.entropy is not None:  # loss.adaptive_entropy: the coefficient the last step left
         spec = dataclasses.replace(spec, entropy_coef=state.entropy.applied(plan.adaptive_entropy))
     replay, bank_metrics = _replay(run, prepared, timings)
@@ -378,8 +381,8 @@ def _old_logps(run: Run, prepared) -> torch.Tensor:
 def _controller_metrics(run: Run) -> dict[str, float]:
     if not run.plan.method.logs_controllers:
         return {}
-    live = controller_state_dict(run.state.weighting)
-    return {"tau": float(live["tau"]), "beta": float(live["beta"])}
+    live = run.state.controllers
+    return {"tau": float(live.tau), "beta": float(live.beta)}
 
 
 def _postfix(m: dict) -> dict[str, str]:

@@ -190,19 +190,31 @@ def log_training_metrics(metrics_log: "MetricsLog | None", trackers, step: int, 
     return metrics
 
 
+@dataclass(frozen=True)
+class MetricsSink:
+    """Where a run's step metrics go: ``metrics.jsonl`` (``log``, the main process's; None elsewhere),
+    the trackers, and the run folder for the completion tables; ``dist`` gathers them over processes."""
+
+    dist: Dist
+    log: "MetricsLog | None"
+    trackers: object
+    output_dir: Path
+
+
 def log_training_step(
-    prepared: PreparedBatch, result: StepResult, *, step: int, dist: Dist, metrics_log: "MetricsLog | None",
-    trackers, output_dir: Path, extra: dict[str, float], completion_table: bool, **dict_kwargs,
+    prepared: PreparedBatch, result: StepResult, sink: MetricsSink, *, step: int, extra: dict[str, float],
+    completion_table: bool, **dict_kwargs,
 ) -> dict[str, float]:
     """Gather the step's metrics over processes, add ``extra`` (skip counts, eval), log them, and
     write the completion table of every process's rows when ``completion_table``."""
+    dist = sink.dist
     log_local_step(dist, prepared, result, step)
     metrics = build_training_metrics_dict(prepared, result, step=step, dist=dist, **dict_kwargs)
     metrics.update(extra)
     table = gather_completion_rows(prepared, dist) if completion_table else None
-    log_training_metrics(metrics_log, trackers, step, metrics)
-    if metrics_log is not None and table is not None:
-        write_completion_table(output_dir, step, table, trackers)
+    log_training_metrics(sink.log, sink.trackers, step, metrics)
+    if sink.log is not None and table is not None:
+        write_completion_table(sink.output_dir, step, table, sink.trackers)
     return metrics
 
 

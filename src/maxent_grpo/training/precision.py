@@ -70,65 +70,90 @@ class Precision:
     rollout_correction: str
     compile_decoding: bool
     notes: tuple[str, ...]
+    inline_prompts: bool = False  # shared and packed: each prompt in its completions' forward, no KV cache
 
 
-def resolve_precision(
-    *, machine: Machine, compute_dtype: str, master: str, sample_dtype: str | None, autocast_bf16: bool | str,
-    share_prompts: bool | str, packing: bool | str, rollout_correction: str, gradient_checkpointing: bool,
-    samples_itself: bool, engine_owns_weights: bool, max_staleness: int, compile_decoding: bool | str,
-    hf_sampler: bool, sharded: bool,
-) -> Precision:
+@dataclass(frozen=True)
+class PrecisionAsked:
+    """What the config asks (each ``auto`` still to resolve) and the facts about the run that decide it."""
+
+    compute_dtype: str  # model.dtype
+    master: str  # the dtype the trained weights are kept in
+    sample_dtype: str | None  # generation.dtype
+    autocast_bf16: bool | str
+    share_prompts: bool | str
+    packing: bool | str
+    rollout_correction: str
+    compile_decoding: bool | str  # generation.compile
+    inline_prompts: bool | str
+    gradient_checkpointing: bool
+    samples_itself: bool  # a LoRA or sharded policy sampled by HF (no copy to make)
+    engine_owns_weights: bool  # the backend samples from its own copy of the weights (vLLM)
+    max_staleness: int
+    hf_sampler: bool
+    sharded: bool  # every forward gathers weights from the other processes
+
+
+def precision_for(machine: Machine, a: PrecisionAsked) -> Precision:
     """The device-dependent ``auto`` settings: the sampling copy's dtype (bf16 when the machine multiplies
     it natively and the policy is not its own sampler), bf16 autocast (also whenever ``compute_dtype`` is
     bfloat16), the rollout correction that follows from them (:func:`sampler_is_trainer`), shared
     prompts (on the CPU only, and never with activation checkpointing) and packing (with shared prompts).
 
-    ``samples_itself``: a LoRA or sharded policy sampled by HF (no copy to make).
     Compiled decoding (``compile_decoding`` auto): on where HF samples on CUDA from a policy that is not
-    sharded (``sharded``: every forward gathers weights from the other processes).
+    sharded.
     """
     notes = []
-    share = share_prompts
-    if share_prompts == "auto":
+    # The one-pass layout (prompt and completions in one forward) where it was measured: the CPU.
+    inline_wanted = a.inline_prompts is True or (a.inline_prompts == "auto" and not machine.cuda)
+    share = a.share_prompts
+    if a.share_prompts == "auto":
         # On an H100 the shared prompt's KV-cache forward and backward took 1.75x one plain forward
         # over every row (benchmarks/update_profile.py, 0.5B, 8 x 168-token prompts x 8 completions).
-        share = not machine.cuda and not gradient_checkpointing
+        # Activation checkpointing cannot recompute a KV cache; the one-pass layout has none.
+        share = not machine.cuda and (not a.gradient_checkpointing or inline_wanted)
         notes.append(f"share_prompts auto: {share} (" + (
-            "CUDA" if machine.cuda else "activation checkpointing" if gradient_checkpointing else "the CPU") + ")")
-    pack = packing
-    if packing == "auto":
+            "CUDA" if machine.cuda else "activation checkpointing" if a.gradient_checkpointing and not share
+            else "the CPU") + ")")
+    pack = a.packing
+    if a.packing == "auto":
         pack = share is True
         notes.append(f"packing auto: {pack} (" + ("completions packed behind the shared prompts" if pack
                                                  else "share_prompts is off") + ")")
-    dtype = sample_dtype
-    if sample_dtype == "auto":
-        dtype = "bfloat16" if machine.fast_bf16 and not samples_itself else None
-    autocast = autocast_bf16
-    if autocast_bf16 == "auto":
-        autocast = machine.fast_bf16 or compute_dtype == "bfloat16"
-    if "auto" in (sample_dtype, autocast_bf16):
+    inline = inline_wanted and share is True and pack is True
+    if a.inline_prompts == "auto" and share is True and pack is True:
+        notes.append(f"inline_prompts auto: {inline} (" + (
+            "the CPU: each prompt in its completions' forward" if inline
+            else "CUDA: not measured there; the prompt runs once through its KV cache") + ")")
+    dtype = a.sample_dtype
+    if a.sample_dtype == "auto":
+        dtype = "bfloat16" if machine.fast_bf16 and not a.samples_itself else None
+    autocast = a.autocast_bf16
+    if a.autocast_bf16 == "auto":
+        autocast = machine.fast_bf16 or a.compute_dtype == "bfloat16"
+    if "auto" in (a.sample_dtype, a.autocast_bf16):
         notes.append(f"precision auto ({'native' if machine.fast_bf16 else 'no native'} bf16): "
                      f"generation.dtype={dtype}, training.autocast_bf16={autocast}")
-    correction = rollout_correction
-    if rollout_correction == "auto":
-        own = sampler_is_trainer(engine_owns_weights=engine_owns_weights, max_staleness=max_staleness,
-                                 sample_dtype=dtype, master=master)
+    correction = a.rollout_correction
+    if a.rollout_correction == "auto":
+        own = sampler_is_trainer(engine_owns_weights=a.engine_owns_weights, max_staleness=a.max_staleness,
+                                 sample_dtype=dtype, master=a.master)
         # ALGORITHMS.md §15's default: token-level truncated importance sampling (TIS).
         correction = "none" if own else "token_truncate"
         notes.append(f"rollout correction auto: {correction} (" + (
             "the policy samples its own rollouts" if own
             else "the sampler is not the trained weights: its own copy, or earlier weights") + ")")
-    compiled = compile_decoding
-    if compile_decoding == "auto":
-        compiled = hf_sampler and machine.cuda and not sharded
-        if hf_sampler:
+    compiled = a.compile_decoding
+    if a.compile_decoding == "auto":
+        compiled = a.hf_sampler and machine.cuda and not a.sharded
+        if a.hf_sampler:
             notes.append(f"generation.compile auto: {compiled} (" + (
-                "sharded forwards gather weights" if sharded
+                "sharded forwards gather weights" if a.sharded
                 else "CUDA: static KV cache, CUDA graphs" if machine.cuda
                 else "the CPU: compiling each shape costs more than it saves") + ")")
     return Precision(sample_dtype=dtype, autocast_bf16=autocast is True, share_prompts=share is True,
                      packing=pack is True, rollout_correction=correction, compile_decoding=compiled is True,
-                     notes=tuple(notes))
+                     notes=tuple(notes), inline_prompts=inline)
 
 
 def sampler_is_trainer(*, engine_owns_weights: bool, max_staleness: int, sample_dtype: str | None,

@@ -31,7 +31,7 @@ from maxent_grpo.training.distributed import Dist
 __all__ = ["ReplayConfig", "admit_batch", "bank_from_state", "bank_state", "check_replay", "replay_batch"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReplayConfig:
     enabled: bool = field(default=False, metadata={
         "help": "verified mode replay: bank one exemplar per verified mode of each prompt and add a likelihood "

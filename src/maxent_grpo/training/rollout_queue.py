@@ -35,14 +35,8 @@ from maxent_grpo.core.staleness import admissible
 from maxent_grpo.errors import UserError
 from maxent_grpo.rollout.data_plane import DataPlane, LocalDataPlane, RolloutRecord, Skipped
 from maxent_grpo.training.distributed import Dist
-from maxent_grpo.training.pipeline import (
-    PipelineContext,
-    Sampled,
-    SkipBatch,
-    complete_rollouts,
-    produce_rollouts,
-    sample_rollouts,
-)
+from maxent_grpo.training.pipeline import complete_rollouts, produce_rollouts
+from maxent_grpo.training.stages import Draft, PipelineContext, run_stages
 from maxent_grpo.training.seeding import seed_step, step_seed
 
 
@@ -58,11 +52,11 @@ class _Job:
     """One batch sampled in a daemon thread (a thread that outlives a stopped run must not keep
     the process alive: it only waits on a server)."""
 
-    def __init__(self, step: int, version: int, work: Callable[[], Sampled | Skipped]):
+    def __init__(self, step: int, version: int, work: Callable[[], Draft | Skipped]):
         self.step, self.version = step, version
         self.started = time.perf_counter()
         self.finished: float | None = None
-        self.result: Sampled | Skipped | None = None
+        self.result: Draft | Skipped | None = None
         self.error: BaseException | None = None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(work,), daemon=True, name=f"rollouts-{step}")
@@ -77,7 +71,7 @@ class _Job:
             self.finished = time.perf_counter()
             self._done.set()
 
-    def wait(self, timeout_s: float) -> Sampled | Skipped:
+    def wait(self, timeout_s: float) -> Draft | Skipped:
         if not self._done.wait(timeout_s):
             # What it waited for, and whether the producer is still at it (a hung server) or gone.
             producer = (f"the sampling thread is alive, {time.perf_counter() - self.started:.0f} s into the batch "
@@ -143,7 +137,8 @@ class RolloutQueue:
         params = replace(self.ctx.plan.batch.sampling, seed=step_seed(self.seed, self.ctx.dist.rank, j))
         if self._last_finish is not None:
             self.timings["time/sampler_idle"] = time.perf_counter() - self._last_finish
-        self._job = _Job(j, version, lambda: _sampled_or_skip(self.ctx, rows, params))
+        draft = Draft(rows, j, version, params, self._more_rows)
+        self._job = _Job(j, version, lambda: _sampled(self.ctx, draft))
 
     def take(self, step: int) -> RolloutRecord:
         """The record of batch ``step``; ``StopIteration`` when the data ran out before it.
@@ -174,8 +169,7 @@ class RolloutQueue:
         self._last_finish = job.finished
         # Rewards, and any dynamic-sampling rounds (which generate again), inside a rollout phase too.
         with self.ctx.backend.rollout_phase(self.ctx.model):
-            self._put(complete_rollouts(self.ctx, sampled, self._more_rows, step=job.step, version=step,
-                                        started=job.started))
+            self._put(complete_rollouts(self.ctx, sampled, step=job.step, version=step))
 
     def metrics(self, step: int, version: int) -> dict[str, float]:
         """Of step ``step``'s batch, sampled by weights ``version``."""
@@ -233,10 +227,7 @@ class RolloutQueue:
         return self.draw_rows()
 
 
-def _sampled_or_skip(ctx: PipelineContext, rows: list[dict], params) -> Sampled | Skipped:
-    """The producer thread's generation, inside the backend's rollout phase as a step's is."""
+def _sampled(ctx: PipelineContext, draft: Draft) -> Draft | Skipped:
+    """The producer thread's sampling stages, inside the backend's rollout phase as a step's are."""
     with ctx.backend.rollout_phase(ctx.model):
-        try:
-            return sample_rollouts(ctx, rows, params)
-        except SkipBatch as err:
-            return err.skipped
+        return run_stages(ctx, draft, "sampling")

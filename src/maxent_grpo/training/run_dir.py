@@ -4,8 +4,14 @@
   ``checkpoints/``) is refused unless the user passes ``--resume`` (continue it)
   or ``--overwrite`` (delete it first).
 * ``OUTPUT_DIR/.lock`` is held with ``flock`` for the whole run and records the
-  PID and host: a second run on the same folder is refused. The kernel drops the
-  lock when its process dies, so a killed run never leaves a stale lock.
+  PID and host: a second run on the same folder is refused. The owner is the
+  kernel's open file, not the recorded PID (which is only for the message): the
+  kernel drops the lock when its process dies, so a killed run never leaves a
+  stale lock, and a run restarted by ``torchrun --max-restarts`` (which kills the
+  dead incarnation's whole session first) claims the folder again at once.
+* ``--resume auto`` (:func:`resume_request`) continues from the latest complete
+  checkpoint, or starts afresh when there is none: one command line for the first
+  start and for every restart.
 * On resume the checkpoint's config is compared with the new one: keys that
   decide what the run samples and trains on (:data:`FIXED_ON_RESUME`) may not
   change; free keys (:data:`FREE_ON_RESUME`: step budget, logging, checkpoint
@@ -31,6 +37,8 @@ from maxent_grpo.errors import UserError
 from maxent_grpo.run_files import write_text_atomic
 
 LOCK_NAME = ".lock"
+# --resume auto: the latest complete checkpoint of the output folder, or a fresh start.
+RESUME_AUTO = "auto"
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
 
 # A change to any of these makes the resumed run a different experiment.
@@ -45,6 +53,26 @@ FREE_ON_RESUME = ("training.max_steps", "logging", "checkpoint", "eval")
 
 class RunDirError(UserError):
     """The output folder cannot be used for this run; the message says why and what to pass."""
+
+
+@dataclass(frozen=True)
+class ResumeRequest:
+    """What ``--resume`` asked for: the checkpoint folder ``path``, or (``path`` None, ``--resume auto``)
+    the latest complete checkpoint in the output folder, starting afresh when there is none."""
+
+    path: Path | None = None
+
+
+def resume_request(value: str | Path | bool | None) -> ResumeRequest | None:
+    """The resume argument of the command line (``--resume [PATH|auto]``) or of ``maxent_grpo.train``
+    (``resume=PATH | "auto" | True``) as a request; None and False: no resume."""
+    if value is None or value is False:
+        return None
+    if value is True or value == RESUME_AUTO:
+        return ResumeRequest()
+    if isinstance(value, (str, Path)) and str(value):
+        return ResumeRequest(Path(value))
+    raise RunDirError(f"resume: expected a checkpoint folder, {RESUME_AUTO!r} or True, got {value!r}")
 
 
 @dataclass

@@ -37,7 +37,7 @@ from maxent_grpo.training.validation import EvalPlan
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """How the pipeline prepares one batch (``training/pipeline.py``)."""
+    """How the stages prepare one batch (``training/stages.py``, run by ``training/pipeline.py``)."""
 
     num_generations: int
     prompts_per_step: int  # per process

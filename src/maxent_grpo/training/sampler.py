@@ -38,19 +38,32 @@ class SamplerPlan:
     few_shot: tuple[FewShotExample, ...]
 
 
+@dataclass(frozen=True)
+class SamplerProcess:
+    """The process a sampler is built in: how many train together (``world_size``), whether it is the main
+    one, how the processes agree on a flag (``any_rank``: True on every rank when it is on any), and
+    whether every forward is a collective (``synced_gpus``: a sharded policy, whose forwards gather weights
+    from the other ranks, so every rank generates to the longest row of any rank)."""
+
+    world_size: int = 1
+    is_main: bool = True
+    any_rank: Callable[[bool], bool] | None = None
+    synced_gpus: bool = False
+
+
 def build_sampler(
     s: SamplerPlan, model, tokenizer, model_path: str, *, seed: int, sync_dir: Path,
-    prompts: Callable[[], list], world_size: int = 1, is_main: bool = True,
-    any_rank: Callable[[bool], bool] | None = None, synced_gpus: bool = False,
+    prompts: Callable[[], list], process: SamplerProcess = SamplerProcess(),
 ) -> GenerationBackend:
     """The backend ``s`` names, over ``model``; ``prompts`` are read only when the engine sizes its
-    context from them. ``synced_gpus``: every rank runs generate to the longest row of any rank
-    (a sharded policy, whose every forward gathers weights with the other ranks)."""
+    context from them. ``process``: the processes it is built in (one process alone by default)."""
+    p = process
     return BACKENDS[s.backend].build(BackendInputs(
         model=model, tokenizer=tokenizer, model_path=model_path,
         sample_dtype=None if s.sample_dtype is None else parse_dtype(s.sample_dtype), batch_size=s.batch_size,
-        share_prompts=s.share_prompts, compile=s.compile, vllm=s.vllm, lm_head_fp32=s.lm_head_fp32, seed=seed, world_size=world_size, is_main=is_main,
-        any_rank=any_rank, synced_gpus=synced_gpus, default_sync_dir=sync_dir,
+        share_prompts=s.share_prompts, compile=s.compile, vllm=s.vllm, lm_head_fp32=s.lm_head_fp32, seed=seed,
+        world_size=p.world_size, is_main=p.is_main, any_rank=p.any_rank, synced_gpus=p.synced_gpus,
+        default_sync_dir=sync_dir,
         max_prompt_tokens=longest_prompt_tokens(
             tokenizer, prompts(), system_prompt=s.system_prompt, few_shot=s.few_shot,
         ) if s.size_from_prompts else None,

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,9 +35,10 @@ from maxent_grpo.training.run_plan import RunPlan, describe_rollout_correction, 
 from maxent_grpo.training.policy import build_optimizer, load_policy, load_reference, reference_scorer
 from maxent_grpo.training.rollout_queue import RolloutQueue
 from maxent_grpo.training.run_dir import (
-    RunDirError, RunLock, claim_output_dir, config_history, history_line, resume_changes, save_config,
+    ResumeRequest, RunDirError, RunLock, claim_output_dir, config_history, history_line, resume_changes,
+    resume_request, save_config,
 )
-from maxent_grpo.training.sampler import build_sampler, describe_sampling
+from maxent_grpo.training.sampler import SamplerProcess, build_sampler, describe_sampling
 from maxent_grpo.training.seeding import seed_everything
 from maxent_grpo.training.strategy import STRATEGIES, Strategy
 from maxent_grpo.training.teacher import check_teacher, teacher_scorer
@@ -116,16 +117,17 @@ def build_run(
 ) -> Run:
     """Everything a run needs, checked in the order of their cost: the tracker packages, the output
     folder, the resume checkpoint's config, data, rewards, the generation backend, then the model."""
+    request = resume_request(resume)
     # Every process checks (the main one starts them): all ranks refuse together, none waits for the others.
     require_trackers(list(plan.logging.report_to))
     dist = Dist.init(plan.dist_timeout_minutes)
     log_device(dist)
     strategy = STRATEGIES[plan.strategy](dist)
     output_dir = Path(plan.logging.output_dir)
-    lock = _claim(output_dir, dist, resume=bool(resume), overwrite=overwrite)
+    lock = _claim(output_dir, dist, resume=request is not None, overwrite=overwrite)
     # A run that fails to start gives its folder back: the same process (a notebook) may start it again.
     try:
-        return _build_claimed(plan, dist, strategy, output_dir, lock, resume, allow_config_change)
+        return _build_claimed(plan, dist, strategy, output_dir, lock, request, allow_config_change)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -133,15 +135,9 @@ def build_run(
 
 
 def _build_claimed(plan: RunPlan, dist: Dist, strategy: Strategy, output_dir: Path, lock: RunLock | None,
-                   resume: str | bool | None, allow_config_change: bool) -> Run:
-    ckpt = _resume_checkpoint(output_dir, resume)
-    history = config_history(output_dir / "config.yaml")
-    if ckpt is not None:
-        saved = read_trainer_state(ckpt)
-        changes = resume_changes(
-            saved.get("config") or _saved_config(output_dir), plan.source, allow_change=allow_config_change,
-        )
-        history.append(history_line(int(saved["step"]), changes))
+                   request: ResumeRequest | None, allow_config_change: bool) -> Run:
+    ckpt = _resume_checkpoint(output_dir, request, dist)
+    history = _checked_history(plan, output_dir, request, ckpt, allow_config_change)
     method = plan.method
     seed_everything(plan.seed + dist.rank)
 
@@ -164,22 +160,8 @@ def _build_claimed(plan: RunPlan, dist: Dist, strategy: Strategy, output_dir: Pa
     teacher_path = None if plan.teacher is None else check_teacher(
         plan.teacher, model_path if plan.model.given_tokenizer is None else plan.model.given_tokenizer)
     if dist.is_main:
-        save_config(plan.source, output_dir / "config.yaml", header=history)
-        write_text_atomic(output_dir / "run_info.json", json.dumps(
-            {"method": method.name, **method.identity(), "model": model_path or plan.model.name_or_path,
-             "world_size": dist.world_size}, indent=2
-        ))
-    for note in plan.notes:
-        log.info("%s", note)
-    log.info("method %s: family=%s loss=%s weighting=%s", method.name, method.family, method.loss.policy_loss,
-             method.weighting)
-    log.info("%s", plan.global_batch(dist.world_size))
-    if counted:
-        log.info("run length: %d steps (data.num_epochs=%d passes over %d training rows, %d per step)",
-                 plan.schedule.max_steps, plan.schedule.num_epochs, len(train_ds),
-                 plan.batch.prompts_per_step * dist.world_size)
-    log.info("%s", describe_sampling(plan.sampler))
-    log.info("rollout correction: %s", describe_rollout_correction(method.loss))
+        _write_run_files(plan, output_dir, history, model_path, dist.world_size)
+    _log_start(plan, dist.world_size, len(train_ds) if counted else None)
 
     # The reference first: of a model object it copies the weights before the policy's own changes.
     ref_model = load_reference(plan.model, model_path, strategy) if method.needs_reference else None
@@ -196,8 +178,8 @@ def _build_claimed(plan: RunPlan, dist: Dist, strategy: Strategy, output_dir: Pa
     backend = build_sampler(
         plan.sampler, model, tokenizer, model_path, seed=plan.seed, sync_dir=output_dir / "vllm_weights",
         prompts=lambda: [*train_ds["prompt"], *(r["prompt"] for r in eval_rows)],
-        world_size=dist.world_size, is_main=dist.is_main, any_rank=dist.any_rank,
-        synced_gpus=strategy.collective_forward,
+        process=SamplerProcess(world_size=dist.world_size, is_main=dist.is_main, any_rank=dist.any_rank,
+                               synced_gpus=strategy.collective_forward),
     )
     # Every model and the engine are in memory now; the first optimizer step still adds gradients and AdamW state.
     budget = None if shape is None else device_budget(
@@ -212,22 +194,9 @@ def _build_claimed(plan: RunPlan, dist: Dist, strategy: Strategy, output_dir: Pa
         steps_per_epoch=len(train_ds) / (plan.batch.prompts_per_step * dist.world_size),
     )
     sharded = ShardedSampler(sampler, dist)
-    r = plan.rollout
-    rollouts = RolloutQueue(
-        ctx, sharded.next_batch, open_data_plane(r.data_plane, ray=r.transferqueue_ray),
-        max_staleness=r.max_staleness, beside=BACKENDS[plan.sampler.backend].samples_beside,
-        seed=plan.seed, wait_timeout_s=r.wait_timeout_s,
-    )
-    state = TrainState(
-        data=sampler,
-        # The live controller state starts from the plan's settings; the plan itself is never changed.
-        weighting=copy.deepcopy(plan.weighting),
-        collapse=CollapseWatch(plan.logging.collapse_window, plan.method.collapse_advice),
-        bank=ModeBank(plan.replay.capacity, plan.replay.groups_per_step) if plan.replay.enabled else None,
-        entropy=EntropyCoefState(plan.method.loss.entropy_coef) if plan.adaptive_entropy is not None else None,
-    )
     run = Run(
-        output_dir=output_dir, ctx=ctx, state=state, rollouts=rollouts, train_model=train_model, optimizer=optimizer,
+        output_dir=output_dir, ctx=ctx, state=_initial_state(plan, sampler), rollouts=_rollout_queue(ctx, sharded),
+        train_model=train_model, optimizer=optimizer,
         lr_scheduler=lr_scheduler, sampler=sharded,
         trackers=make_trackers(list(plan.logging.report_to) if dist.is_main else [], output_dir, config=plan.source,
                                observers=plan.logging.observers if dist.is_main else ()),
@@ -245,6 +214,54 @@ def _build_claimed(plan: RunPlan, dist: Dist, strategy: Strategy, output_dir: Pa
     return run
 
 
+def _write_run_files(plan: RunPlan, output_dir: Path, history: list[str], model_path: str | None,
+                     world_size: int) -> None:
+    """The run folder's ``config.yaml`` (with its history of resumes) and ``run_info.json`` (the main process's)."""
+    method = plan.method
+    save_config(plan.source, output_dir / "config.yaml", header=history)
+    write_text_atomic(output_dir / "run_info.json", json.dumps(
+        {"method": method.name, **method.identity(), "model": model_path or plan.model.name_or_path,
+         "world_size": world_size}, indent=2
+    ))
+
+
+def _log_start(plan: RunPlan, world_size: int, counted_rows: int | None) -> None:
+    """What the run is, in the log before the models load: each ``auto`` resolved, the method, the global
+    batch, the run's length when it was counted from ``counted_rows`` training rows, sampling, the correction."""
+    method = plan.method
+    for note in plan.notes:
+        log.info("%s", note)
+    log.info("method %s: family=%s loss=%s weighting=%s", method.name, method.family, method.loss.policy_loss,
+             method.weighting)
+    log.info("%s", plan.global_batch(world_size))
+    if counted_rows is not None:
+        log.info("run length: %d steps (data.num_epochs=%d passes over %d training rows, %d per step)",
+                 plan.schedule.max_steps, plan.schedule.num_epochs, counted_rows,
+                 plan.batch.prompts_per_step * world_size)
+    log.info("%s", describe_sampling(plan.sampler))
+    log.info("rollout correction: %s", describe_rollout_correction(method.loss))
+
+
+def _initial_state(plan: RunPlan, sampler: PromptSampler) -> TrainState:
+    return TrainState(
+        data=sampler,
+        # The live controller state starts from the plan's settings; the plan itself is never changed.
+        controllers=plan.weighting.controller_state,
+        collapse=CollapseWatch(plan.logging.collapse_window, plan.method.collapse_advice),
+        bank=ModeBank(plan.replay.capacity, plan.replay.groups_per_step) if plan.replay.enabled else None,
+        entropy=EntropyCoefState(plan.method.loss.entropy_coef) if plan.adaptive_entropy is not None else None,
+    )
+
+
+def _rollout_queue(ctx: PipelineContext, sharded: ShardedSampler) -> RolloutQueue:
+    plan, r = ctx.plan, ctx.plan.rollout
+    return RolloutQueue(
+        ctx, sharded.next_batch, open_data_plane(r.data_plane, ray=r.transferqueue_ray),
+        max_staleness=r.max_staleness, beside=BACKENDS[plan.sampler.backend].samples_beside,
+        seed=plan.seed, wait_timeout_s=r.wait_timeout_s,
+    )
+
+
 def _claim(output_dir: Path, dist: Dist, *, resume: bool, overwrite: bool) -> RunLock | None:
     """Lock the output folder on the main process; every rank raises its refusal."""
     lock, refusal = None, None
@@ -259,15 +276,38 @@ def _claim(output_dir: Path, dist: Dist, *, resume: bool, overwrite: bool) -> Ru
     return lock
 
 
-def _resume_checkpoint(output_dir: Path, resume: str | bool | None) -> Path | None:
-    if not resume:
+def _resume_checkpoint(output_dir: Path, request: ResumeRequest | None, dist: Dist) -> Path | None:
+    """The checkpoint to resume from. The main process alone looks for the latest complete one (it hashes
+    every file and removes dead saves' leftovers) and tells the others, so every rank resumes from the same."""
+    if request is None:
         return None
-    if resume is not True:
-        return Path(resume)
-    ckpt = find_latest_checkpoint(output_dir)
+    if request.path is not None:
+        return request.path
+    ckpt = find_latest_checkpoint(output_dir) if dist.is_main else None
+    ckpt = dist.broadcast_object(ckpt)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    again = f" (torchrun restart {restart})" if restart != "0" else ""
     if ckpt is None:
-        log.warning("--resume: no complete checkpoint under %s; starting from step 0", output_dir)
+        log.info("--resume auto%s: no complete checkpoint under %s; starting from step 0", again, output_dir)
+    else:
+        log.info("--resume auto%s: continuing from %s", again, ckpt)
     return ckpt
+
+
+def _checked_history(plan: RunPlan, output_dir: Path, request: ResumeRequest | None, ckpt: Path | None,
+                     allow_config_change: bool) -> list[str]:
+    """The resume history for config.yaml, after checking the new config against the run's."""
+    history = config_history(output_dir / "config.yaml")
+    if ckpt is not None:
+        saved = read_trainer_state(ckpt)
+        changes = resume_changes(
+            saved.get("config") or _saved_config(output_dir), plan.source, allow_change=allow_config_change,
+        )
+        history.append(history_line(int(saved["step"]), changes))
+    elif request is not None and (output_dir / "config.yaml").is_file():
+        # A run with no complete checkpoint yet starts again from step 0 in its folder: only as the same run.
+        resume_changes(_saved_config(output_dir), plan.source, allow_change=allow_config_change)
+    return history
 
 
 def _saved_config(output_dir: Path) -> dict:

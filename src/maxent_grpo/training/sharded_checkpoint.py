@@ -34,6 +34,7 @@ from maxent_grpo.training.checkpoint import (
     describe_write_error,
     read_full_weights,
     restore_run_state,
+    CheckpointContents,
     save_checkpoint,
     save_failed,
     verify_checkpoint,
@@ -75,11 +76,10 @@ def save_sharded_checkpoint(
     if dist.get_rank() == 0:
         if failure is None:
             try:
-                path = save_checkpoint(
-                    output_dir, step, model=model, tokenizer=tokenizer, optimizer=None, lr_scheduler=lr_scheduler,
-                    trainer_state=trainer_state, keep_last=keep_last, model_state_dict=weights,
-                    sharded_optimizer=staging,
-                )
+                path = save_checkpoint(output_dir, step, CheckpointContents(
+                    model=model, tokenizer=tokenizer, optimizer=None, lr_scheduler=lr_scheduler,
+                    trainer_state=trainer_state, model_state_dict=weights, sharded_optimizer=staging,
+                ), keep_last=keep_last)
             except (OSError, SafetensorError) as err:  # its .tmp folder is removed, the older checkpoints kept
                 failure = describe_write_error(err, output_dir)
         if failure is not None:

@@ -40,7 +40,8 @@ def shard_model(model: torch.nn.Module, *, mixed_precision: bool = False) -> tor
 
     ``mixed_precision``: gather weights in bfloat16 for the forward and backward and
     reduce gradients in float32 (``MixedPrecisionPolicy``), the parameters and the
-    optimizer staying float32. Meant for GPUs; it was not run here (docs/SCALING.md).
+    optimizer staying float32. Meant for GPUs; it ran in the CUDA test tier, one process on one GPU
+    (docs/SCALING.md).
     """
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -1,7 +1,7 @@
 """The run's skipped batches: how many by stage, how many in a row, and the last one; resumed with the run.
 
 A batch a stage could not make (a reward function that raised, an unscorable answer, non-finite
-reference log-probs...) does not train (pipeline.py's :class:`~maxent_grpo.rollout.data_plane.Skipped`).
+reference log-probs...) does not train (the :class:`~maxent_grpo.rollout.data_plane.Skipped` of a stage in ``training/stages.py``).
 The run counts it under its stage (the ``skipped/<stage>`` metrics), with the groups the producer
 dropped from batches that did train (``incomplete_groups``, ``failed_episodes``) and the batches whose
 groups all got equal rewards (``no_signal``). ``training.max_consecutive_skips`` batches skipped in a

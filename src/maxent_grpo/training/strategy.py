@@ -28,7 +28,9 @@ from safetensors import SafetensorError
 
 from maxent_grpo.errors import UserError
 from maxent_grpo.models import empty_model, load_model, load_reference_model, parse_dtype
-from maxent_grpo.training.checkpoint import describe_write_error, load_checkpoint, save_checkpoint, save_failed
+from maxent_grpo.training.checkpoint import (
+    CheckpointContents, describe_write_error, load_checkpoint, save_checkpoint, save_failed,
+)
 from maxent_grpo.training.distributed import DataParallelPolicy, Dist, ddp_gradient_sync
 from maxent_grpo.training.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 from maxent_grpo.training.sharding import fsdp2_gradient_sync, materialize, shard_model
@@ -117,11 +119,10 @@ class DDPStrategy(Strategy):
         path, failure = None, None
         if self.dist.is_main:
             try:
-                path = save_checkpoint(
-                    output_dir, step, model=model, tokenizer=tokenizer, optimizer=optimizer,
-                    lr_scheduler=lr_scheduler, trainer_state=trainer_state, keep_last=keep_last,
-                    reference_state=reference_state,
-                )
+                path = save_checkpoint(output_dir, step, CheckpointContents(
+                    model=model, tokenizer=tokenizer, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                    trainer_state=trainer_state, reference_state=reference_state,
+                ), keep_last=keep_last)
             # Disk full, permissions (safetensors reports the same I/O errors as its own): the
             # earlier checkpoints are untouched.
             except (OSError, SafetensorError) as err:

@@ -5,8 +5,9 @@ go on as the uninterrupted run would, is a field of :class:`TrainState`:
 
 * ``step``: optimizer steps done;
 * ``data``: the prompt sampler's position (epoch, order, cursor);
-* ``weighting``: the live tau, beta and controller state (ALGORITHMS.md §8), a copy
-  of the plan's settings that only the controllers change (the plan never changes);
+* ``controllers``: the live tau, beta and the rest of the controllers' state (ALGORITHMS.md §8),
+  a value each step replaces (``core.controllers.step_controllers``); the step's
+  ``WeightingSettings`` is the plan's with this state (``rewards.maxent.weighting_at``);
 * ``skips``: batches and groups skipped so far, by stage, and the run of batches skipped in a row
   (training/skip_counts.py);
 * ``bank``: verified mode replay's bank (``replay.enabled``);
@@ -30,7 +31,7 @@ from pathlib import Path
 from maxent_grpo.core.entropy_control import EntropyCoefState
 from maxent_grpo.core.mode_bank import ModeBank
 from maxent_grpo.data.datasets import PromptSampler
-from maxent_grpo.rewards.maxent import WeightingSettings, controller_state_dict, restore_controller_state
+from maxent_grpo.core.controllers import ControllerState
 from maxent_grpo.training.checkpoint import CheckpointError
 from maxent_grpo.training.collapse import CollapseWatch
 from maxent_grpo.training.learning_signal import ConstantRewardWatch
@@ -45,7 +46,7 @@ class TrainState:
     """What a run changes as it trains (module docstring); ``to_dict`` / ``restore`` for checkpoints."""
 
     data: PromptSampler
-    weighting: WeightingSettings
+    controllers: ControllerState
     collapse: CollapseWatch
     constant_rewards: ConstantRewardWatch = field(default_factory=ConstantRewardWatch)
     bank: ModeBank | None = None
@@ -61,7 +62,7 @@ class TrainState:
         return {
             "step": self.step,
             "sampler": self.data.state_dict() if data_state is None else data_state,
-            "controller": controller_state_dict(self.weighting),
+            "controller": self.controllers.to_dict(),
             **self.skips.state_dict(),
             "config": config,
             # Saved with the weights at the same step, so a resumed run replays what the uninterrupted one does.
@@ -73,7 +74,7 @@ class TrainState:
     def restore(self, saved: dict, *, replay: ReplayConfig, where: Path) -> None:
         """Take back the state of checkpoint ``where`` (``saved``: its ``trainer_state.json``)."""
         self.data.load_state_dict(saved["sampler"])
-        restore_controller_state(self.weighting, saved["controller"])
+        self.controllers = ControllerState.from_dict(saved["controller"])
         self.skips.load_state_dict(saved)
         if "watches" in saved:  # absent from checkpoints written before the watches were saved
             self.collapse.load_state_dict(saved["watches"]["collapse"])

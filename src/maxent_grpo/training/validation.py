@@ -11,7 +11,7 @@ from maxent_grpo.core.mode_metrics import MIN_DEFINED_PROMPTS
 from maxent_grpo.rollout.data_plane import DataPlane, RolloutRecord
 from maxent_grpo.tasks.modebench_package import PREFIX as PACKAGE_PREFIX
 from maxent_grpo.rewards.context import TrainerState
-from maxent_grpo.evaluate import eval_seed, evaluate_prompts, per_prompt_metrics, per_task_means, write_eval_outputs
+from maxent_grpo.evaluate import EvalSampling, eval_seed, evaluate_prompts, per_prompt_metrics, per_task_means, write_eval_outputs
 
 
 @dataclass(frozen=True)
@@ -76,8 +76,9 @@ def validate(run, step: int) -> dict[str, float]:
         try:
             summary, records = evaluate_prompts(
                 run.ctx.backend, run.ctx.tokenizer, rows, run.ctx.reward_spec,
-                k=e.k, sampling=plan.batch.sampling, draws=e.draws, min_defined_prompts=e.min_defined_prompts,
-                system_prompt=plan.batch.system_prompt, few_shot=plan.batch.few_shot, episodes=run.ctx.episodes,
+                EvalSampling(k=e.k, sampling=plan.batch.sampling, draws=e.draws, system_prompt=plan.batch.system_prompt,
+                             few_shot=plan.batch.few_shot),
+                min_defined_prompts=e.min_defined_prompts, episodes=run.ctx.episodes,
                 carry=lambda record: _through_plane(run.rollouts.plane, f"val/{step}", replace(record, step=step,
                                                                                                 version=step)),
                 trainer_state=TrainerState(global_step=step, max_steps=plan.schedule.max_steps,

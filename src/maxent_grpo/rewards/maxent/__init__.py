@@ -24,6 +24,7 @@ from maxent_grpo.rewards.maxent.controllers import (
     maybe_update_tau,
     restore_controller_state,
     update_controllers,
+    weighting_at,
 )
 from maxent_grpo.rewards.maxent.reward_stats import (
     RewardComputation,
@@ -73,5 +74,6 @@ __all__ = [
     "split_reference_logprobs",
     "split_reference_token_counts",
     "update_controllers",
+    "weighting_at",
     "weight_matrix_from_q",
 ]

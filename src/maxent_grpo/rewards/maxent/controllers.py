@@ -1,13 +1,15 @@
-"""The controller steps of ALGORITHMS.md §8 on a live :class:`WeightingSettings`, in place.
+"""The controller steps of ALGORITHMS.md §8 on a :class:`WeightingSettings`, in place (the seed's API).
 
-The formulas are pure functions in :mod:`maxent_grpo.core.controllers`; this
-module applies them to the run's ``WeightingSettings`` (whose ``tau`` / ``beta``
-the weighting reads) and snapshots / restores that state with each checkpoint.
-The loop calls :func:`update_controllers` once per optimizer step with inputs
-already averaged over every process, so every rank holds the same state.
+The formulas are pure functions in :mod:`maxent_grpo.core.controllers`, which return a new
+:class:`ControllerState`; this module is a thin layer that applies them to a ``WeightingSettings``
+(its ``tau`` / ``beta`` and ``controller_state``) and snapshots / restores that state. The run
+itself holds the state as a value (``TrainState.controllers``, stepped by
+``core.controllers.step_controllers``) and builds the step's ``WeightingSettings`` from it.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from maxent_grpo.core import controllers as ctl
 from maxent_grpo.core.controllers import ControllerState
@@ -77,23 +79,22 @@ def apply_meta_controller_update(
 def update_controllers(
     weighting_cfg: WeightingSettings, weights: WeightLoggingView | None, measured_kl: float | None, step: int
 ) -> None:
-    """All of §8 after optimizer step ``step``, in place: the meta controller every
-    ``controller_meta.every`` steps when it is on, else the tau then the beta controller.
+    """All of §8 after optimizer step ``step``, in place (``core.controllers.step_controllers``): the
+    meta controller every ``controller_meta.every`` steps when it is on, else the tau then the beta
+    controller.
 
     ``weights`` (None without listwise weights) and ``measured_kl`` (None without a KL
     term) must already be averaged over every process.
     """
-    meta = weighting_cfg.controller_meta
     entropy = None if weights is None else weights.entropy
-    if meta.enabled:
-        if step % meta.every == 0:
-            tau_grad, beta_grad = ctl.meta_gradients(entropy, measured_kl, weighting_cfg.controller_settings, step)
-            apply_meta_controller_update(weighting_cfg, tau_grad=tau_grad, beta_grad=beta_grad, step=step)
-        return
-    if weights is not None:
-        maybe_update_tau(weighting_cfg, weights, step)
-    if measured_kl is not None:
-        maybe_update_beta(weighting_cfg, measured_kl, step)
+    _commit(weighting_cfg, ctl.step_controllers(_live_state(weighting_cfg), weighting_cfg.controller_settings,
+                                                entropy, measured_kl, step))
+
+
+def weighting_at(settings: WeightingSettings, state: ControllerState) -> WeightingSettings:
+    """``settings`` with the controllers' ``state`` (its tau and beta live): the step's record for the
+    methods' targets, made from the run's ``TrainState.controllers`` (``settings`` is not changed)."""
+    return replace(settings, tau=state.tau, beta=state.beta, controller_state=state)
 
 
 def controller_state_dict(weighting_cfg: WeightingSettings) -> dict:

@@ -29,6 +29,7 @@ from maxent_grpo.core.advantages import (
 from maxent_grpo.core.reward_entropy import entropy_bonus_rewards
 from maxent_grpo.core.seed_grpo import seed_grpo_scales
 from maxent_grpo.core.weighting import q_distribution
+from maxent_grpo.rewards.maxent.settings import QDistributionSettings
 from maxent_grpo.rewards.maxent.shapes import check_num_generations, grouped
 
 
@@ -61,8 +62,10 @@ class SeedGrpoInputs:
 
 @dataclass(frozen=True)
 class RewardStatsSettings:
-    q_temperature: float
-    q_epsilon: float
+    """How a batch's rewards become its statistics: the listwise target q (the MaxEnt weighting's own
+    ``QDistributionSettings``), the advantage scaling and estimator, and how reward functions combine."""
+
+    q: QDistributionSettings
     scale_rewards: str = "group"
     advantage_estimator: str = "grpo"
     aggregation: str = "sum_then_normalize"  # how the reward functions combine (core/advantages.py)
@@ -121,7 +124,7 @@ def _derived(total: torch.Tensor, num_generations: int, settings: RewardStatsSet
     q_input = torch.nan_to_num(total.view(-1, num_generations), nan=0.0)
     return {
         "advantages": adv,
-        "q": q_distribution(q_input, settings.q_temperature, settings.q_epsilon),
+        "q": q_distribution(q_input, settings.q.temperature, settings.q.epsilon),
         "group_std": group_reward_std(total, num_generations),
         "zero_std": zero_std_groups(total, num_generations),
         "seed_scales": scales,
@@ -153,6 +156,28 @@ def compute_reward_statistics(
     reward 0. ``token_counts[N]``: each completion's tokens in the loss (the REINFORCE++
     estimators whiten over them; required by those).
     """
+    return reward_statistics(
+        per_function, weights, num_generations,
+        RewardStatsSettings(QDistributionSettings(q_temperature, q_epsilon), scale_rewards, advantage_estimator,
+                            aggregation),
+        truncated=truncated, zero_truncated_completion_rewards=zero_truncated_completion_rewards,
+        seed_grpo=seed_grpo, names=names, token_counts=token_counts,
+    )
+
+
+def reward_statistics(
+    per_function: torch.Tensor,
+    weights: torch.Tensor | Sequence[float],
+    num_generations: int,
+    settings: RewardStatsSettings,
+    *,
+    truncated: torch.Tensor | None = None,
+    zero_truncated_completion_rewards: bool = False,
+    seed_grpo: SeedGrpoInputs | None = None,
+    names: Sequence[str] | None = None,
+    token_counts: torch.Tensor | None = None,
+) -> RewardComputation:
+    """:func:`compute_reward_statistics` with its settings as the run's record (the pipeline's call)."""
     check_num_generations(num_generations)
     if per_function.dim() != 2 or per_function.shape[0] % num_generations != 0:
         raise ValueError(f"per_function must be [N, K] with N a multiple of num_generations={num_generations}, "
@@ -162,6 +187,7 @@ def compute_reward_statistics(
     names = tuple(names) if names is not None else tuple(f"reward_{i}" for i in range(k))
     if len(names) != k:
         raise ValueError(f"names must hold one name per reward function ({k}), got {len(names)}")
+    aggregation = settings.aggregation
     if aggregation not in REWARD_AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {list(REWARD_AGGREGATIONS)}, got {aggregation!r}")
     total = (normalize_then_sum(per_function, w, num_generations) if aggregation == "normalize_then_sum"
@@ -170,7 +196,6 @@ def compute_reward_statistics(
         if truncated is None:
             raise ValueError("truncated is required when zero_truncated_completion_rewards=True")
         total = zero_truncated_rewards(total, truncated)
-    settings = RewardStatsSettings(q_temperature, q_epsilon, scale_rewards, advantage_estimator, aggregation)
     return RewardComputation(
         per_function=per_function,
         reward_names=names,

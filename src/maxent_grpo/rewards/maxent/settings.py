@@ -40,13 +40,18 @@ class QDistributionSettings:
 
 @dataclass
 class WeightingSettings:
-    """Listwise weighting hyperparameters and the live controller state.
+    """Listwise weighting hyperparameters and a controller state (the seed's record).
 
-    ``tau`` and ``beta`` are the live values (the controllers update them in
-    place); ``controller_state`` carries the rest (entropy EMA, ``log tau``,
-    step, histories) and is kept in step with them. ``train_grpo_objective``
-    is a flag for the loop (train the GRPO surrogate instead of the listwise
-    loss); it changes no formula here.
+    ``tau`` and ``beta`` are the values the weighting reads; ``controller_state`` carries the rest
+    (entropy EMA, ``log tau``, step, histories) and agrees with them. The seed's controllers
+    (:mod:`.controllers`) update a record in place. A run holds its controllers' state as a value
+    instead (``TrainState.controllers``) and hands the methods the plan's record with that state
+    (``weighting_at``), so the plan's own copy never changes.
+
+    Two fields are kept for the seed's signature and change nothing: ``train_grpo_objective`` (the
+    method, ``method:``, chooses what is trained) and ``scale_rewards`` (validated only; the run's
+    advantage scaling is ``loss.scale_rewards``, ``RewardStatsSettings.scale_rewards``). The
+    properties below are the seed's accessors of the nested settings.
     """
 
     tau: float

@@ -83,3 +83,118 @@ def test_generation_cut_off_mid_reply_fails_as_a_server_error(tmp_path):
     assert backend.model_name == "tiny"
     with pytest.raises(VLLMServerError, match="broke off"):
         backend._generate(["p"], [[1, 2, 3]], 2, SamplingParams(max_new_tokens=4, seed=0))
+
+
+# ---------------------------------------------------------------- a server lost, and back
+
+from vllm_stand_in import StandInServer  # noqa: E402
+
+def _replacement_after(port: int, delay_s: float, box: list) -> threading.Thread:
+    """A replacement stand-in on ``port`` after ``delay_s`` (put into ``box``)."""
+    def start() -> None:
+        import time
+
+        time.sleep(delay_s)
+        box.append(StandInServer(port))
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    return thread
+
+
+def _tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+PARAMS = SamplingParams(max_new_tokens=2, seed=0)
+
+
+def test_request_errors_say_whether_the_server_is_gone_or_failing():
+    """Refused: gone (waited for). An HTTP error or no reply in time: the server is there and failing or
+    hung (not waited for), and the message names the setting that bounds it."""
+    from maxent_grpo.rollout.vllm_server import ServerUnreachable
+
+    gone = StandInServer()
+    gone.stop()
+    with pytest.raises(ServerUnreachable, match="is `maxent-grpo serve` running there"):
+        _request(gone.url, "GET", "/v1/models", None, 5)
+    with pytest.raises(VLLMServerError) as caught:
+        _request(_server(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 4\r\n\r\noops", requests=1),
+                 "POST", "/v1/completions", {}, 5)
+    assert "HTTP 500" in str(caught.value) and not isinstance(caught.value, ServerUnreachable)
+    listener = socket.socket()  # takes the connection, never answers: a hung server
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    with listener, pytest.raises(VLLMServerError) as caught:
+        _request(f"http://127.0.0.1:{listener.getsockname()[1]}", "GET", "/v1/models", None, 0.5)
+    assert "request_timeout_s" in str(caught.value) and not isinstance(caught.value, ServerUnreachable)
+
+
+def test_generation_waits_for_a_replacement_says_so_and_asks_for_the_batch_again(tiny_model_dir, tmp_path, caplog):
+    from maxent_grpo.rollout.backend import SamplerLost
+
+    first = StandInServer()
+    backend = VLLMServerBackend(first.url, _tokenizer(tiny_model_dir), sync_dir=tmp_path, timeout_s=10,
+                                server_wait_s=60)
+    assert len(backend._generate(["p"], [[1, 2]], 2, PARAMS)[0].completions) == 2
+    first.stop()
+    box: list[StandInServer] = []
+    _replacement_after(first.port, 3.0, box)
+    with caplog.at_level("WARNING", logger="maxent_grpo"), pytest.raises(SamplerLost, match="answered again"):
+        backend._generate(["p"], [[1, 2]], 2, PARAMS)
+    text = caplog.text
+    assert f"generation server {first.url} stopped answering" in text and "waiting up to 60 s" in text
+    assert f"generation server {first.url} answered again after" in text
+    # Nothing is sampled from it until the weights are back: it may be a replacement holding others.
+    with pytest.raises(SamplerLost, match="has not had the weights back"):
+        backend._generate(["p"], [[1, 2]], 2, PARAMS)
+    assert box[0].posted("/v1/completions") == []
+    backend.restore_weights()  # nothing pushed yet in this test: nothing to send, and sampling goes on
+    assert len(backend._generate(["p"], [[1, 2]], 2, PARAMS)[0].completions) == 2
+    box[0].stop()
+
+
+def test_a_server_not_back_in_time_stops_the_sampler(tiny_model_dir, tmp_path):
+    from maxent_grpo.rollout.backend import SamplerGone
+    from maxent_grpo.rollout.vllm_server import ServerUnreachable
+
+    server = StandInServer()
+    backend = VLLMServerBackend(server.url, _tokenizer(tiny_model_dir), sync_dir=tmp_path, timeout_s=10,
+                                server_wait_s=3)
+    server.stop()
+    with pytest.raises(SamplerGone, match=r"did not answer again within 3 s \(generation.vllm.server_wait_s\)"):
+        backend._generate(["p"], [[1, 2]], 2, PARAMS)
+    backend.server_wait_s = 0  # 0: not waited for
+    with pytest.raises(ServerUnreachable):
+        backend._generate(["p"], [[1, 2]], 2, PARAMS)
+
+
+def test_a_push_to_a_replaced_server_is_sent_again_and_restore_sends_the_last_weights(tmp_path, caplog):
+    import torch
+
+    policy = torch.nn.Linear(3, 2)
+    first = StandInServer()
+    backend = VLLMServerBackend(first.url, None, sync_dir=tmp_path, timeout_s=10, server_wait_s=60)
+    backend.sync_weights(policy)
+    assert [b["kwargs"]["weights_path"] for b in first.posted("/collective_rpc")] == [str(tmp_path / "weights-000001")]
+    first.stop()
+    box: list[StandInServer] = []
+    _replacement_after(first.port, 3.0, box)
+    with torch.no_grad():
+        policy.weight.add_(1.0)
+    with caplog.at_level("WARNING", logger="maxent_grpo"):
+        backend.sync_weights(policy)  # waits for the replacement, then pushes to it
+    back = box[0]
+    assert "stopped answering" in caplog.text and "answered again" in caplog.text
+    assert [b["kwargs"]["weights_path"] for b in back.posted("/collective_rpc")] == [str(tmp_path / "weights-000002")]
+    assert sorted(p.name for p in tmp_path.glob("weights-*")) == ["weights-000002"]
+    backend.restore_weights()
+    assert [b["kwargs"]["weights_path"] for b in back.posted("/collective_rpc")] == [str(tmp_path / "weights-000002")] * 2
+    assert len(back.posted("/reset_prefix_cache")) == 2
+    from safetensors.torch import load_file
+
+    pushed = load_file(str(tmp_path / "weights-000002" / "model.safetensors"))
+    assert torch.equal(pushed["weight"], policy.weight.detach())
+    back.stop()

@@ -38,3 +38,9 @@ def test_the_process_group_timeout_is_a_positive_key():
     assert load_config(None, ["training.dist_timeout_minutes=5"]).training.dist_timeout_minutes == 5
     with pytest.raises(ConfigError, match="^training.dist_timeout_minutes: must be > 0"):
         compiled(None, ["training.dist_timeout_minutes=0"])
+    # A server's wait is spent by the other processes in a collective: it must end before the collective's limit.
+    with pytest.raises(ConfigError, match=r"^generation.vllm.server_wait_s: must be under training.dist_timeout_minutes \(5 min\)"):
+        compiled(None, ["training.dist_timeout_minutes=5", "generation.backend=vllm_server"])
+    assert load_config(None, ["training.dist_timeout_minutes=5", "generation.backend=vllm_server",
+                              "generation.vllm.server_wait_s=120"]).generation.vllm.server_wait_s == 120
+    compiled(None, ["training.dist_timeout_minutes=0.5"])  # another backend waits for no server

@@ -26,6 +26,8 @@ def test_auto_resolves_to_bf16_only_on_fast_hardware():
     assert _precision(_plan(True, **sets)) == ("bfloat16", True)
     assert _precision(_plan(False, **sets)) == (None, False)
     assert _plan(False, **sets).scoring.autocast_bf16 is False
+    # Compute told to stay float32: the sampler follows it, on any hardware (TRL's bf16: false samples in fp32).
+    assert _precision(_plan(True, **{**sets, "training.autocast_bf16": "false"})) == (None, False)
 
 
 def test_auto_is_resolved_by_the_compiler_and_the_config_stays_as_written():

@@ -315,6 +315,11 @@ def validate(cfg: TrainConfig) -> None:
     for key, value in (("max_num_seqs", v.max_num_seqs), ("max_num_batched_tokens", v.max_num_batched_tokens)):
         require(value is None or value >= 1, f"generation.vllm.{key}", f"must be >= 1 or null, got {value}")
     require(v.request_timeout_s > 0, "generation.vllm.request_timeout_s", "must be > 0")
+    require(v.server_wait_s >= 0, "generation.vllm.server_wait_s", "must be >= 0")
+    # Meanwhile the other processes wait for the main one in a collective.
+    require(g.backend != "vllm_server" or v.server_wait_s < t.dist_timeout_minutes * 60, "generation.vllm.server_wait_s",
+            f"must be under training.dist_timeout_minutes ({t.dist_timeout_minutes:g} min): the other processes "
+            "wait for the main one in a collective meanwhile")
     require(v.server_url.startswith(("http://", "https://")), "generation.vllm.server_url",
            f"must start with http:// or https://, got {v.server_url!r}")
     require(t.max_steps is None or t.max_steps >= 1, "training.max_steps", f"must be >= 1 or null, got {t.max_steps}")

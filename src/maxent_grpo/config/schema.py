@@ -119,7 +119,7 @@ class GenerationConfig:
     # multiplies it natively, else null (training/precision.py).
     dtype: Literal["float32", "bfloat16", "auto"] | None = field(default="auto", metadata={"help": (
         "sample from a copy of the policy in this dtype (null = the policy itself; auto = bfloat16 where "
-        "the device runs it natively)")})
+        "the device runs it natively and the trainer computes in bf16)")})
     # The sampler: hf (our decoding loop over the transformers model, in process), vllm (one in-process vLLM
     # engine per process), vllm_server (a vLLM server, e.g. on other GPUs). The choices
     # are the names rollout/backends.py registers.

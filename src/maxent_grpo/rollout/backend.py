@@ -36,6 +36,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from maxent_grpo.errors import UserError
+
 FINISH_REASONS = ("stop", "length")
 
 
@@ -104,6 +106,17 @@ class PromptGroup:
     prompt: str
     prompt_ids: list[int]
     completions: list[Completion]
+
+
+class SamplerLost(UserError, RuntimeError):
+    """The generation server stopped answering mid-batch and answered again (itself, or a replacement at
+    its address, which holds other weights): the batch is sampled again, from the same seeds, once every
+    process has agreed and the last pushed weights are back on it (``restore_weights``)."""
+
+
+class SamplerGone(UserError):
+    """The sampler cannot go on: its server stopped answering and did not answer again in time
+    (``generation.vllm.server_wait_s``), or was lost again and again; the run stops with a checkpoint."""
 
 
 class GenerationBackend(Protocol):

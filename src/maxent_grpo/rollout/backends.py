@@ -73,6 +73,9 @@ class Backend:
     # Samples in another process (a server): with rollout.max_staleness >= 1 it samples the next
     # batch while the trainer trains (training/rollout_queue.py).
     samples_beside: bool = False
+    # Can lose its server mid-run and get it back (SamplerLost, restore_weights): every process then
+    # agrees after each batch's sampling whether one lost it (training/pipeline.py, settle_sampling).
+    recovers_lost_server: bool = False
 
 
 def _check_hf(vllm: VllmConfig, model_path: str) -> None:
@@ -224,6 +227,7 @@ def _build_vllm_server(i: BackendInputs) -> GenerationBackend:
         v.server_url, i.tokenizer, sync_dir=sync_dir, is_main=i.is_main, any_rank=i.any_rank,
         timeout_s=v.request_timeout_s, remove_sync_dir=shm is not None,
         dtype=i.sample_dtype if i.sample_dtype is not None else i.model.dtype, lora_adapter=v.lora_sync == "adapter",
+        server_wait_s=v.server_wait_s,
     )
     # The server may still hold another run's weights: start it from this policy.
     backend.sync_weights(i.model)
@@ -235,6 +239,7 @@ BACKENDS: dict[str, Backend] = {
         Backend("hf", _check_hf, _build_hf, owns_weights=False),
         # LoRA: the push sends the merged weights, or the adapter alone (rollout/vllm_weights.py).
         Backend("vllm", _check_vllm, _build_vllm, owns_weights=True, plans_context=True),
-        Backend("vllm_server", _check_vllm_server, _build_vllm_server, owns_weights=True, samples_beside=True),
+        Backend("vllm_server", _check_vllm_server, _build_vllm_server, owns_weights=True, samples_beside=True,
+                recovers_lost_server=True),
     )
 }

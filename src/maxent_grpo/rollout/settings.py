@@ -56,6 +56,12 @@ class VllmConfig:
         "vllm_server disk sync: folder for the weights (null = /dev/shm for a server on this machine, "
         "else OUTPUT_DIR/vllm_weights)")})
     request_timeout_s: float = field(default=600.0, metadata={"help": "vllm_server: seconds to wait for one request"})
+    # A server that stops answering (it died, or is being replaced) is waited for this long; then the
+    # last pushed weights go to it again and the lost batch is sampled again (docs/VLLM.md).
+    server_wait_s: float = field(default=300.0, metadata={"help": (
+        "vllm_server: seconds to wait for a server that stopped answering (or a replacement at the same "
+        "address) before the run stops with a checkpoint; it then gets the last pushed weights again and "
+        "the lost batch is sampled again. 0: stop at once")})
     # How a LoRA policy reaches vLLM after each step: merged into the base weights (the whole model
     # per push, vLLM's plain kernels) or as the adapter itself (a few MB per push, vLLM's LoRA
     # kernels; a server must be started with `maxent-grpo serve --lora-rank R`). docs/VLLM.md.

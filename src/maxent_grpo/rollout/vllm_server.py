@@ -31,6 +31,15 @@ for the same adapter.
 Every process sends its own prompts; only the main process pushes weights,
 and ``any_rank`` keeps the others from sampling before the push has finished
 and tells every process whether it worked: a failed push stops them all.
+
+A server that stops answering (refused or cut-off connections: it died, or was replaced) is waited
+for, up to ``server_wait_s`` (``generation.vllm.server_wait_s``), with a line saying so. Once it (or a
+replacement at the same address) answers again, a push in progress is sent again; a generation call
+raises :class:`~maxent_grpo.rollout.backend.SamplerLost`, and the pipeline has every process agree,
+reload the last pushed weights (:meth:`VLLMServerBackend.restore_weights`) and sample the lost batch
+again from the same seeds (``training/pipeline.py``, :func:`settle_sampling`). A server that answers
+with an error, or not within ``request_timeout_s`` (hung), is not waited for: the run stops with a
+checkpoint.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ import logging
 import os
 import shutil
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -54,7 +64,7 @@ import torch
 from safetensors.torch import save_file
 
 from maxent_grpo.errors import UserError
-from maxent_grpo.rollout.backend import PromptGroup, SamplingParams, TokenPrompts
+from maxent_grpo.rollout.backend import PromptGroup, SamplerGone, SamplerLost, SamplingParams, TokenPrompts
 from maxent_grpo.rollout.vllm_common import request_seeds, sampling_kwargs, to_completion
 from maxent_grpo.rollout.vllm_weights import engine_lora_rank, full_state_items, write_adapter
 
@@ -117,6 +127,18 @@ class VLLMServerError(UserError, RuntimeError):
     """The server could not be reached or answered with an error; the message has its URL and reply."""
 
 
+class ServerUnreachable(VLLMServerError):
+    """No server answered: the connection was refused or reset, or the reply broke off (it died)."""
+
+
+class ServerGone(VLLMServerError, SamplerGone):
+    """The server stopped answering and did not answer again within ``server_wait_s``."""
+
+
+# Seconds between two asks of a server that stopped answering.
+SERVER_POLL_S = 2.0
+
+
 def _request(base_url: str, method: str, path: str, body: dict | None, timeout_s: float, *,
              reply_json: bool = True) -> dict:
     """The JSON reply of ``method path`` (``reply_json=False``: a route that answers in plain text, whose
@@ -129,15 +151,21 @@ def _request(base_url: str, method: str, path: str, body: dict | None, timeout_s
             raw = resp.read()
     except urllib.error.HTTPError as err:
         raise VLLMServerError(f"{method} {url}: HTTP {err.code}: {err.read().decode(errors='replace')[:500]}") from None
-    except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
-        raise VLLMServerError(f"{method} {url}: {err} (is `maxent-grpo serve` running there?)") from None
+    except (TimeoutError, urllib.error.URLError) as err:
+        if isinstance(err, TimeoutError) or isinstance(err.reason, TimeoutError):
+            # It took the connection and did not answer in time: hung, not gone.
+            raise VLLMServerError(f"{method} {url}: no reply within {timeout_s:g} s "
+                                  "(generation.vllm.request_timeout_s)") from None
+        raise ServerUnreachable(f"{method} {url}: {err} (is `maxent-grpo serve` running there?)") from None
+    except ConnectionError as err:
+        raise ServerUnreachable(f"{method} {url}: {err} (is `maxent-grpo serve` running there?)") from None
     except http.client.HTTPException as err:
         # A server that dies while it writes its reply (headers sent, body not; half a status line)
         # leaves http.client's own errors, which are neither OSError nor URLError: the server's failure
         # all the same. Unconverted, it escaped the sampler thread on one rank as a traceback while the
         # other ranks waited for it in a collective.
-        raise VLLMServerError(f"{method} {url}: the reply broke off ({type(err).__name__}: {err}); "
-                              "did the server die?") from None
+        raise ServerUnreachable(f"{method} {url}: the reply broke off ({type(err).__name__}: {err}); "
+                                "did the server die?") from None
     if not reply_json:
         return {}
     try:
@@ -168,6 +196,7 @@ class VLLMServerBackend(TokenPrompts):
         self, base_url: str, tokenizer, *, sync_dir: str | Path, is_main: bool = True,
         any_rank: Callable[[bool], bool] | None = None, timeout_s: float = 600.0,
         dtype: torch.dtype | None = None, remove_sync_dir: bool = False, lora_adapter: bool = False,
+        server_wait_s: float = 0.0,
     ):
         self.base_url = base_url.rstrip("/")
         self.dtype = dtype  # what the disk sync writes (the server's dtype); None: the policy's own
@@ -176,8 +205,16 @@ class VLLMServerBackend(TokenPrompts):
         self.is_main = is_main
         self.any_rank = any_rank
         self.timeout_s = timeout_s
+        self.server_wait_s = server_wait_s  # 0: a server that stops answering is an error at once
         self._pushes = 0
-        self.model_name = served_model(self.base_url, timeout_s=timeout_s)
+        # What the server was last sent (main process): restore_weights sends it again.
+        self._last_weights: Path | None = None
+        self._last_adapter: tuple[str, Path] | None = None
+        # The server answered again after it was lost and has not had the last weights back: no batch is
+        # sampled from it (whatever it holds) until restore_weights or a push.
+        self._restore_due = False
+        self.base_model = served_model(self.base_url, timeout_s=timeout_s)
+        self.model_name = self.base_model  # with lora_sync: adapter, the last adapter's name once pushed
         # lora_sync: adapter: the requests name the last adapter pushed (adapter_pushes counts them on every rank).
         self.lora_adapter, self.adapter_pushes = lora_adapter, 0
         if remove_sync_dir and is_main:
@@ -192,6 +229,8 @@ class VLLMServerBackend(TokenPrompts):
     def _generate(
         self, prompts: list[str], prompt_ids: list[list[int]], num_generations: int, params: SamplingParams
     ) -> list[PromptGroup]:
+        if self._restore_due:
+            raise SamplerLost(f"the generation server at {self.base_url} was lost and has not had the weights back")
         seeds = request_seeds(len(prompts), num_generations, params.seed)
         bodies = [
             {
@@ -202,8 +241,16 @@ class VLLMServerBackend(TokenPrompts):
             }
             for ids, seed in zip(prompt_ids, seeds)
         ]
-        with ThreadPoolExecutor(max_workers=min(self.MAX_CONCURRENCY, len(bodies))) as pool:
-            replies = list(pool.map(lambda b: self._request("POST", "/v1/completions", b), bodies))
+        try:
+            with ThreadPoolExecutor(max_workers=min(self.MAX_CONCURRENCY, len(bodies))) as pool:
+                replies = list(pool.map(lambda b: self._request("POST", "/v1/completions", b), bodies))
+        except ServerUnreachable as err:
+            if self.server_wait_s <= 0:
+                raise
+            waited = self._await_server(err)
+            self._restore_due = True
+            raise SamplerLost(f"the generation server at {self.base_url} was lost mid-batch and answered again "
+                              f"after {waited:.0f} s") from None
         return [
             PromptGroup(prompt=prompt, prompt_ids=list(ids), completions=self._completions(reply))
             for prompt, ids, reply in zip(prompts, prompt_ids, replies)
@@ -238,18 +285,14 @@ class VLLMServerBackend(TokenPrompts):
         failed: VLLMServerError | None = None
         if self.is_main:
             folder, _ = write_adapter(policy, self.sync_dir, self.adapter_pushes, self.dtype)
+            self._last_adapter = (name, folder)
             try:
-                # Every adapter loaded (this run's last version, or another run's, which may bear this
-                # version's name) goes first: no request is in flight during a push.
-                for old in loaded_adapters(self.base_url, timeout_s=self.timeout_s):
-                    self._request("POST", "/v1/unload_lora_adapter", {"lora_name": old}, reply_json=False)
-                self._request("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)},
-                              reply_json=False)
+                self._waiting_for_server(self._load_adapter, restore_base=True)
             except VLLMServerError as err:
                 failed = VLLMServerError(f"{err} (lora_sync: adapter needs a server started with maxent-grpo serve "
                                          "--lora-rank R)")
         self._agree(failed)
-        self.model_name = name
+        self.model_name, self._restore_due = name, False
 
     def _push_weights(self, items) -> None:
         failed: VLLMServerError | None = None
@@ -259,16 +302,90 @@ class VLLMServerBackend(TokenPrompts):
         else:
             folder = self._write(items)
             try:
-                self._request("POST", "/collective_rpc",
-                              {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
-                self._request("POST", "/reset_prefix_cache")
+                self._waiting_for_server(lambda: self._reload(folder))
             except VLLMServerError as err:
                 failed = err
             else:
+                self._last_weights = folder
                 for old in self.sync_dir.glob("weights-*"):
                     if old != folder:
                         shutil.rmtree(old)
         self._agree(failed)
+        self._restore_due = False  # the server holds what was pushed last
+
+    def restore_weights(self) -> None:
+        """Every process: the main one sends the server the weights it last pushed (kept on disk) and, with
+        ``lora_sync: adapter``, loads the last adapter again; for a server that came back (or a
+        replacement) before a batch is sampled again. The others wait for the outcome."""
+        failed: VLLMServerError | None = None
+        if self.is_main:
+            try:
+                self._waiting_for_server(self._load_last)
+            except VLLMServerError as err:
+                failed = err
+            else:
+                sent = [folder.name for folder in (self._last_weights, self._last_adapter and self._last_adapter[1])
+                        if folder is not None]
+                log.warning("generation server %s: the last pushed weights loaded again (%s)", self.base_url,
+                            ", ".join(sent))
+        self._agree(failed)
+        self._restore_due = False
+
+    # ------------------------------------------------------------ a server that stops answering
+
+    def _waiting_for_server(self, send: Callable[[], None], *, restore_base: bool = False) -> None:
+        """``send()``; if the server stopped answering, wait for it (``server_wait_s``), then send the last
+        pushed state again (``restore_base``: the base weights first, for a replacement) and ``send()``."""
+        try:
+            send()
+        except ServerUnreachable as err:
+            if self.server_wait_s <= 0:
+                raise
+            self._await_server(err)
+            if restore_base and self._last_weights is not None:
+                self._reload(self._last_weights)
+            send()
+
+    def _await_server(self, err: ServerUnreachable) -> float:
+        """Ask the server every few seconds until it answers (the seconds waited), or raise after
+        ``server_wait_s``. A replacement at the same address counts: it must serve the same model."""
+        log.warning("generation server %s stopped answering (%s); waiting up to %g s for it, or a replacement at "
+                    "the same address (generation.vllm.server_wait_s)", self.base_url, err, self.server_wait_s)
+        start = time.monotonic()
+        while True:
+            time.sleep(SERVER_POLL_S)
+            waited = time.monotonic() - start
+            try:
+                served = served_model(self.base_url, timeout_s=min(self.timeout_s, 30.0))
+            except ServerUnreachable:
+                if waited >= self.server_wait_s:
+                    raise ServerGone(f"generation server {self.base_url} did not answer again within "
+                                          f"{self.server_wait_s:g} s (generation.vllm.server_wait_s): {err}") from None
+                continue
+            log.warning("generation server %s answered again after %.0f s", self.base_url, waited)
+            if served != self.base_model:
+                raise VLLMServerError(f"generation server {self.base_url} came back serving {served!r}, not "
+                                      f"{self.base_model!r}")
+            return waited
+
+    def _load_last(self) -> None:
+        if self._last_weights is not None:
+            self._reload(self._last_weights)
+        if self._last_adapter is not None:
+            self._load_adapter()
+
+    def _reload(self, folder: Path) -> None:
+        self._request("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
+        self._request("POST", "/reset_prefix_cache")
+
+    def _load_adapter(self) -> None:
+        """The last adapter written, under its name. Every adapter loaded (this run's last version, or
+        another run's, which may bear this version's name) goes first: no request is in flight during a push."""
+        name, folder = self._last_adapter
+        for old in loaded_adapters(self.base_url, timeout_s=self.timeout_s):
+            self._request("POST", "/v1/unload_lora_adapter", {"lora_name": old}, reply_json=False)
+        self._request("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)},
+                      reply_json=False)
 
     def _agree(self, failed: VLLMServerError | None) -> None:
         """In place of a barrier after a push: a rank that only waited would sit in it until the process

@@ -24,6 +24,7 @@ from maxent_grpo.core.reference_sync import due, mix_into_reference
 from maxent_grpo.core.step import OptimizerUpdate, StepHooks, grpo_step
 from maxent_grpo.errors import UserError
 from maxent_grpo.kill_points import kill_point
+from maxent_grpo.rollout.backend import SamplerGone
 from maxent_grpo.core.controllers import step_controllers
 from maxent_grpo.rewards.maxent import weighting_at
 from maxent_grpo.training.checkpoint import find_latest_checkpoint
@@ -109,6 +110,8 @@ def _train(run: Run, stop: StopSignals) -> RunSummary:
         except StopIteration:
             log.info("data exhausted after %d epochs at step %d", schedule.num_epochs, step)
             break
+        except SamplerGone as err:  # on every process alike (pipeline.settle_sampling): saved as before the step
+            raise _sampler_lost(run, step, err, data_state=data_before) from None
         except KeyboardInterrupt:
             with stop.protected():
                 raise _abandoned(run, data_before) from None
@@ -297,8 +300,8 @@ def _end_step(run: Run, step: int, *, trained: bool = False) -> UserError | None
     return None
 
 
-def _sampler_lost(run: Run, step: int, err: UserError) -> TrainingError:
-    path = _save_or_latest(run)
+def _sampler_lost(run: Run, step: int, err: UserError, data_state: dict | None = None) -> TrainingError:
+    path = _save_or_latest(run, data_state)
     where = f"checkpoint {path}" if path is not None else "no checkpoint (no step had finished)"
     return TrainingError(f"the sampler failed after step {step}: {err}; {where}")
 
@@ -339,9 +342,12 @@ def _save_due(run: Run, step: int, last_save: float) -> bool:
     return run.ctx.dist.any_rank(due)  # clocks differ between processes; one decides for all
 
 
-def _save_or_latest(run: Run) -> Path | None:
-    """A checkpoint of the state's step when this process trained one, else the latest there is."""
-    return run.save() if run.state.step > run.state.start_step else find_latest_checkpoint(run.output_dir)
+def _save_or_latest(run: Run, data_state: dict | None = None) -> Path | None:
+    """A checkpoint of the state's step when this process trained one, else the latest there is;
+    ``data_state``: the data sampler's state to save (a step cut short: as it was before the step)."""
+    if run.state.step == run.state.start_step:
+        return find_latest_checkpoint(run.output_dir)
+    return run.save(data_state=data_state)
 
 
 def _interrupted(run: Run) -> RunInterrupted:

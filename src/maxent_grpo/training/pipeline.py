@@ -4,6 +4,8 @@ The stages themselves, in the order they run, are in ``training/stages.py``. Her
 
 * :func:`produce_rollouts`, the producer's half (the ``sampling`` and ``rewarding`` stages), run now or
   ``rollout.max_staleness`` steps ahead; it leaves a :class:`RolloutRecord` on the data plane;
+* :func:`settle_sampling`, with a backend that can lose its server (``vllm_server``): the point after each
+  batch's sampling where every process agrees whether one lost it, and the lost batches are sampled again;
 * :func:`finish_batch`, the trainer's half (the ``scoring`` stages) at the step, between two points every
   process reaches; it returns a :class:`PreparedBatch`, or the :class:`Skipped` value of the stage that
   failed, on every rank alike.
@@ -24,8 +26,16 @@ from typing import Callable
 import torch
 
 from maxent_grpo.core.step import MicroBatch
+from maxent_grpo.errors import UserError
 from maxent_grpo.rewards.maxent import RewardComputation, WeightingSettings, WeightStats
-from maxent_grpo.rollout.backend import GenerationBackend, PackedRollout, RolloutBatch, select_groups
+from maxent_grpo.rollout.backend import (
+    GenerationBackend,
+    PackedRollout,
+    RolloutBatch,
+    SamplerGone,
+    SamplerLost,
+    select_groups,
+)
 from maxent_grpo.rollout.data_plane import RolloutRecord, Skipped
 from maxent_grpo.tasks.modebench_package import Grades
 from maxent_grpo.training.diversity import group_diversity
@@ -34,7 +44,8 @@ from maxent_grpo.training.stages import Draft, PipelineContext, SkipBatch, run_s
 
 __all__ = [
     "OTHER_RANK", "PipelineContext", "PreparedBatch", "SkipBatch", "complete_rollouts", "count_batch",
-    "finish_batch", "prepare_training_batch", "produce_rollouts", "score_batch",
+    "finish_batch", "prepare_training_batch", "produce_rollouts", "sampling_outcome", "score_batch",
+    "settle_sampling",
 ]
 
 log = logging.getLogger("maxent_grpo")
@@ -110,14 +121,65 @@ def produce_rollouts(
 ) -> RolloutRecord:
     """The producer's half of a batch: sampling and rewarding, into a :class:`RolloutRecord`.
 
-    Local to this process (no collective), so it may run ahead of the trainer
-    (``rollout.max_staleness``); a failed stage comes back as the record's ``failure``.
+    Local to this process, so it may run ahead of the trainer (``rollout.max_staleness``); a failed
+    stage comes back as the record's ``failure``. The one collective: with a backend that can lose its
+    server, every process agrees after sampling (:func:`settle_sampling`; every process produces its
+    batch at the same point of the step).
     """
-    draft = Draft(rows, step, version, ctx.plan.batch.sampling, more_rows)
+    def draft() -> Draft:
+        return Draft(rows, step, version, ctx.plan.batch.sampling, more_rows)
+
     # The step's rollout phase: every generate call of the step (retries, dynamic-sampling
     # rounds) inside one bracket, so a sleeping vLLM engine wakes its KV cache once.
     with ctx.backend.rollout_phase(ctx.model):
-        return complete_rollouts(ctx, run_stages(ctx, draft, "sampling"), step=step, version=version)
+        if ctx.recovers_lost_server:
+            sampled = settle_sampling(ctx, sampling_outcome(ctx, draft()), draft)
+        else:
+            sampled = run_stages(ctx, draft(), "sampling")
+        return complete_rollouts(ctx, sampled, step=step, version=version)
+
+
+def sampling_outcome(ctx: PipelineContext, draft: Draft) -> Draft | Skipped | SamplerLost | SamplerGone:
+    """The sampling stages on ``draft``; a server lost meanwhile, or gone, as a value (for :func:`settle_sampling`)."""
+    try:
+        return run_stages(ctx, draft, "sampling")
+    except (SamplerLost, SamplerGone) as err:
+        return err
+
+
+# A batch is sampled again at most this many times for servers lost while it was sampled.
+MAX_RESAMPLES = 3
+
+
+def settle_sampling(ctx: PipelineContext, outcome: Draft | Skipped | UserError,
+                    make_draft: Callable[[], Draft]) -> Draft | Skipped:
+    """Every process's sampling outcome, agreed on (collectives: every process calls this at the same point).
+
+    A failure on any process (``outcome`` a :class:`UserError`: a sampler thread that timed out, a server
+    that did not come back) raises on every process (:class:`SamplerGone` where it was another's). A
+    server lost on any process (:class:`SamplerLost`): the last pushed weights go to the server again
+    (``restore_weights``, which a replacement needs) and every process samples its batch again from a new
+    ``make_draft()``: the same rows and seeds, so the batch is the one an uninterrupted run samples (a
+    process that saw no loss may have sampled from a replacement before its weights were back).
+    """
+    for resamples in range(MAX_RESAMPLES + 1):
+        lost = isinstance(outcome, SamplerLost)
+        failed = isinstance(outcome, UserError) and not lost
+        failed_any, lost_any = ctx.dist.max_over_ranks([int(failed), int(lost)])
+        if failed_any:
+            raise outcome if failed else SamplerGone("another process's sampler failed (its error is in its log)")
+        if not lost_any:
+            return outcome
+        if resamples == MAX_RESAMPLES:
+            break
+        if lost:
+            log.warning("%s: sampling the batch again once the weights are back", outcome)
+        try:
+            ctx.backend.restore_weights()  # raises on every process when it fails
+        except UserError as err:
+            raise SamplerGone(f"the weights could not be sent to the generation server again: {err}") from err
+        outcome = sampling_outcome(ctx, make_draft())
+    raise SamplerGone(f"the generation server was lost {MAX_RESAMPLES + 1} times while one batch was sampled")
 
 
 def complete_rollouts(ctx: PipelineContext, sampled: Draft | Skipped, *, step: int, version: int) -> RolloutRecord:

@@ -125,12 +125,14 @@ def precision_for(machine: Machine, a: PrecisionAsked) -> Precision:
         notes.append(f"inline_prompts auto: {inline} (" + (
             "the CPU: each prompt in its completions' forward" if inline
             else "CUDA: not measured there; the prompt runs once through its KV cache") + ")")
-    dtype = a.sample_dtype
-    if a.sample_dtype == "auto":
-        dtype = "bfloat16" if machine.fast_bf16 and not a.samples_itself else None
     autocast = a.autocast_bf16
     if a.autocast_bf16 == "auto":
         autocast = machine.fast_bf16 or a.compute_dtype == "bfloat16"
+    dtype = a.sample_dtype
+    if a.sample_dtype == "auto":
+        # A bf16 sampling copy where the trainer computes in bf16 too: a trainer told to compute in
+        # float32 (training.autocast_bf16: false; TRL's bf16: false) samples in its own dtype.
+        dtype = "bfloat16" if machine.fast_bf16 and autocast is True and not a.samples_itself else None
     if "auto" in (a.sample_dtype, a.autocast_bf16):
         notes.append(f"precision auto ({'native' if machine.fast_bf16 else 'no native'} bf16): "
                      f"generation.dtype={dtype}, training.autocast_bf16={autocast}")

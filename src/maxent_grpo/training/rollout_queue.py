@@ -33,10 +33,11 @@ import torch
 
 from maxent_grpo.core.staleness import admissible
 from maxent_grpo.errors import UserError
+from maxent_grpo.rollout.backend import SamplerGone, SamplerLost
 from maxent_grpo.rollout.data_plane import DataPlane, LocalDataPlane, RolloutRecord, Skipped
 from maxent_grpo.training.distributed import Dist
-from maxent_grpo.training.pipeline import complete_rollouts, produce_rollouts
-from maxent_grpo.training.stages import Draft, PipelineContext, run_stages
+from maxent_grpo.training.pipeline import complete_rollouts, produce_rollouts, sampling_outcome, settle_sampling
+from maxent_grpo.training.stages import Draft, PipelineContext
 from maxent_grpo.training.seeding import seed_step, step_seed
 
 
@@ -52,11 +53,12 @@ class _Job:
     """One batch sampled in a daemon thread (a thread that outlives a stopped run must not keep
     the process alive: it only waits on a server)."""
 
-    def __init__(self, step: int, version: int, work: Callable[[], Draft | Skipped]):
-        self.step, self.version = step, version
+    def __init__(self, step: int, version: int, make_draft: Callable[[], Draft],
+                 work: Callable[[], Draft | Skipped | SamplerLost | SamplerGone]):
+        self.step, self.version, self.make_draft = step, version, make_draft
         self.started = time.perf_counter()
         self.finished: float | None = None
-        self.result: Draft | Skipped | None = None
+        self.result: Draft | Skipped | SamplerLost | SamplerGone | None = None
         self.error: BaseException | None = None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(work,), daemon=True, name=f"rollouts-{step}")
@@ -71,7 +73,7 @@ class _Job:
             self.finished = time.perf_counter()
             self._done.set()
 
-    def wait(self, timeout_s: float) -> Draft | Skipped:
+    def wait(self, timeout_s: float) -> Draft | Skipped | SamplerLost | SamplerGone:
         if not self._done.wait(timeout_s):
             # What it waited for, and whether the producer is still at it (a hung server) or gone.
             producer = (f"the sampling thread is alive, {time.perf_counter() - self.started:.0f} s into the batch "
@@ -137,8 +139,11 @@ class RolloutQueue:
         params = replace(self.ctx.plan.batch.sampling, seed=step_seed(self.seed, self.ctx.dist.rank, j))
         if self._last_finish is not None:
             self.timings["time/sampler_idle"] = time.perf_counter() - self._last_finish
-        draft = Draft(rows, j, version, params, self._more_rows)
-        self._job = _Job(j, version, lambda: _sampled(self.ctx, draft))
+
+        def draft() -> Draft:
+            return Draft(rows, j, version, params, self._more_rows)
+
+        self._job = _Job(j, version, draft, lambda: _sampled(self.ctx, draft()))
 
     def take(self, step: int) -> RolloutRecord:
         """The record of batch ``step``; ``StopIteration`` when the data ran out before it.
@@ -164,11 +169,18 @@ class RolloutQueue:
         if job is None:
             return
         t0 = time.perf_counter()
-        sampled = job.wait(self.wait_timeout_s)
+        try:
+            sampled = job.wait(self.wait_timeout_s)
+        except UserError as err:
+            if not self.ctx.recovers_lost_server:
+                raise
+            sampled = err  # agreed on below: every process raises
         self.timings["time/wait_rollouts"] += time.perf_counter() - t0
         self._last_finish = job.finished
         # Rewards, and any dynamic-sampling rounds (which generate again), inside a rollout phase too.
         with self.ctx.backend.rollout_phase(self.ctx.model):
+            if self.ctx.recovers_lost_server:  # a batch whose server was lost is sampled again here
+                sampled = settle_sampling(self.ctx, sampled, job.make_draft)
             self._put(complete_rollouts(self.ctx, sampled, step=job.step, version=step))
 
     def metrics(self, step: int, version: int) -> dict[str, float]:
@@ -227,7 +239,7 @@ class RolloutQueue:
         return self.draw_rows()
 
 
-def _sampled(ctx: PipelineContext, draft: Draft) -> Draft | Skipped:
+def _sampled(ctx: PipelineContext, draft: Draft) -> Draft | Skipped | SamplerLost | SamplerGone:
     """The producer thread's sampling stages, inside the backend's rollout phase as a step's are."""
     with ctx.backend.rollout_phase(ctx.model):
-        return run_stages(ctx, draft, "sampling")
+        return sampling_outcome(ctx, draft)

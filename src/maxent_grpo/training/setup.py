@@ -192,6 +192,7 @@ def _build_claimed(plan: RunPlan, dist: Dist, strategy: Strategy, output_dir: Pa
         dist=dist, reference_logps=reference, teacher_logps=teacher,
         episodes=episodes,
         steps_per_epoch=len(train_ds) / (plan.batch.prompts_per_step * dist.world_size),
+        recovers_lost_server=BACKENDS[plan.sampler.backend].recovers_lost_server,
     )
     sharded = ShardedSampler(sampler, dist)
     run = Run(

@@ -38,6 +38,8 @@ from maxent_grpo.rollout.backend import (
     GenerationBackend,
     PackedRollout,
     RolloutBatch,
+    SamplerGone,
+    SamplerLost,
     SamplingParams,
     concat_rollouts,
     generate_groups,
@@ -83,6 +85,9 @@ class PipelineContext:
     episodes: EpisodePlay | None = None
     # Optimizer steps per pass over the training rows (the reward functions' trainer_state.epoch); 0: unknown.
     steps_per_epoch: float = 0.0
+    # The backend can lose its server and get it back (rollout.backends.Backend.recovers_lost_server):
+    # each batch's sampling ends with every process agreeing whether one lost it (pipeline.settle_sampling).
+    recovers_lost_server: bool = False
 
 
 # ----------------------------------------------------------------- the batch on its way
@@ -177,6 +182,8 @@ def generate(ctx: PipelineContext, d: Draft) -> Draft:
         d.rollout, dropped = generate_groups(
             ctx.backend, prompts, b.num_generations, d.params, max_retry_rounds=b.max_retry_rounds,
         )
+    except (SamplerLost, SamplerGone):
+        raise  # not this batch's fault: sampled again, or the run stops (pipeline.settle_sampling)
     except (RuntimeError, ValueError) as err:
         raise SkipBatch("generation", str(err)) from err
     if dropped:
@@ -196,6 +203,8 @@ def _play_episodes(ctx: PipelineContext, play: EpisodePlay, d: Draft) -> Draft:
             d.params, play.limits,
             frame=lambda m: prompt_messages(m, system_prompt=b.system_prompt, few_shot=list(b.few_shot)),
         )
+    except (SamplerLost, SamplerGone):
+        raise
     except (RuntimeError, ValueError) as err:
         raise SkipBatch("generation", str(err)) from err
     if played.failures:
@@ -243,7 +252,10 @@ def dynamic_sampling(ctx: PipelineContext, d: Draft) -> Draft:
                 break
             current = Draft(d.more_rows(), d.step, d.version, b.sampling, started=d.started, timings=d.timings,
                             grades=d.grades)
-            current = reward_timed(ctx, generate(ctx, current))
+            try:
+                current = reward_timed(ctx, generate(ctx, current))
+            except (SamplerLost, SamplerGone) as err:  # the next batch's sampling restores the weights, or stops
+                raise SkipBatch("dynamic_sampling", f"a further round lost the generation server: {err}") from err
             d.stats.update(current.stats)
             d.dropped.update(current.dropped)
         seen += len(current.rows)

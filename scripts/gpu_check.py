@@ -23,11 +23,16 @@ that end at different steps: our fixed compiled batch against the shrinking one)
 (``benchmarks/decode.py`` at 0.5B: our compiled and eager loops against ``generate`` with a dynamic and
 a static cache, all rows to the end), ``gpu-1.5b`` (the benchmark at 1.5B); ``profile`` runs
 ``benchmarks/update_profile.py`` (where the update phase goes), ``gpu-7b`` 7B with LoRA (a call of its
-own). It writes ``OUT/summary.md`` (the device, torch and CUDA, each stage's outcome and time, the
+own). Not measured on a GPU yet, so not in the default call: ``update-ragged``
+(``benchmarks/update_ragged.py``: the update alone on one ragged batch, each of our layouts with a fixed
+and an ``auto`` micro-batch against TRL's ``compute_loss``) and ``gap-10`` (``benchmarks/head_gap.py``:
+our trainer 10 steps at 0.5B in bf16, the sampler/trainer log-prob gap each step with the LM head in bf16
+and in float32); ``run OUT --stages update-ragged,gap-10`` runs both. It writes ``OUT/summary.md`` (the device, torch and CUDA, each stage's outcome and time, the
 benchmark tables), each stage's log and ``sides.tar.gz`` (the benchmarks' raw JSON and every side's log,
 config and metrics): the machine returns at most 8 files, so one call runs at most 6 stages.
 ``--cpu`` runs the same stages on a machine without a GPU (the replica test): the tier is then
-skipped by pytest, the benchmark prints its plan and the decode stages run the tiny model.
+skipped by pytest, the benchmark prints its plan, and the decode stages, ``update-ragged`` and ``gap-10``
+(2 steps) run the tiny model.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ WHEEL_PINS = ("datasets==5.2.0", "datasets==4.8.5", "dill==0.4.1", "multiprocess
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
 SITE = Path("/tmp/maxent-gpu-site")
-STAGES = ("tier", "decode", "gpu-0.5b", "gpu-1.5b", "decode-ragged", "profile", "gpu-7b")
+STAGES = ("tier", "decode", "gpu-0.5b", "gpu-1.5b", "decode-ragged", "profile", "gpu-7b", "update-ragged", "gap-10")
 # What one call runs unless told otherwise, inside 10 minutes (a command's limit there). Measured on an
 # H200 (BENCHMARKS.md §9, 2026-11-29): the tier's 10 CUDA tests took 107 s with a warm compile cache and
 # were cut at 110 s after 6 of them with a cold one; decode took 112 s; gpu-0.5b 158 s with its third side
@@ -58,6 +63,16 @@ STAGES = ("tier", "decode", "gpu-0.5b", "gpu-1.5b", "decode-ragged", "profile", 
 # --stages gpu-7b.
 DEFAULT_STAGES = ("tier", "gpu-0.5b", "decode-ragged")
 TIER_LIMIT = 200
+# Not in DEFAULT_STAGES: the default call's limits (200 + 240 + 120 s) already fill its 560 s budget.
+# Not measured on a GPU yet; each limit is its nearest measured stage's, with margin. update-ragged runs
+# 9 variants (4 layouts x 2 micro-batches, and TRL) of 4 passes over one 0.5B batch like profile's: on the
+# H100 (2026-11-26) profile's 5 variants of 4 passes took 23 s by their medians and printed before the
+# stage was cut at 90 s in its profiler trace; 9 variants, TRL's trainer built and the model loaded: 150 s.
+# gap-10 runs 2 fresh processes of our trainer, 10 steps each, at gpu-0.5b's setting: on the H200
+# (2026-11-29) our side of gpu-0.5b took about 40 s for 3 steps (21 s of it compiling the decoding loop)
+# and 2.1 s a step after, so about 60 s a run; gpu-0.5b's own limit leaves twice that.
+UPDATE_RAGGED_LIMIT = 150
+GAP_LIMIT = 240
 # (stage, model, steps, the stage's limit, each side's): the first step of each side is its warm-up.
 BENCHMARKS = (("gpu-0.5b", "qwen2.5-0.5b", 3, 240, 90), ("gpu-1.5b", "qwen2.5-1.5b", 3, 330, 110),
               ("gpu-7b", "qwen2.5-7b", 3, 480, 170))
@@ -260,6 +275,15 @@ def run(out: Path, budget: float, cpu: bool, only: list[str], bench_steps: int |
                             if cpu else []), 70)
         bench.append("\n".join(line for line in log.splitlines() if line.startswith("|") or line.startswith("qwen")
                                or line.startswith("tiny")))
+    if "update-ragged" in only:
+        log = stages.run("update-ragged", [py, "benchmarks/update_ragged.py", "--model", "qwen2.5-0.5b"]
+                         + (["--cpu"] if cpu else []), UPDATE_RAGGED_LIMIT)
+        bench.append(_tables(log))
+    if "gap-10" in only:
+        model, steps = ("tiny", 2) if cpu else ("qwen2.5-0.5b", 10)
+        log = stages.run("gap-10", [py, "benchmarks/head_gap.py", "--random-model", model, "--steps", str(steps),
+                                    "--out", str(home / "work" / "gap-10")], GAP_LIMIT)
+        bench.append(_tables(log))
     lines = ["# GPU check", "", *[f"- {d}" for d in device], f"- wheels: {installed}",
              f"- total: {time.monotonic() - t0:.0f} s of a {budget:.0f} s budget", "",
              "| stage | outcome | seconds |", "|---|---|---|",

@@ -11,7 +11,6 @@ needs PyPI) are not fetched here; the choice among them is checked on wheel file
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import zipfile
@@ -19,38 +18,12 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-MISSING = ("datasets", "reasoning_gym", "math_verify", "trl", "vllm")
-
-BLOCKER = f'''
-import importlib.machinery
-
-_MISSING = {MISSING!r}
-_find = importlib.machinery.PathFinder.find_spec
-
-
-def _find_spec(cls, name, path=None, target=None):
-    if name.partition(".")[0] in _MISSING:
-        return None  # as on the GPU machine: not installed
-    return _find(name, path, target)
-
-
-# A classmethod, as the original: pytest keeps PathFinder.find_spec as a bound method of its own.
-importlib.machinery.PathFinder.find_spec = classmethod(_find_spec)
-'''
+from gpu_image import MISSING, REPO, replica_env as image_env  # tests/ is on pytest's pythonpath
 
 
 @pytest.fixture(scope="module")
 def replica_env(tmp_path_factory):
-    block = tmp_path_factory.mktemp("gpu-image")
-    (block / "sitecustomize.py").write_text(BLOCKER)
-    home = tmp_path_factory.mktemp("home")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(block), str(REPO / "src"), str(REPO)])
-    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(home / "hf"), WANDB_MODE="offline",
-               MAXENT_GRPO_BENCH_CACHE=str(home / "bench"), MAXENT_GRPO_CACHE=str(home / "cache"),
-               TMPDIR=str(home))
-    return env
+    return image_env(tmp_path_factory.mktemp("gpu-image"), tmp_path_factory.mktemp("home"), MISSING)
 
 
 def _run(cmd, env, timeout=900):

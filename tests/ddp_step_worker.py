@@ -116,10 +116,14 @@ def spec(**loss) -> LossSpec:
     return LossSpec(clip=ClipSettings(**clip), **loss)
 
 
-def step(model, optimizer, mbs, *, share_prompts: bool = True, temperature: float = 1.0,
-         max_grad_norm: float | None = None, lr_scheduler=None, comm: Comm = Comm(), **loss):
-    """``grpo_step`` with the loss given as flat keyword arguments (:func:`spec`)."""
-    return grpo_step(model, optimizer, mbs, spec(**loss), Scoring(temperature=temperature, share_prompts=share_prompts),
+def step(model, optimizer, mbs, *, share_prompts: bool = True, inline_prompts: bool = False,
+         temperature: float = 1.0, max_grad_norm: float | None = None, lr_scheduler=None, comm: Comm = Comm(),
+         **loss):
+    """``grpo_step`` with the loss given as flat keyword arguments (:func:`spec`); ``inline_prompts``: the
+    one-pass layout (shared, packed: each prompt once, its completions behind it in one forward)."""
+    scoring = Scoring(temperature=temperature, share_prompts=share_prompts or inline_prompts,
+                      packing=inline_prompts, inline_prompts=inline_prompts)
+    return grpo_step(model, optimizer, mbs, spec(**loss), scoring,
                      comm=comm, hooks=StepHooks(OptimizerUpdate(max_grad_norm, lr_scheduler)))
 
 

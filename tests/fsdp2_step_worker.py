@@ -5,7 +5,8 @@ loads the tiny model in float32, shards it (``training.sharding``), checks that
 the gathered state dict and the streamed ``full_state_items`` (the vLLM weight push) equal the
 loaded weights, runs one ``grpo_step`` (SGD, lr=1, rows split over the ranks,
 two micro-batches each, shared prompts and the fused LM head on: the training
-defaults) and writes rank 0's full parameter update (= minus the gradient) to ``OUT``.
+defaults), and one more on groups that share their prompts in the one-pass layout
+(``inline_prompts``), and writes rank 0's full parameter updates (= minus the gradient) to ``OUT``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ddp_step_worker import all_reduce_sum, build_rows, rank_micro_batches, step  # noqa: E402
+from ddp_step_worker import all_reduce_sum, build_rows, build_shared_rows, rank_micro_batches, step  # noqa: E402
 
 from maxent_grpo.core.step import Comm  # noqa: E402
 
@@ -55,12 +56,23 @@ def main(model_dir: str, out_path: str) -> None:
     step(every, torch.optim.SGD(every.parameters(), lr=1.0), mine, beta=0.05, loss_type="dapo",
          comm=Comm(world, all_reduce_sum))
     every_after = full_state_dict(every)
+    # The one-pass layout on groups that share their prompts: each prompt once, in the sharded forward.
+    inline = load_model(model_dir)
+    shared = build_shared_rows(inline)
+    shard_model(inline)
+    inline_before = full_state_dict(inline)
+    inline_result = step(inline, torch.optim.SGD(inline.parameters(), lr=1.0), rank_micro_batches(shared, rank, world),
+                         beta=0.05, loss_type="dapo", inline_prompts=True,
+                         comm=Comm(world, all_reduce_sum, fsdp2_gradient_sync(inline)))
+    inline_after = full_state_dict(inline)
     if rank == 0:
         torch.save({
             "loaded": loaded, "gathered": before, "streamed": streamed,
             "grads": {k: before[k] - after[k] for k in before},
             "grads_every": {k: before[k] - every_after[k] for k in before},
             "loss": result.loss, "metrics": result.metrics,
+            "grads_inline": {k: inline_before[k] - inline_after[k] for k in inline_before},
+            "loss_inline": inline_result.loss,
             "reduce_scatters": len(reduce_scatters), "every_reduce_scatters": len(every_reduce_scatters),
             "units": sum(isinstance(m, FSDPModule) for m in model.modules()),
         }, out_path)

@@ -169,3 +169,27 @@ def test_a_checkpointed_run_shares_its_prompts_and_trains_as_the_stored_one(tiny
         assert stored["tokens/policy_forward"] == checkpointed["tokens/policy_forward"] < stored["tokens/real"]
         for key in ("loss", "kl", "entropy", "grad_norm", "reward"):
             assert checkpointed[key] == pytest.approx(stored[key], rel=1e-5, abs=1e-7), key
+
+
+def test_one_forward_per_group_gives_the_padded_values_and_gradients_under_lora(tiny_model_dir):
+    """A LoRA-wrapped policy (peft): the adapters' gradients from the one-pass layout are the padded forward's."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(_model(tiny_model_dir, "sdpa"), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)).double()
+    ids, mask, cmask = _rows(model)
+    a, _ = _weights(cmask.shape, 11)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert trained and len(trained) < len(list(model.parameters()))
+
+    def run(**layout):
+        model.zero_grad()
+        lp, _ = get_per_token_logps_and_entropies(model, ids, mask, worker.PROMPT_LEN, with_entropy=False, **layout)
+        (cmask * a * lp).sum().backward()
+        return lp.detach() * cmask, [p.grad.clone() for p in trained]
+
+    inline, plain = run(share_prompts=True, pack=True, inline_prompts=True), run(share_prompts=False, pack=False)
+    torch.testing.assert_close(inline[0], plain[0], atol=1e-6, rtol=0)
+    assert all(float(g.abs().max()) > 0 for g in plain[1])
+    for x, y in zip(inline[1], plain[1]):
+        assert float((x - y).abs().max()) <= 1e-5 * float(y.abs().max())

@@ -19,7 +19,7 @@ from maxent_grpo.training.checkpoint import verify_checkpoint
 from maxent_grpo.config.load import ConfigError, GenerationConfig, load_config
 from tiny_runs import compiled
 
-from ddp_step_worker import build_rows, micro_batches, step  # noqa: E402
+from ddp_step_worker import build_rows, build_shared_rows, micro_batches, step  # noqa: E402
 from fsdp2_step_worker import load_model  # noqa: E402
 from test_resume import _args, _comparable, _rank_errors, _torchrun  # noqa: E402
 
@@ -60,6 +60,17 @@ def test_two_fsdp2_processes_give_the_single_process_gradient_and_the_full_weigh
     assert (sharded["reduce_scatters"], sharded["every_reduce_scatters"]) == (units, 2 * units)
     assert max(float((sharded["grads_every"][k] - sharded["grads"][k]).abs().max()) for k in grads) < 1e-6
     assert sharded["metrics"]["grad_norm"] == pytest.approx(single.metrics["grad_norm"], rel=1e-5)
+
+    # The one-pass layout under FSDP2 (each shared prompt once, completions behind it) takes the step one
+    # process takes with one padded row per completion.
+    model = load_model(str(tiny_model_dir))
+    shared = build_shared_rows(model)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    padded = step(model, torch.optim.SGD(model.parameters(), lr=1.0), micro_batches(shared, RANK_MICRO_BATCHES),
+                  beta=0.05, loss_type="dapo", share_prompts=False)
+    grads = {k: before[k] - v for k, v in model.state_dict().items()}
+    assert max(float((sharded["grads_inline"][k] - grads[k]).abs().max()) for k in grads) < 1e-6
+    assert sharded["loss_inline"] == pytest.approx(padded.loss, rel=1e-5)
 
 
 @pytest.mark.multiprocess

@@ -17,12 +17,8 @@ from maxent_grpo.errors import ConfigError
 from maxent_grpo.rollout.backend import Completion, PromptGroup, build_rollout_batch
 from maxent_grpo.rollout.data_plane import LocalDataPlane, RolloutRecord, Skipped
 from maxent_grpo.rollout.open_plane import check_data_plane, open_data_plane
-from maxent_grpo.rollout.transferqueue_plane import (
-    MISSING_EXTRA,
-    TransferQueuePlane,
-    TransferQueueStartError,
-    import_transfer_queue,
-)
+from maxent_grpo.rollout.transferqueue_plane import MISSING_EXTRA, TransferQueuePlane, import_transfer_queue
+from maxent_grpo.rollout.transferqueue_ray import TransferQueueStartError
 
 
 def needs_transferqueue() -> None:
@@ -314,7 +310,8 @@ def test_a_ray_cluster_without_two_free_cpus_is_refused_not_waited_on(ray_planes
 
     if "plane" in ray_planes:
         ray_planes.pop("plane").close()
-    ray.init(num_cpus=1, include_dashboard=False, object_store_memory=128 * 2**20, configure_logging=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, object_store_memory=128 * 2**20,
+             configure_logging=False)
     try:
         with pytest.raises(TransferQueueStartError, match="has 1 free CPUs.*need 2"):
             TransferQueuePlane(ray=True)

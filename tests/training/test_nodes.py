@@ -1,53 +1,21 @@
 """Beyond one machine: ``--resume auto`` (one command line for the first start and every restart),
 two torchrun agents as two nodes on one machine, a worker lost with and without torchrun's restarts.
 
-Every multi-process test here runs real ``torchrun`` agents with gloo workers on the tiny model; the
-workers inherit this process's environment (``PYTHONPATH`` included), so they import the code under test.
+Every multi-process test here runs real ``torchrun`` agents with gloo workers on the tiny model
+(tests/torchrun_nodes.py starts them).
 """
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 import maxent_grpo
 from maxent_grpo.cli import main
 from maxent_grpo.training.checkpoint import find_latest_checkpoint, list_checkpoints, verify_checkpoint
-from maxent_grpo.training.metrics import read_metrics
-
-SETS = [
-    "data.source=reasoning_gym:chain_sum", "data.size=64", "generation.num_generations=4",
-    "generation.max_new_tokens=8", "training.prompts_per_step=2", "training.micro_batch_size=4",
-    "logging.progress_bar=false", "checkpoint.save_steps=1", "generation.dtype=null",
-    "training.autocast_bf16=false", "data.task_kwargs={}", "checkpoint.keep_last=3",
-    "training.learning_rate=0.01", "loss.beta=0.04", "rewards=[{name: length, kwargs: {max_length: 100}}]",
-]
-
-
-def _sets(model_dir, *extra) -> list[str]:
-    return [f"model.name_or_path={model_dir}", *SETS, *extra]
-
-
-def _args(model_dir, out, steps, *extra) -> list[str]:
-    return ["train", "--output-dir", str(out), "--max-steps", str(steps), "--seed", "3",
-            *[a for s in _sets(model_dir, *extra) for a in ("--set", s)]]
-
-
-def _comparable(rows):
-    """Metrics without wall-clock timings."""
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and not k.endswith("_time")} for r in rows]
-
-
-def _metrics(out) -> list[dict]:
-    return _comparable(read_metrics(Path(out) / "metrics.jsonl"))
-
+from torchrun_nodes import finish, log_tails, one_node, run_args, run_metrics, run_sets, signal_node, two_nodes, workers
 
 # ---------------------------------------------------------------- --resume auto, one process
 
@@ -57,19 +25,19 @@ def test_resume_auto_starts_fresh_then_continues_exactly(tiny_model_dir, tmp_pat
     (here through ``maxent_grpo.train(resume="auto")``) continues from the latest complete checkpoint,
     and every step's metrics equal those of an uninterrupted run."""
     full, auto = tmp_path / "full", tmp_path / "auto"
-    assert main(_args(tiny_model_dir, full, 4)) == 0
-    assert main([*_args(tiny_model_dir, auto, 2), "--resume", "auto"]) == 0
-    assert [r["step"] for r in _metrics(auto)] == [1, 2]
+    assert main(run_args(tiny_model_dir, full, 4)) == 0
+    assert main([*run_args(tiny_model_dir, auto, 2), "--resume", "auto"]) == 0
+    assert [r["step"] for r in run_metrics(auto)] == [1, 2]
     assert find_latest_checkpoint(auto).name == "step-2"
     summary = maxent_grpo.train(
-        None, overrides=[*_sets(tiny_model_dir), f"logging.output_dir={auto}", "training.max_steps=4",
+        None, overrides=[*run_sets(tiny_model_dir), f"logging.output_dir={auto}", "training.max_steps=4",
                          "training.seed=3"], resume="auto",
     )
     assert summary.steps == 4 and summary.checkpoint.name == "step-4"
     assert "# resumed at step 2" in (auto / "config.yaml").read_text()
-    expected = _metrics(full)
+    expected = run_metrics(full)
     assert [r["step"] for r in expected] == [1, 2, 3, 4]
-    assert _metrics(auto) == expected
+    assert run_metrics(auto) == expected
 
 
 def test_resume_auto_refuses_another_run_without_a_checkpoint(tiny_model_dir, tmp_path, capsys):
@@ -80,8 +48,8 @@ def test_resume_auto_refuses_another_run_without_a_checkpoint(tiny_model_dir, tm
     from maxent_grpo.config.load import load_config, to_dict
     from maxent_grpo.training.run_dir import save_config
 
-    save_config(to_dict(load_config(None, [*_sets(tiny_model_dir), "training.seed=3"])), out / "config.yaml")
-    assert main([*_args(tiny_model_dir, out, 2), "--seed", "4", "--resume", "auto"]) == 1
+    save_config(to_dict(load_config(None, [*run_sets(tiny_model_dir), "training.seed=3"])), out / "config.yaml")
+    assert main([*run_args(tiny_model_dir, out, 2), "--seed", "4", "--resume", "auto"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "training.seed: 3 -> 4" in err[0], err
     assert not (out / "metrics.jsonl").exists()
@@ -90,101 +58,13 @@ def test_resume_auto_refuses_another_run_without_a_checkpoint(tiny_model_dir, tm
 # ---------------------------------------------------------------- torchrun agents
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(**extra) -> dict:
-    return {**os.environ, "MAXENT_GRPO_LOG": "INFO", "OMP_NUM_THREADS": "1", **extra}
-
-
-def _launch(launcher: list[str], args: list[str], log: Path, env: dict) -> subprocess.Popen:
-    """One torchrun agent in its own session (the test can end it and its workers together)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "maxent_grpo.cli", *args]
-    with open(log, "w") as fh:
-        return subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-
-
-def _finish(procs: list[subprocess.Popen], timeout: float = 600) -> list[int]:
-    """Every agent's exit code; agents still running at the deadline are killed with their workers."""
-    deadline = time.monotonic() + timeout
-    codes = []
-    for proc in procs:
-        try:
-            codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            codes.append(None)
-    for proc in procs:
-        if proc.poll() is None:
-            _signal_node(proc, signal.SIGKILL)
-            proc.wait()
-    return codes
-
-
-def _workers(agent: subprocess.Popen) -> dict[int, int]:
-    """The agent's workers (its child processes) as {pid: RANK}, read from their environment."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0") if ppid == agent.pid else []
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue  # gone meanwhile, or not ours
-        ranks = [int(v.split(b"=")[1]) for v in environ if v.startswith(b"RANK=")]
-        if ranks:
-            found[int(entry.name)] = ranks[0]
-    return found
-
-
-def _signal_node(agent: subprocess.Popen, sig: int) -> None:
-    """Send ``sig`` to a whole node: the agent's session and each worker's (torchrun starts every worker in a
-    session of its own)."""
-    for pid in _workers(agent):
-        try:
-            os.killpg(pid, sig)
-        except ProcessLookupError:
-            pass  # the worker ended meanwhile
-    os.killpg(agent.pid, sig)
-
-
-def _two_nodes(args, logs: list[Path], *, max_restarts: int = 0, envs=(None, None)) -> list[subprocess.Popen]:
-    """Two agents of one job (``--nnodes 2 --nproc-per-node 1``) meeting at a c10d rendezvous on this machine.
-    Node 0 starts first and hosts the rendezvous store (node 1 joins once the port answers)."""
-    port = _free_port()
-    launcher = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"nodes-{port}", "--max-restarts",
-                str(max_restarts)]
-    first = _launch(launcher, args, logs[0], _env(**(envs[0] or {})))
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and first.poll() is None:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        time.sleep(0.2)
-    return [first, _launch(launcher, args, logs[1], _env(**(envs[1] or {})))]
-
-
-def _one_node(args, log: Path, *, max_restarts: int = 0, env=None) -> subprocess.Popen:
-    launcher = ["--standalone", "--nproc-per-node", "2", "--max-restarts", str(max_restarts)]
-    return _launch(launcher, args, log, _env(**(env or {})))
-
-
-def _logs(paths) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in paths)
-
-
 @pytest.fixture(scope="module", params=["ddp", "fsdp2"])
 def one_node_run(request, tiny_model_dir, tmp_path_factory):
     """The reference: one agent, two workers (``--standalone --nproc-per-node 2``), 3 steps."""
     root = tmp_path_factory.mktemp(f"one-node-{request.param}")
-    args = _args(tiny_model_dir, root / "run", 3, f"training.strategy={request.param}")
-    assert _finish([_one_node(args, root / "agent.log")]) == [0], _logs([root / "agent.log"])
-    return request.param, _metrics(root / "run")
+    args = run_args(tiny_model_dir, root / "run", 3, f"training.strategy={request.param}")
+    assert finish([one_node(args, root / "agent.log")]) == [0], log_tails([root / "agent.log"])
+    return request.param, run_metrics(root / "run")
 
 
 @pytest.mark.multiprocess
@@ -195,10 +75,10 @@ def test_two_nodes_train_as_one_node_does(one_node_run, tiny_model_dir, tmp_path
     strategy, expected = one_node_run
     out = tmp_path / "run"
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
-    args = _args(tiny_model_dir, out, 3, f"training.strategy={strategy}")
-    assert _finish(_two_nodes(args, logs)) == [0, 0], _logs(logs)
+    args = run_args(tiny_model_dir, out, 3, f"training.strategy={strategy}")
+    assert finish(two_nodes(args, logs)) == [0, 0], log_tails(logs)
     assert [r["step"] for r in expected] == [1, 2, 3]
-    assert _metrics(out) == expected
+    assert run_metrics(out) == expected
     steps = list_checkpoints(out)
     assert [p.name for p in steps] == ["step-1", "step-2", "step-3"]
     assert all(verify_checkpoint(p) for p in steps)
@@ -217,16 +97,16 @@ def test_a_lost_worker_is_restarted_and_the_run_ends_as_an_uninterrupted_one(one
     strategy, expected = one_node_run
     out = tmp_path / "run"
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
-    args = [*_args(tiny_model_dir, out, 3, f"training.strategy={strategy}"), "--resume", "auto"]
+    args = [*run_args(tiny_model_dir, out, 3, f"training.strategy={strategy}"), "--resume", "auto"]
     kill = {"MAXENT_GRPO_KILL_AT": "step.after_backward@2"}
-    assert _finish(_two_nodes(args, logs, max_restarts=1, envs=(kill, None))) == [0, 0], _logs(logs)
+    assert finish(two_nodes(args, logs, max_restarts=1, envs=(kill, None))) == [0, 0], log_tails(logs)
     assert "process group: gloo" in logs[0].read_text()  # rank 0 logs, and it ran on node 0
     assert "exitcode: -9" in logs[0].read_text() or "exitcode  : -9" in logs[0].read_text()
     text = "\n".join(p.read_text() for p in logs)
     assert "no complete checkpoint" in text  # the first incarnation started afresh
     # The second incarnation (node 0's restarted worker is rank 0 again) continues from step 1's checkpoint.
     assert f"--resume auto (torchrun restart 1): continuing from {out / 'checkpoints' / 'step-1'}" in text
-    assert _metrics(out) == expected
+    assert run_metrics(out) == expected
     assert [p.name for p in list_checkpoints(out)] == ["step-1", "step-2", "step-3"]
     assert all(verify_checkpoint(p) for p in list_checkpoints(out))
 
@@ -239,24 +119,24 @@ def test_a_frozen_node_stops_the_run_in_bounded_time_naming_the_lost_rank(tiny_m
     plus the roll call, with one line naming the lost rank, and its agent exits non-zero: no hang."""
     out = tmp_path / "run"
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
-    args = _args(tiny_model_dir, out, 50, "training.dist_timeout_minutes=0.5", "checkpoint.save_steps=0")
-    node0, node1 = _two_nodes(args, logs)
+    args = run_args(tiny_model_dir, out, 50, "training.dist_timeout_minutes=0.5", "checkpoint.save_steps=0")
+    node0, node1 = two_nodes(args, logs)
     try:
         deadline = time.monotonic() + 600
         while not (out / "metrics.jsonl").is_file() and time.monotonic() < deadline and node0.poll() is None:
             time.sleep(0.2)
-        assert (out / "metrics.jsonl").is_file(), _logs(logs)
-        (lost,) = _workers(node1).values()
-        _signal_node(node1, signal.SIGSTOP)
+        assert (out / "metrics.jsonl").is_file(), log_tails(logs)
+        (lost,) = workers(node1).values()
+        signal_node(node1, signal.SIGSTOP)
         frozen = time.monotonic()
-        code = _finish([node0], timeout=600)[0]
+        code = finish([node0], timeout=600)[0]
         took = time.monotonic() - frozen
     finally:
-        _signal_node(node1, signal.SIGKILL)
+        signal_node(node1, signal.SIGKILL)
         node1.wait()
     text = logs[0].read_text()
     print(f"node 0 exited {took:.1f} s after node 1 froze (timeout 30 s + roll call)")
-    assert code not in (0, None), _logs(logs)
+    assert code not in (0, None), log_tails(logs)
     assert "a collective waits at most 0.5 min for the others (training.dist_timeout_minutes)" in text
     lines = [ln for ln in text.splitlines() if ln.startswith("maxent-grpo: error: ")]
-    assert len(lines) == 1 and lines[0].startswith(f"maxent-grpo: error: lost rank {lost} of 2: "), _logs(logs)
+    assert len(lines) == 1 and lines[0].startswith(f"maxent-grpo: error: lost rank {lost} of 2: "), log_tails(logs)

@@ -90,6 +90,17 @@ CASES = {
     "adapter-sync-rank": (["--set", "model.lora.enabled=true", "--set", "model.lora.r=1024",
                            "--set", "generation.backend=vllm", "--set", "generation.vllm.lora_sync=adapter"],
                           "model.lora.r: 1024 is above the largest rank vLLM's LoRA engine takes (512)"),
+    "ray-address-on-the-local-plane": (
+        ["--set", "rollout.transferqueue_ray_address=127.0.0.1:6379"],
+        "rollout.transferqueue_ray_address: joins a Ray cluster for the TransferQueue plane; it needs "
+        "rollout.data_plane: transferqueue, got local"),
+    "ray-address-without-ray": (
+        ["--set", "rollout.data_plane=transferqueue", "--set", "rollout.transferqueue_ray=false",
+         "--set", "rollout.transferqueue_ray_address=auto"],
+        "rollout.transferqueue_ray_address: joins a Ray cluster for TransferQueue's Ray actors; it needs "
+        "rollout.transferqueue_ray: true"),
+    "ray-address-without-port": (["--set", "rollout.transferqueue_ray_address=headnode"],
+                                 "rollout.transferqueue_ray_address: must be HOST:PORT"),
     "fp32-head-under-lora": (["--set", "model.lora.enabled=true", "--set", "model.lm_head_fp32=true",
                               "--set", "model.lora.target_modules=[q_proj,lm_head]"],
                              "model.lm_head_fp32: the float32 head cannot be a LoRA-wrapped head"),

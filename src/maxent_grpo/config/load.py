@@ -300,6 +300,12 @@ def _positive_int(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and value >= 1
 
 
+def _ray_address(address: str) -> bool:
+    """``auto``, or a host and a port: ``HOST:PORT`` (an IPv6 host in brackets: ``[::1]:6379``)."""
+    host, _, port = address.rpartition(":")
+    return address == "auto" or (bool(host.strip("[]")) and port.isdigit() and 0 < int(port) < 65536)
+
+
 def validate(cfg: TrainConfig) -> None:
     """Each key's own checks (a range, a known name, a package that must be installed); each failure
     names its key. The rules between sections are ``compile_run``'s (config/rules.py)."""
@@ -343,6 +349,9 @@ def validate(cfg: TrainConfig) -> None:
     require(r.max_staleness >= 0, "rollout.max_staleness", f"must be >= 0 (0: synchronous), got {r.max_staleness}")
     require(r.wait_timeout_s > 0, "rollout.wait_timeout_s", f"must be > 0, got {r.wait_timeout_s}")
     check_data_plane(r.data_plane)  # its package, before any model loads
+    require(r.transferqueue_ray_address is None or _ray_address(r.transferqueue_ray_address),
+            "rollout.transferqueue_ray_address",
+            f"must be HOST:PORT (the head node's ray start --port), auto or null, got {r.transferqueue_ray_address!r}")
     _environment_keys(cfg)
     require(cfg.logging.collapse_window >= 0, "logging.collapse_window", "must be >= 0 (0: off)")
     require(cfg.checkpoint.save_steps >= 0, "checkpoint.save_steps", "must be >= 0")

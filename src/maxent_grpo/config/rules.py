@@ -128,6 +128,7 @@ def check_run(cfg: TrainConfig, machine: Machine, master: str, *, eval_rows_give
     require(cfg.eval.every_steps == 0 or cfg.data.eval_size > 0 or eval_rows_given, "eval.every_steps",
             "in-loop validation needs a held-out split: set data.eval_size > 0 (or give an eval_dataset)")
     _check_teacher(cfg)
+    _check_ray_address(cfg)
     _check_ref_sync(cfg, strategy)
     _check_strategy(cfg, strategy, master)
     _environment_rules(cfg)
@@ -143,6 +144,19 @@ def check_given_model(cfg: TrainConfig) -> None:
     require(not backend.owns_weights, "generation.backend",
             f"{cfg.generation.backend} loads the model from its folder into the engine; with a model object "
             "sample with hf, or give the model's folder (model.save_pretrained(DIR))")
+
+
+def _check_ray_address(cfg: TrainConfig) -> None:
+    """A Ray cluster to join is TransferQueue's, on Ray: the other planes start no Ray."""
+    r = cfg.rollout
+    if r.transferqueue_ray_address is None:
+        return
+    require(r.data_plane == "transferqueue", "rollout.transferqueue_ray_address",
+            f"joins a Ray cluster for the TransferQueue plane; it needs rollout.data_plane: transferqueue, "
+            f"got {r.data_plane} (or set it to null)")
+    require(r.transferqueue_ray, "rollout.transferqueue_ray_address",
+            "joins a Ray cluster for TransferQueue's Ray actors; it needs rollout.transferqueue_ray: true "
+            "(false runs the plane in this process, without Ray), or set it to null")
 
 
 def _check_ref_sync(cfg: TrainConfig, strategy: type[Strategy]) -> None:

@@ -11,6 +11,7 @@ import importlib.util
 from maxent_grpo.errors import ConfigError
 from maxent_grpo.rollout.data_plane import DataPlane, LocalDataPlane
 from maxent_grpo.rollout.transferqueue_plane import MISSING_EXTRA, TransferQueuePlane
+from maxent_grpo.rollout.transferqueue_ray import ONE_PROCESS, Ranks
 
 
 def check_data_plane(name: str) -> None:
@@ -19,9 +20,11 @@ def check_data_plane(name: str) -> None:
         raise ConfigError(MISSING_EXTRA)
 
 
-def open_data_plane(name: str, *, ray: bool) -> DataPlane:
+def open_data_plane(name: str, *, ray: bool, ray_address: str | None = None, ranks: Ranks = ONE_PROCESS) -> DataPlane:
     """A new plane, which the caller closes; ``ray``: TransferQueue's controller and storage as Ray
-    actors, else in this process. TransferQueue is imported only here (it takes seconds)."""
+    actors, else in this process; ``ray_address``: on that Ray cluster, one plane shared by ``ranks``
+    (every rank calls this together), else on a private Ray instance. TransferQueue is imported only
+    here (it takes seconds)."""
     if name == "local":
         return LocalDataPlane()
-    return TransferQueuePlane(ray=ray)
+    return TransferQueuePlane(ray=ray, ray_address=ray_address, ranks=ranks)

@@ -86,5 +86,10 @@ class RolloutConfig:
     transferqueue_ray: bool = field(default=True, metadata={"help": (
         "transferqueue: start its controller and storage as Ray actors (documented), or in this process "
         "without Ray (starts in under a second)")})
+    transferqueue_ray_address: str | None = field(default=None, metadata={"help": (
+        "transferqueue on Ray: null starts a private Ray instance in each trainer process (never a running "
+        "cluster); HOST:PORT (a head node's `ray start --head --port`) or auto (the cluster `ray start` last "
+        "started on this machine) joins that cluster, where rank 0 starts one plane that every trainer rank "
+        "shares; the cluster is left running (docs/SCALING.md)")})
     wait_timeout_s: float = field(default=1800.0, metadata={"help": (
         "seconds the trainer waits for a step's rollouts before the run stops with a checkpoint")})

@@ -3,11 +3,18 @@
 TransferQueue (PyPI ``transferqueue``, imported as ``transfer_queue``; our ``transferqueue``
 extra) is the data plane of NeMo-RL's ``grpo_sync`` and of verl: a controller that tracks
 rows and their fields, storage units that hold the rows, and clients that reach both over
-ZMQ. It starts in one of two ways (``rollout.transferqueue_ray``):
+ZMQ. It starts in one of three ways (``rollout.transferqueue_ray``, ``rollout.transferqueue_ray_address``;
+the Ray side is rollout/transferqueue_ray.py):
 
-* Ray, the documented way: ``ray.init`` with two logical CPUs (unless this process already
-  joined a Ray cluster), then ``transfer_queue.init``, which starts the controller and one
-  storage unit as Ray actors (two processes);
+* Ray, a private instance, the default: ``ray.init(address="local")`` with two logical CPUs (never
+  a Ray cluster already running on the machine; a process already in Ray keeps its own), then
+  ``transfer_queue.init``, which starts the controller and one storage unit as Ray actors (two
+  processes). Each trainer rank has its own plane;
+* Ray, a cluster started with ``ray start`` (``transferqueue_ray_address``: ``HOST:PORT`` or
+  ``auto``): every rank joins it, rank 0 starts the controller and the storage unit, and the other
+  ranks connect to them as clients: one plane for the run, each rank's partitions under its own
+  prefix in the controller (``rank1/train/3``; the ``DataPlane`` names stay ``train/3``). The
+  cluster is left running at close;
 * in-process, no Ray runtime: the controller and the storage unit run as objects in this
   process. TransferQueue has no public API for this. It goes through the undocumented
   ``__ray_metadata__.modified_class`` (the plain class behind each Ray actor class, which
@@ -27,7 +34,9 @@ Traps of TransferQueue 0.1.11 handled here (docs/ASYNC.md, "Data plane"):
   on a two-core machine: one storage unit, and Ray is given two logical CPUs;
 * Ray and the ZMQ sockets bind the machine's network address unless
   ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is set before Ray is imported: set here (as a
-  default) before the import, so the sockets, which carry pickles, listen on loopback;
+  default) before the import, so the sockets of a private instance, which carry pickles, listen
+  on loopback. On a joined cluster the actors bind their node's address, which the other nodes
+  must reach (the cluster's network is the user's to keep private);
 * a blocking read of rows not yet put stalls the controller for 5 s: polling mode, and
   ``fetch`` only reads keys the controller lists;
 * per-row fields come back as jagged nested tensors: unbound row by row;
@@ -47,20 +56,13 @@ from dataclasses import dataclass
 
 import torch
 
-from maxent_grpo.errors import ConfigError, UserError
+from maxent_grpo.errors import ConfigError
 from maxent_grpo.rollout.backend import FINISH_REASONS, RolloutBatch
 from maxent_grpo.rollout.data_plane import RolloutRecord
+from maxent_grpo.rollout.transferqueue_ray import ONE_PROCESS, Ranks, RayPlane, open_on_ray
 
 MISSING_EXTRA = "rollout.data_plane: transferqueue needs the transferqueue extra: pip install -e '.[transferqueue]'"
-# The controller and the storage unit each ask Ray for one CPU.
-RAY_CPUS = 2
-# Ray's object store is not used (rows travel over TransferQueue's own sockets); its floor is 75 MiB.
-RAY_OBJECT_STORE_BYTES = 128 * 2**20
 HEADER_KEY = "record"
-
-
-class TransferQueueStartError(UserError):
-    """TransferQueue could not be started; the message says what to change."""
 
 
 def import_transfer_queue():
@@ -89,64 +91,31 @@ class _InProcess:
 
 
 class TransferQueuePlane:
-    """A ``DataPlane`` on TransferQueue; ``ray=False`` runs it in this process without Ray."""
+    """A ``DataPlane`` on TransferQueue; ``ray=False`` runs it in this process without Ray.
 
-    def __init__(self, *, ray: bool = True) -> None:
+    ``ray_address``: the Ray cluster that the trainer ranks (``ranks``) share one plane on
+    (rollout/transferqueue_ray.py); None, a private Ray instance. Each rank's partitions are its own:
+    the controller knows ``train/3`` of rank 1 as ``rank1/train/3``.
+    """
+
+    def __init__(self, *, ray: bool = True, ray_address: str | None = None, ranks: Ranks = ONE_PROCESS) -> None:
+        if ray_address is not None and not ray:
+            raise ValueError("a Ray cluster to join (ray_address) needs ray=True")
         tq = import_transfer_queue()
-        self._ray = ray
-        self._started_ray = False
+        self._on_ray: RayPlane | None = None
         self._in_process: _InProcess | None = None
+        self._prefix = f"rank{ranks.rank}/"
         self._registered: list[str] = []
         self._closed = False
-        # The controller's IP address (the storage unit's is the same): loopback unless Ray was
-        # imported before this plane set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER.
-        self._client, self.listen_ip = self._start_ray(tq) if ray else self._start_in_process(tq)
+        if ray:
+            self._on_ray = open_on_ray(tq, address=ray_address, ranks=ranks)
+            self._client, self.listen_ip = self._on_ray.client, self._on_ray.listen_ip
+        else:
+            # The controller's IP address (the storage unit's is the same): loopback unless Ray was
+            # imported before this plane set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER.
+            self._client, self.listen_ip = self._start_in_process(tq)
 
     # -- start and stop ---------------------------------------------------------------------
-
-    def _start_ray(self, tq):
-        import ray
-
-        if not ray.is_initialized():
-            try:
-                ray.init(
-                    num_cpus=RAY_CPUS,
-                    include_dashboard=False,
-                    object_store_memory=RAY_OBJECT_STORE_BYTES,
-                    configure_logging=False,
-                )
-            except (RuntimeError, ConnectionError, OSError, ValueError) as e:
-                raise TransferQueueStartError(
-                    f"rollout.data_plane: Ray did not start for TransferQueue ({type(e).__name__}: {e}); "
-                    "set rollout.transferqueue_ray: false to run it in this process"
-                ) from e
-            self._started_ray = True
-        free = ray.available_resources().get("CPU", 0.0)
-        if free < RAY_CPUS:
-            self._stop_ray()
-            raise TransferQueueStartError(
-                f"rollout.data_plane: the Ray cluster this process joined has {free:g} free CPUs; TransferQueue's "
-                f"controller and storage unit need {RAY_CPUS} (or set rollout.transferqueue_ray: false)"
-            )
-        try:
-            ray.get_actor("TransferQueueController", namespace="transfer_queue")
-        except ValueError:
-            pass  # none running: ours will be the only one, and close() may kill it
-        else:
-            self._stop_ray()
-            raise TransferQueueStartError(
-                "rollout.data_plane: a TransferQueue controller already runs in this Ray cluster "
-                "(another plane is open); close it first, or set rollout.transferqueue_ray: false"
-            )
-        config = {"controller": {"polling_mode": True}, "backend": {"SimpleStorage": {"num_data_storage_units": 1}}}
-        try:
-            conf = tq.init(config)
-        except (RuntimeError, ValueError, ray.exceptions.RayError) as e:
-            self._stop_ray()
-            raise TransferQueueStartError(
-                f"rollout.data_plane: TransferQueue did not start on Ray ({type(e).__name__}: {e})"
-            ) from e
-        return tq.get_client(), conf.controller.zmq_info.ip
 
     def _start_in_process(self, tq):
         from transfer_queue.storage.simple_storage import SimpleStorageUnit
@@ -169,22 +138,12 @@ class TransferQueuePlane:
             return
         self._closed = True
         self._registered.clear()
-        if self._ray:
-            import transfer_queue as tq
-
-            tq.close()  # closes the client, stops the storage actor and kills the controller
-            self._stop_ray()
+        if self._on_ray is not None:
+            self._on_ray.close()
             return
         self._client.close()
         self._in_process.storage.shutdown()
         _stop_in_process_controller(self._in_process.controller)
-
-    def _stop_ray(self) -> None:
-        if self._started_ray:
-            import ray
-
-            ray.shutdown()
-            self._started_ray = False
 
     # -- the DataPlane protocol -------------------------------------------------------------
 
@@ -212,7 +171,8 @@ class TransferQueuePlane:
         columns = {}
         if header["fields"]:
             keys = [f"c{i}" for i in range(header["num_completions"])]
-            rows_meta = self._client.kv_retrieve_meta(keys=keys, partition_id=partition).select_fields(header["fields"])
+            rows_meta = self._client.kv_retrieve_meta(keys=keys, partition_id=self._id(partition))
+            rows_meta = rows_meta.select_fields(header["fields"])
             columns = {name: _rows(value) for name, value in self._client.get_data(rows_meta).items()}
         return decode_record(header, columns)
 
@@ -220,14 +180,18 @@ class TransferQueuePlane:
         self._check_open()
         if partition in self._registered:
             self._registered.remove(partition)
-        if partition in self._client.get_partition_list():
-            self._client.clear_partition(partition)
+        if self._id(partition) in self._client.get_partition_list():
+            self._client.clear_partition(self._id(partition))
 
     def partitions(self) -> list[str]:
         self._check_open()
         return list(self._registered)
 
     # -- helpers ----------------------------------------------------------------------------
+
+    def _id(self, partition: str) -> str:
+        """The partition's name in the controller, which may hold other ranks' partitions too."""
+        return self._prefix + partition
 
     def _check_open(self) -> None:
         if self._closed:
@@ -244,9 +208,9 @@ class TransferQueuePlane:
         Asking for keys of a partition the controller does not know logs a warning in
         TransferQueue, hence the partition list first.
         """
-        if partition not in self._client.get_partition_list():
+        if self._id(partition) not in self._client.get_partition_list():
             return None
-        meta = self._client.kv_retrieve_meta(keys=[HEADER_KEY], partition_id=partition)
+        meta = self._client.kv_retrieve_meta(keys=[HEADER_KEY], partition_id=self._id(partition))
         # The key exists from just before its data is put: wait for both.
         if meta.size == 0 or HEADER_KEY not in meta.field_names or not meta.is_ready:
             return None
@@ -255,7 +219,7 @@ class TransferQueuePlane:
     def _put_rows(self, partition: str, keys: list[str], columns: dict[str, torch.Tensor]) -> None:
         from tensordict import TensorDict
 
-        meta = self._client.kv_retrieve_meta(keys=keys, partition_id=partition, create=True)
+        meta = self._client.kv_retrieve_meta(keys=keys, partition_id=self._id(partition), create=True)
         self._client.put(TensorDict(columns, batch_size=len(keys)), meta)
 
 

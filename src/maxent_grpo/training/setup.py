@@ -18,6 +18,7 @@ from maxent_grpo.models import resolve_model_path
 from maxent_grpo.rewards.registry import build_reward_spec
 from maxent_grpo.rollout.backends import BACKENDS
 from maxent_grpo.rollout.open_plane import open_data_plane
+from maxent_grpo.rollout.transferqueue_ray import Ranks
 from maxent_grpo.run_files import write_text_atomic
 from maxent_grpo.core.entropy_control import EntropyCoefState
 from maxent_grpo.core.mode_bank import ModeBank
@@ -255,9 +256,14 @@ def _initial_state(plan: RunPlan, sampler: PromptSampler) -> TrainState:
 
 
 def _rollout_queue(ctx: PipelineContext, sharded: ShardedSampler) -> RolloutQueue:
-    plan, r = ctx.plan, ctx.plan.rollout
+    """The queue on its data plane. On a joined Ray cluster every rank opens the plane here, in its main
+    thread: rank 0 starts it, and the ranks agree (collectives) before the others connect."""
+    plan, r, dist = ctx.plan, ctx.plan.rollout, ctx.dist
+    ranks = Ranks(rank=dist.rank, world_size=dist.world_size, gather=dist.gather_objects)
+    plane = open_data_plane(r.data_plane, ray=r.transferqueue_ray, ray_address=r.transferqueue_ray_address,
+                            ranks=ranks)
     return RolloutQueue(
-        ctx, sharded.next_batch, open_data_plane(r.data_plane, ray=r.transferqueue_ray),
+        ctx, sharded.next_batch, plane,
         max_staleness=r.max_staleness, beside=BACKENDS[plan.sampler.backend].samples_beside,
         seed=plan.seed, wait_timeout_s=r.wait_timeout_s,
     )

@@ -225,7 +225,7 @@ def _build_vllm_server(i: BackendInputs) -> GenerationBackend:
         raise ValueError("vllm_server needs vllm.sync_dir or default_sync_dir: where the weight push writes")
     backend = VLLMServerBackend(
         v.server_url, i.tokenizer, sync_dir=sync_dir, is_main=i.is_main, any_rank=i.any_rank,
-        timeout_s=v.request_timeout_s, remove_sync_dir=shm is not None,
+        timeout_s=v.request_timeout_s,
         dtype=i.sample_dtype if i.sample_dtype is not None else i.model.dtype, lora_adapter=v.lora_sync == "adapter",
         server_wait_s=v.server_wait_s,
     )

@@ -195,7 +195,7 @@ class VLLMServerBackend(TokenPrompts):
     def __init__(
         self, base_url: str, tokenizer, *, sync_dir: str | Path, is_main: bool = True,
         any_rank: Callable[[bool], bool] | None = None, timeout_s: float = 600.0,
-        dtype: torch.dtype | None = None, remove_sync_dir: bool = False, lora_adapter: bool = False,
+        dtype: torch.dtype | None = None, lora_adapter: bool = False,
         server_wait_s: float = 0.0,
     ):
         self.base_url = base_url.rstrip("/")
@@ -217,7 +217,7 @@ class VLLMServerBackend(TokenPrompts):
         self.model_name = self.base_model  # with lora_sync: adapter, the last adapter's name once pushed
         # lora_sync: adapter: the requests name the last adapter pushed (adapter_pushes counts them on every rank).
         self.lora_adapter, self.adapter_pushes = lora_adapter, 0
-        if remove_sync_dir and is_main:
+        if is_main and self.sync_dir == shared_memory_sync_dir(self.base_url):
             # A folder of our own under /dev/shm is memory: do not leave the last weights in it.
             weakref.finalize(self, shutil.rmtree, self.sync_dir, True)
 

@@ -109,7 +109,7 @@ def test_a_sampler_that_never_answers_is_named_with_what_was_awaited():
     from maxent_grpo.training.rollout_queue import RolloutsLost, _Job
 
     release = threading.Event()
-    job = _Job(6, 4, lambda: release.wait())
+    job = _Job(6, 4, make_draft=None, work=lambda: release.wait())  # no draft: it is never sampled again
     with pytest.raises(RolloutsLost) as err:
         job.wait(0.05)
     release.set()

@@ -169,6 +169,17 @@ def test_resume_refuses_changes_that_break_it_and_records_allowed_ones(tiny_mode
     assert "learning_rate: 0.02" in config
 
 
+def test_resume_takes_new_server_addresses_and_waits_without_being_told(tiny_model_dir, tmp_path):
+    """Where the run's servers are and how long it waits for them do not change what it learns: a restart
+    against a replacement server or a cluster at another address resumes as it is."""
+    out = tmp_path / "run"
+    assert main(_args(tiny_model_dir, out, 2)) == 0
+    free = ["training.dist_timeout_minutes=30", "rollout.wait_timeout_s=600", "generation.vllm.server_wait_s=60",
+            "generation.vllm.server_url=http://10.0.0.2:8000", "generation.vllm.request_timeout_s=120"]
+    assert main([*_args(tiny_model_dir, out, 3, *free), "--resume"]) == 0
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3]
+
+
 def test_a_failing_save_keeps_the_previous_checkpoint_and_says_which(tiny_model_dir, tmp_path):
     """A file-size limit makes the final save fail as a full disk would (EFBIG instead of ENOSPC)."""
     out = tmp_path / "run"

@@ -15,7 +15,7 @@
 * On resume the checkpoint's config is compared with the new one: keys that
   decide what the run samples and trains on (:data:`FIXED_ON_RESUME`) may not
   change; free keys (:data:`FREE_ON_RESUME`: step budget, logging, checkpoint
-  cadence) may; any other change (the learning rate, a loss coefficient) needs
+  cadence, the servers' addresses and waits) may; any other change (the learning rate, a loss coefficient) needs
   ``--allow-config-change`` and is recorded as a comment in ``config.yaml`` with
   the step it took effect.
 """
@@ -47,8 +47,13 @@ FIXED_ON_RESUME = (
     "method", "model", "data", "rewards", "generation.num_generations", "training.seed",
     "training.prompts_per_step", "training.batch_size", "training.strategy", "replay",
 )
-# These change how long the run goes on and what it writes, not what it learns.
-FREE_ON_RESUME = ("training.max_steps", "logging", "checkpoint", "eval")
+# These change how long the run goes on, what it writes, and where its servers are and how long it waits
+# for them (a replacement server or a restarted cluster at another address), not what it learns.
+FREE_ON_RESUME = (
+    "training.max_steps", "logging", "checkpoint", "eval", "training.dist_timeout_minutes",
+    "generation.vllm.server_url", "generation.vllm.request_timeout_s", "generation.vllm.server_wait_s",
+    "rollout.transferqueue_ray_address", "rollout.wait_timeout_s",
+)
 
 
 class RunDirError(UserError):

@@ -45,6 +45,21 @@ _STATE_FILES = {"optimizer.pt", "optimizer", "scheduler.pt", "rng_state.pt", "tr
                 "reference.safetensors"}
 
 
+def _config_keys(trl_fields: dict, model: Any, peft_config: Any) -> tuple[dict, list, dict]:
+    """Our config keys for a TRL script's fields (and ``peft_config``), the converter's notes, and which TRL
+    field each key came from."""
+    keys, notes, origin = convert_with_origin(trl_fields, FIELDS)
+    keys.update(_AS_GIVEN)
+    if peft_config is not None:
+        from maxent_grpo.models import is_peft_model
+
+        if is_peft_model(model):
+            raise ConfigError("peft_config: the model is a peft model already; give its base model with a "
+                              "peft_config, or the peft model alone")
+        keys.update({**lora_keys(peft_config, "peft_config"), "model.lora.enabled": True})
+    return keys, notes, origin
+
+
 class GRPOTrainer:
     """TRL's ``GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
     reward_processing_classes, callbacks, optimizers, quantization_config, peft_config, tools,
@@ -78,16 +93,7 @@ class GRPOTrainer:
         _refuse_what_has_no_counterpart(optimizers, quantization_config, rollout_func, train_dataset)
         self.args = args
         trl_fields = args.given()
-        keys, notes, origin = convert_with_origin(trl_fields, FIELDS)
-        self.notes = notes
-        keys.update(_AS_GIVEN)
-        if peft_config is not None:
-            from maxent_grpo.models import is_peft_model
-
-            if is_peft_model(model):
-                raise ConfigError("peft_config: the model is a peft model already; give its base model with a "
-                                  "peft_config, or the peft model alone")
-            keys.update({**lora_keys(peft_config, "peft_config"), "model.lora.enabled": True})
+        keys, self.notes, origin = _config_keys(trl_fields, model, peft_config)
         # Each step's metrics reach the main process's state (the one that writes metrics.jsonl).
         self.state = TrainerState(is_world_process_zero=os.environ.get("RANK", "0") == "0",
                                   is_local_process_zero=os.environ.get("LOCAL_RANK", "0") == "0")

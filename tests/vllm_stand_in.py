@@ -22,7 +22,9 @@ class StandInServer:
     """``die_at_completion``: the n-th completions request (1-based) gets no reply: the server dies with
     it, and listens again at the same address ``back_after_s`` later (a replacement), or never (None)."""
 
-    def __init__(self, port: int = 0, *, die_at_completion: int | None = None, back_after_s: float | None = None):
+    def __init__(self, port: int = 0, *, die_at_completion: int | None = None, back_after_s: float | None = None,
+                 model: str = "tiny"):
+        self.model = model
         self.requests: list[tuple[str, str, dict | None]] = []
         self.completions = 0
         self._die_at, self._back_after = die_at_completion, back_after_s
@@ -78,7 +80,7 @@ def _handler(owner: StandInServer):
 
         def do_GET(self):
             owner.requests.append(("GET", self.path, None))
-            self._reply({"data": [{"id": "tiny"}]})
+            self._reply({"data": [{"id": owner.model}]})
 
         def do_POST(self):
             raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))

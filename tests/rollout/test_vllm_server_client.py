@@ -89,13 +89,13 @@ def test_generation_cut_off_mid_reply_fails_as_a_server_error(tmp_path):
 
 from vllm_stand_in import StandInServer  # noqa: E402
 
-def _replacement_after(port: int, delay_s: float, box: list) -> threading.Thread:
-    """A replacement stand-in on ``port`` after ``delay_s`` (put into ``box``)."""
+def _replacement_after(port: int, delay_s: float, box: list, model: str = "tiny") -> threading.Thread:
+    """A replacement stand-in on ``port`` after ``delay_s`` (put into ``box``), serving ``model``."""
     def start() -> None:
         import time
 
         time.sleep(delay_s)
-        box.append(StandInServer(port))
+        box.append(StandInServer(port, model=model))
 
     thread = threading.Thread(target=start, daemon=True)
     thread.start()
@@ -169,6 +169,21 @@ def test_a_server_not_back_in_time_stops_the_sampler(tiny_model_dir, tmp_path):
     backend.server_wait_s = 0  # 0: not waited for
     with pytest.raises(ServerUnreachable):
         backend._generate(["p"], [[1, 2]], 2, PARAMS)
+
+
+def test_a_replacement_serving_another_model_stops_the_sampler(tiny_model_dir, tmp_path):
+    from maxent_grpo.rollout.backend import SamplerGone
+
+    first = StandInServer()
+    backend = VLLMServerBackend(first.url, _tokenizer(tiny_model_dir), sync_dir=tmp_path, timeout_s=10,
+                                server_wait_s=60)
+    first.stop()
+    box: list[StandInServer] = []
+    _replacement_after(first.port, 1.0, box, model="another")
+    with pytest.raises(SamplerGone, match="came back serving 'another', not 'tiny'"):
+        backend._generate(["p"], [[1, 2]], 2, PARAMS)
+    assert box[0].posted("/v1/completions") == []
+    box[0].stop()
 
 
 def test_a_push_to_a_replaced_server_is_sent_again_and_restore_sends_the_last_weights(tmp_path, caplog):

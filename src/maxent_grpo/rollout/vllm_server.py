@@ -363,8 +363,8 @@ class VLLMServerBackend(TokenPrompts):
                                           f"{self.server_wait_s:g} s (generation.vllm.server_wait_s): {err}") from None
                 continue
             log.warning("generation server %s answered again after %.0f s", self.base_url, waited)
-            if served != self.base_model:
-                raise VLLMServerError(f"generation server {self.base_url} came back serving {served!r}, not "
+            if served != self.base_model:  # another model's server: not this run's to sample from
+                raise ServerGone(f"generation server {self.base_url} came back serving {served!r}, not "
                                       f"{self.base_model!r}")
             return waited
 
